@@ -1,0 +1,255 @@
+"""The `llmserve` command line.
+
+Flags use vLLM's names where one exists. Every flag can also come from an
+environment variable, LLMSERVE_<FLAG> (e.g. LLMSERVE_REDIS_URL), for containers;
+a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+ENV_PREFIX = "LLMSERVE_"
+
+
+def _env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Fills flag defaults from LLMSERVE_* variables (read when the CLI runs, never at import)."""
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public iterator over actions
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        value = os.environ.get(ENV_PREFIX + action.dest.upper())
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            action.default = value.lower() in ("1", "true", "yes")
+        elif isinstance(action, argparse._AppendAction):  # noqa: SLF001
+            action.default = [v for v in value.split(",") if v]
+        else:
+            action.default = action.type(value) if action.type else value
+        action.required = False
+        action.help = f"{action.help} [env {ENV_PREFIX + action.dest.upper()}]"
+
+
+def _model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="local Hugging Face checkpoint directory; default: the bundled "
+                   "SmolLM2-135M-Instruct, converted on first use")
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights and KV-cache dtype; auto = float32 on a CPU")
+    g.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda, cuda:1)")
+    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32], help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of memory for the KV cache")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV-cache blocks")
+    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out blocks")
+    g.add_argument("--seed", type=int, default=0, help="seed for unseeded random sampling")
+    g.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+
+
+def _scheduler_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: max(max_model_len, 2048))")
+
+
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-model-len", type=int, default=0, help="longest prompt + output (0 = the model's limit)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="run Redis, one worker and one scheduler on localhost")
+    _model_flag(p)
+    p.add_argument("--host", default="127.0.0.1", help="address the services bind")
+    p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
+    p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded redis-server")
+    p.add_argument("--log-dir", default="", help="where the services write their logs (default: a temp dir)")
+    _worker_flags(p), _scheduler_flags(p), _common_flags(p)
+
+    p = sub.add_parser("demo", help="start the local server, stream answers to a few chat prompts, stop")
+    _model_flag(p)
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
+    p.add_argument("--log-dir", default="", help="where the services write their logs (default: a temp dir)")
+    _common_flags(p)
+
+    p = sub.add_parser("worker", help="run a worker (model + paged KV cache)")
+    _model_flag(p)
+    p.add_argument("--host", default="0.0.0.0", help="address to bind")
+    p.add_argument("--port", type=int, default=50061, help="port of the Worker API")
+    _worker_flags(p), _common_flags(p)
+
+    p = sub.add_parser("scheduler", help="run a scheduler replica (public API + engine loops)")
+    _model_flag(p)
+    p.add_argument("--host", default="0.0.0.0", help="address to bind")
+    p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
+    p.add_argument("--redis-url", required=True, help="Redis holding the scheduling state (redis://host:port/db)")
+    p.add_argument("--worker", action="append", default=[], help="worker address host:port (repeatable)")
+    _scheduler_flags(p), _common_flags(p)
+
+    p = sub.add_parser("generate", help="stream a completion from a running server")
+    p.add_argument("--address", default="127.0.0.1:50051", help="scheduler address host:port")
+    p.add_argument("--prompt", default="", help="plain-text prompt")
+    p.add_argument("--chat", action="append", default=[], help="user message, rendered with the chat template (repeatable: alternating user/assistant)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
+    _sampling_flags(p)
+
+    p = sub.add_parser("prepare-model", help="convert the bundled default model to safetensors (once)")
+    for sp in sub.choices.values():
+        _env_defaults(sp)
+    return parser
+
+
+def _resolve_model(model: str) -> str:
+    if model:
+        return model
+    from shared.default_model import prepare_default_model  # noqa: PLC0415
+
+    return str(prepare_default_model())
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from worker_service.config import WorkerConfig  # noqa: PLC0415 - keep `llmserve --help` fast
+    from worker_service.server import serve  # noqa: PLC0415
+
+    config = WorkerConfig(
+        model=_resolve_model(args.model), dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        swap_space_gib=args.swap_space, max_model_len=args.max_model_len, seed=args.seed,
+        num_threads=args.num_threads,
+    )
+    asyncio.run(serve(config, args.host, args.port))
+    return 0
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_service.config import SchedulerServiceConfig  # noqa: PLC0415
+    from scheduler_service.server import serve  # noqa: PLC0415
+
+    config = SchedulerServiceConfig(
+        tokenizer=_resolve_model(args.model), redis_url=args.redis_url, workers=args.worker,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+    asyncio.run(serve(config, args.host, args.port))
+    return 0
+
+
+def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None:
+            out += [f"--{name}", str(value)]
+    return out
+
+
+_WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "num-gpu-blocks-override", "swap-space",
+                "seed", "num-threads", "max-model-len", "log-level"]
+_SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "max-model-len", "log-level"]
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from llmserve.local_cluster import ClusterSpec, LocalCluster  # noqa: PLC0415
+
+    spec = ClusterSpec(
+        model=_resolve_model(args.model), host=args.host, port=args.port, redis_url=args.redis_url,
+        worker_args=_passthrough(args, _WORKER_PASS), scheduler_args=_passthrough(args, _SCHEDULER_PASS),
+        log_dir=args.log_dir,
+    )
+    stop = False
+
+    def _stop(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    with LocalCluster(spec) as cluster:
+        print(f"llmserve is up: Generation API on {cluster.address} (logs in {cluster.log_dir}); Ctrl-C stops it",
+              flush=True)
+        try:
+            while not stop:
+                signal.pause() if hasattr(signal, "pause") else None
+        except KeyboardInterrupt:
+            pass
+        print("stopping...", flush=True)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from llmserve.client import GenerationClient, make_request  # noqa: PLC0415
+    from protos import common_pb2  # noqa: PLC0415
+
+    messages = [("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(args.chat)]
+    sampling: dict[str, object] = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                       top_k=args.top_k, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.sampling_seed is not None:
+        sampling["seed"] = args.sampling_seed
+    request = make_request(prompt=args.prompt, messages=messages, **sampling)
+    import grpc  # noqa: PLC0415
+
+    with GenerationClient(args.address) as client:
+        try:
+            for msg in client.stream(request, timeout=args.timeout):
+                for delta in msg.outputs:
+                    sys.stdout.write(delta.text)
+                    if delta.finish_reason:
+                        reason = common_pb2.FinishReason.Name(delta.finish_reason).removeprefix("FINISH_REASON_")
+                        sys.stdout.write(f"\n[finish: {reason.lower()}]")
+                sys.stdout.flush()
+                if msg.HasField("usage"):
+                    print(f" [prompt tokens: {msg.usage.prompt_tokens}, completion tokens: {msg.usage.completion_tokens}]")
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            return 1
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from llmserve.demo import run_demo  # noqa: PLC0415
+
+    return run_demo(_resolve_model(args.model), args.max_tokens, args.max_model_len, args.log_dir)
+
+
+def _cmd_prepare_model(args: argparse.Namespace) -> int:
+    print(_resolve_model(""))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from shared.logging_setup import setup_logging  # noqa: PLC0415
+
+    setup_logging(getattr(args, "log_level", "INFO"), name=args.command)
+    handlers = {
+        "up": _cmd_up, "demo": _cmd_demo, "worker": _cmd_worker, "scheduler": _cmd_scheduler,
+        "generate": _cmd_generate, "prepare-model": _cmd_prepare_model,
+    }
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"llmserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2

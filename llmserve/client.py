@@ -1,0 +1,79 @@
+"""A small synchronous client for the public Generation API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from shared.grpc_server import CHANNEL_OPTIONS
+
+
+@dataclass
+class Completion:
+    """A finished sequence, assembled from its stream of deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    stop_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+class GenerationClient:
+    """Streams completions from a scheduler replica."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "GenerationClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stream(self, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[generation_pb2.GenerateResponse]:
+        """The raw response stream."""
+        return self._stub.Generate(request, timeout=timeout, wait_for_ready=True)
+
+    def generate(self, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> Completion:
+        """Collects the whole stream (sequence 0) into one Completion."""
+        out = Completion()
+        for msg in self.stream(request, timeout):
+            for delta in msg.outputs:
+                out.text += delta.text
+                out.token_ids.extend(delta.token_ids)
+                if delta.finish_reason:
+                    out.finish_reason = common_pb2.FinishReason.Name(delta.finish_reason)
+                    out.stop_reason = delta.stop_reason
+            if msg.error:
+                out.error = msg.error
+            if msg.HasField("usage"):
+                out.prompt_tokens = msg.usage.prompt_tokens
+                out.completion_tokens = msg.usage.completion_tokens
+        return out
+
+
+def make_request(
+    prompt: str = "",
+    prompt_token_ids: list[int] | None = None,
+    messages: list[tuple[str, str]] | None = None,
+    request_id: str = "",
+    **sampling: object,
+) -> generation_pb2.GenerateRequest:
+    """Builds a GenerateRequest; `sampling` takes SamplingParams field names."""
+    return generation_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids or [],
+        messages=[generation_pb2.ChatMessage(role=r, content=c) for r, c in messages or []],
+        sampling=common_pb2.SamplingParams(**sampling),  # type: ignore[arg-type]
+    )

@@ -1,0 +1,38 @@
+"""`llmserve demo` / `make run`: start the local server, stream a few chat answers, stop."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from llmserve.client import GenerationClient, make_request
+from llmserve.local_cluster import ClusterSpec, LocalCluster
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for writing clear code.",
+    "Explain in two sentences what a KV cache is in a language model.",
+]
+
+
+def run_demo(model: str, max_tokens: int, max_model_len: int, log_dir: str) -> int:
+    """Streams each prompt's answer to stdout; returns a process exit code."""
+    worker_args = ["--max-model-len", str(max_model_len)] if max_model_len else ["--max-model-len", "2048"]
+    print("Starting Redis, a worker and a scheduler on localhost...", flush=True)
+    started = time.monotonic()
+    with LocalCluster(ClusterSpec(model=model, worker_args=worker_args, log_dir=log_dir)) as cluster:
+        print(f"Ready in {time.monotonic() - started:.1f}s: Generation API on {cluster.address}\n", flush=True)
+        with GenerationClient(cluster.address) as client:
+            for prompt in DEMO_PROMPTS:
+                print(f">>> {prompt}", flush=True)
+                request = make_request(messages=[("user", prompt)], max_tokens=max_tokens, temperature=0.0)
+                t0 = time.monotonic()
+                tokens = 0
+                for msg in client.stream(request, timeout=300):
+                    for delta in msg.outputs:
+                        sys.stdout.write(delta.text)
+                        tokens += len(delta.token_ids)
+                    sys.stdout.flush()
+                print(f"\n    [{tokens} tokens in {time.monotonic() - t0:.1f}s]\n", flush=True)
+        print("Stopping the local server.", flush=True)
+    return 0

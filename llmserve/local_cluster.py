@@ -1,0 +1,144 @@
+"""Runs Redis, one worker and one scheduler on localhost as separate processes.
+
+`llmserve up`, `llmserve demo` and the end-to-end tests all start the system
+through this class, with the same commands a deployment runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.redis_server import RedisServer, free_port
+
+
+@dataclass
+class ClusterSpec:
+    """What to run. Extra flags go verbatim to `llmserve worker` / `llmserve scheduler`."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    redis_url: str = ""
+    worker_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
+    log_dir: str = ""
+    start_timeout_s: float = 300.0
+
+
+class ClusterStartError(RuntimeError):
+    """A process of the local cluster exited or never became ready."""
+
+
+class LocalCluster:
+    """`with LocalCluster(spec) as c: c.address` — everything stops on exit."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.port = spec.port or free_port(spec.host)
+        self.worker_port = free_port(spec.host)
+        self._redis: RedisServer | None = None
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.log_dir = Path(spec.log_dir) if spec.log_dir else None
+        self.redis_url = spec.redis_url
+
+    @property
+    def address(self) -> str:
+        """host:port of the scheduler's public API."""
+        return f"{self.spec.host}:{self.port}"
+
+    @property
+    def worker_address(self) -> str:
+        return f"{self.spec.host}:{self.worker_port}"
+
+    def log_path(self, role: str) -> Path:
+        assert self.log_dir is not None  # set in start()
+        return self.log_dir / f"{role}.log"
+
+    def _spawn(self, role: str, args: list[str]) -> None:
+        log = open(self.log_path(role), "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        cmd = [sys.executable, "-m", "llmserve", role, *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+
+    def start(self) -> "LocalCluster":
+        if self.log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-")
+            self.log_dir = Path(self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if not self.redis_url:
+                self._redis = RedisServer(host=self.spec.host).start()
+                self.redis_url = self._redis.url
+            self._spawn("worker", ["--model", self.spec.model, "--host", self.spec.host,
+                                   "--port", str(self.worker_port), *self.spec.worker_args])
+            self._spawn("scheduler", ["--model", self.spec.model, "--host", self.spec.host,
+                                      "--port", str(self.port), "--redis-url", self.redis_url,
+                                      "--worker", self.worker_address, *self.spec.scheduler_args])
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                for role, proc in self._procs.items():
+                    if proc.poll() is not None:
+                        raise ClusterStartError(f"the {role} exited with code {proc.returncode}:\n{self.tail(role)}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.25)
+        raise ClusterStartError(
+            f"the scheduler was not ready after {self.spec.start_timeout_s}s:\n{self.tail('scheduler')}\n{self.tail('worker')}"
+        )
+
+    def tail(self, role: str, lines: int = 40) -> str:
+        """The last lines of a process's log."""
+        path = self.log_path(role)
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the services (scheduler first, it drives the worker), then Redis."""
+        for role in ("scheduler", "worker"):
+            proc = self._procs.get(role)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self._procs.clear()
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,125 @@
+"""Admission: tokenize and validate a GenerateRequest before it touches any state.
+
+Everything a client can get wrong is caught here and reported as
+INVALID_ARGUMENT with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from protos import generation_pb2, state_pb2
+from shared.errors import InvalidRequestError
+from shared.sampling_params import SamplingParams
+from shared.sampling_proto import sampling_from_proto, sampling_to_proto
+
+_MAX_REQUEST_ID_LEN = 256
+_CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class ModelLimits:
+    """What admission checks requests against (from the workers' Describe)."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
+class AdmittedPrompt:
+    """A validated request, ready to be queued."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class Admission:
+    """Turns public requests into validated, tokenized ones."""
+
+    def __init__(self, tokenizer: object, limits: ModelLimits) -> None:
+        self._tok = tokenizer
+        self._limits = limits
+
+    def admit(self, req: generation_pb2.GenerateRequest) -> AdmittedPrompt:
+        """Validates and tokenizes; raises InvalidRequestError with a clear message."""
+        request_id = req.request_id or uuid.uuid4().hex
+        if len(request_id) > _MAX_REQUEST_ID_LEN or not request_id.isprintable():
+            raise InvalidRequestError(f"request_id must be at most {_MAX_REQUEST_ID_LEN} printable characters")
+        token_ids = self._prompt_tokens(req)
+        sampling = self._sampling(req, len(token_ids))
+        return AdmittedPrompt(request_id, token_ids, sampling)
+
+    def _prompt_tokens(self, req: generation_pb2.GenerateRequest) -> list[int]:
+        given = [name for name, present in (
+            ("prompt", bool(req.prompt)),
+            ("prompt_token_ids", bool(req.prompt_token_ids)),
+            ("messages", bool(req.messages)),
+        ) if present]
+        if len(given) != 1:
+            if not given:
+                raise InvalidRequestError("the prompt is empty: set one of prompt, prompt_token_ids or messages")
+            raise InvalidRequestError(f"set exactly one of prompt, prompt_token_ids or messages, got {', '.join(given)}")
+        if req.prompt_token_ids:
+            ids = list(req.prompt_token_ids)
+            bad = [t for t in ids if t >= self._limits.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt_token_ids contains ids outside the vocabulary (size {self._limits.vocab_size}): {bad[:5]}"
+                )
+            return ids
+        if req.messages:
+            return self._chat_tokens(req.messages)
+        ids = list(self._tok(req.prompt).input_ids)  # type: ignore[operator]
+        if not ids:
+            raise InvalidRequestError("the prompt tokenizes to zero tokens")
+        return ids
+
+    def _chat_tokens(self, messages: object) -> list[int]:
+        conv = []
+        for i, m in enumerate(messages):  # type: ignore[attr-defined]
+            if m.role not in _CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {m.role!r}")
+            conv.append({"role": m.role, "content": m.content})
+        if getattr(self._tok, "chat_template", None) is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        text = self._tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
+        # The template already contains the special tokens the model expects.
+        return list(self._tok(text, add_special_tokens=False).input_ids)  # type: ignore[operator]
+
+    def _sampling(self, req: generation_pb2.GenerateRequest, prompt_len: int) -> SamplingParams:
+        try:
+            params = sampling_from_proto(req.sampling)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        max_len = self._limits.max_model_len
+        if prompt_len >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens, but this model's maximum context length is {max_len} tokens; "
+                "shorten the prompt"
+            )
+        room = max_len - prompt_len
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {max_len} tokens, but {prompt_len + params.max_tokens} "
+                f"were requested ({prompt_len} in the prompt, {params.max_tokens} for the completion); "
+                "lower max_tokens or shorten the prompt"
+            )
+        return params
+
+
+def to_record(
+    admitted: AdmittedPrompt, seq_ids: list[int], worker_id: str, arrival_time: float
+) -> state_pb2.AdmittedRequest:
+    """The protobuf record stored in Redis and read by the engine loop."""
+    return state_pb2.AdmittedRequest(
+        request_id=admitted.request_id,
+        prompt_token_ids=admitted.prompt_token_ids,
+        sampling=sampling_to_proto(admitted.sampling),
+        arrival_time=arrival_time,
+        seq_ids=seq_ids,
+        worker_id=worker_id,
+    )

@@ -1,0 +1,39 @@
+"""Scheduler service configuration, validated at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerServiceConfig:
+    """How a scheduler replica reaches its dependencies and schedules.
+
+    tokenizer: local directory with the model's tokenizer (usually the model directory).
+    redis_url: the state store.
+    workers: worker addresses (host:port); each gets one engine loop.
+    max_num_batched_tokens: token budget per step; None = max(max_model_len, 2048) as in vLLM
+      without chunked prefill (a prompt must fit in one step).
+    """
+
+    tokenizer: str
+    redis_url: str
+    workers: list[str] = field(default_factory=list)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 0
+    worker_connect_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("workers must name at least one worker address (host:port)")
+        for address in self.workers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"worker address must be host:port, got {address!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}")

@@ -1,0 +1,146 @@
+"""One engine loop per worker: schedule -> execute -> postprocess, committed to Redis.
+
+    iteration N:   ingest pickups, schedule, build plan N
+                   ├── worker executes plan N ─────────┐   (concurrently)
+                   └── Redis commits results of N-1 ───┘   + picks up new requests/aborts
+                   postprocess results of N in memory (published by commit N, next iteration)
+
+Committing step N-1 while the worker computes step N hides the Redis round
+trip; tokens still reach clients only after their step is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from protos import worker_pb2, worker_pb2_grpc
+from scheduler_service.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.core.sequence import SequenceGroup
+from scheduler_service.output_processor import OutputProcessor
+from scheduler_service.planner import Planner
+from scheduler_service.store import Pickup, RedisStore, StepCommit
+
+log = logging.getLogger(__name__)
+
+# A step that takes longer than this is treated as a failed worker.
+STEP_TIMEOUT_SECONDS = 600.0
+IDLE_WAIT_SECONDS = 1.0
+
+
+class EngineLoop:
+    """Drives one worker from the state of its scheduler core."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        stub: worker_pb2_grpc.WorkerStub,
+        store: RedisStore,
+        scheduler: Scheduler,
+        processor: OutputProcessor,
+    ) -> None:
+        self.worker_id = worker_id
+        self._stub = stub
+        self._store = store
+        self._scheduler = scheduler
+        self._processor = processor
+        self._planner = Planner(epoch=0)
+        self.steps = 0
+
+    async def _take_ownership(self) -> None:
+        epoch = await self._store.next_epoch(self.worker_id)
+        await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=30)
+        self._planner.reset(epoch)
+        log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
+
+    def _snapshot(self, commit: StepCommit) -> None:
+        bm = self._scheduler.block_manager
+        commit.waiting = [g.request_id for g in self._scheduler.waiting]
+        commit.running = [g.request_id for g in self._scheduler.running]
+        commit.num_free_blocks = bm.num_free_gpu_blocks
+        commit.num_total_blocks = bm.num_gpu_blocks
+
+    def _plan(self, commit: StepCommit) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
+        # Sequences that finished since the last plan: the worker may drop them.
+        for seq_id in commit.dropped_seqs:
+            self._planner.forget(seq_id)
+        out = self._scheduler.schedule()
+        for group in out.preempted:
+            for seq in group.seqs:
+                self._planner.forget(seq.seq_id)
+                commit.dropped_block_tables.append(seq.seq_id)
+        for group in out.ignored:
+            self._processor.fail(group, commit, self._ignored_message(group))
+        tables = {item.seq.seq_id: self._scheduler.block_manager.get_block_table(item.seq) for item in out.scheduled}
+        built = self._planner.build(out, tables)
+        for seq_id, block_ids in built.new_blocks.items():
+            commit.new_blocks.setdefault(seq_id, []).extend(block_ids)
+        self._snapshot(commit)
+        has_work = built.num_sequences or built.plan.swap_in or built.plan.swap_out or built.plan.copy
+        return out, built.plan if has_work else None
+
+    def _ignored_message(self, group: SequenceGroup) -> str:
+        num_tokens = group.seqs[0].num_tokens
+        cfg = self._scheduler.scheduler_config
+        cache = self._scheduler.cache_config
+        return (
+            f"the request needs {num_tokens} tokens in one step, more than this worker can ever schedule "
+            f"(max_model_len {cfg.max_model_len}, token budget {cfg.max_num_batched_tokens}, "
+            f"KV cache {cache.num_gpu_blocks * cache.block_size} tokens)"
+        )
+
+    def _ingest(self, pickup: Pickup, commit: StepCommit) -> None:
+        for record in pickup.admitted:
+            self._processor.add(record)
+        for request_id in pickup.aborts:
+            self._processor.abort(request_id, commit)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Runs until `stop` is set."""
+        await self._take_ownership()
+        pending = StepCommit(self.worker_id)
+        pickup = Pickup([], [])
+        while not stop.is_set():
+            self._ingest(pickup, pending)
+            out, plan = self._plan(pending)
+            if plan is not None:
+                step = asyncio.ensure_future(self._stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_SECONDS))
+                committed = asyncio.ensure_future(self._store.commit(pending))
+                try:
+                    result = await step
+                except grpc.aio.AioRpcError as exc:
+                    pickup = await committed
+                    pending = StepCommit(self.worker_id)
+                    await self._on_worker_failure(out, exc, pending)
+                    continue
+                pickup = await committed
+                pending = StepCommit(self.worker_id)
+                self._processor.process(out, result, pending)
+                self.steps += 1
+            elif not pending.is_empty():
+                pickup = await self._store.commit(pending)
+                pending = StepCommit(self.worker_id)
+            else:
+                pickup = await self._store.wait_for_work(self.worker_id, IDLE_WAIT_SECONDS)
+        if not pending.is_empty():
+            await self._store.commit(pending)
+
+    async def _on_worker_failure(self, out: SchedulerOutput, exc: grpc.aio.AioRpcError, commit: StepCommit) -> None:
+        """The worker's cache can no longer be trusted: fail what ran, reset, go on."""
+        log.error("worker %s failed a step: %s %s", self.worker_id, exc.code(), exc.details())
+        message = f"the worker failed while running this request: {exc.code().name}: {exc.details()}"
+        for group in list(self._scheduler.running):
+            self._processor.fail(group, commit, message)
+        for group in {id(item.group): item.group for item in out.scheduled}.values():
+            if not group.is_finished():
+                self._processor.fail(group, commit, message)
+        while True:
+            try:
+                await self._take_ownership()
+                return
+            except grpc.aio.AioRpcError as reset_exc:
+                log.warning("worker %s unreachable (%s); retrying", self.worker_id, reset_exc.code())
+                await asyncio.sleep(1.0)
+

@@ -1,0 +1,57 @@
+"""Redis key names, in one place so that every replica agrees on them."""
+
+from __future__ import annotations
+
+PREFIX = "llmserve"
+
+SEQ_ID_COUNTER = f"{PREFIX}:seq_id"
+
+
+def request(request_id: str) -> str:
+    """Hash: the admitted request (protobuf), its worker and its state."""
+    return f"{PREFIX}:req:{request_id}"
+
+
+def output_stream(request_id: str) -> str:
+    """Stream of committed GenerateResponse messages for one request."""
+    return f"{PREFIX}:out:{request_id}"
+
+
+def inbox(worker_id: str) -> str:
+    """List of admitted requests not yet picked up by the worker's engine loop."""
+    return f"{PREFIX}:w:{worker_id}:inbox"
+
+
+def aborts(worker_id: str) -> str:
+    """List of request ids to abort on the worker's engine loop."""
+    return f"{PREFIX}:w:{worker_id}:aborts"
+
+
+def waiting(worker_id: str) -> str:
+    """List: request ids in the waiting queue, in order."""
+    return f"{PREFIX}:w:{worker_id}:waiting"
+
+
+def running(worker_id: str) -> str:
+    """List: request ids in the running queue, in order."""
+    return f"{PREFIX}:w:{worker_id}:running"
+
+
+def blocks(worker_id: str) -> str:
+    """Hash: total / free KV blocks of the worker, as the engine loop last committed."""
+    return f"{PREFIX}:w:{worker_id}:blocks"
+
+
+def epoch(worker_id: str) -> str:
+    """Counter: fencing epoch of the worker's engine loop ownership."""
+    return f"{PREFIX}:w:{worker_id}:epoch"
+
+
+def seq_tokens(seq_id: int) -> str:
+    """List: output token ids committed for one sequence."""
+    return f"{PREFIX}:seq:{seq_id}:tokens"
+
+
+def seq_blocks(seq_id: int) -> str:
+    """List: the sequence's block table (physical block ids in logical order)."""
+    return f"{PREFIX}:seq:{seq_id}:blocks"

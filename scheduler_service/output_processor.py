@@ -1,0 +1,144 @@
+"""Turns sampled tokens into client-visible outputs: detokenize, stop, finish.
+
+Runs in the engine loop right after a step; everything it produces goes into
+the step's StepCommit, so clients see it only once Redis has it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
+from scheduler_service.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_service.detokenizer import IncrementalDetokenizer, check_stop, streamable_text_length
+from scheduler_service.store import StepCommit
+from shared.sampling_proto import sampling_from_proto
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
+    SequenceStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    SequenceStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
+    SequenceStatus.FINISHED_IGNORED: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+@dataclass
+class _SeqOutput:
+    """Per-sequence streaming state."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    sent_chars: int = 0
+
+
+@dataclass
+class _RequestState:
+    group: SequenceGroup
+    seqs: dict[int, _SeqOutput] = field(default_factory=dict)
+
+
+class OutputProcessor:
+    """Owns the detokenizers of one engine loop's requests."""
+
+    def __init__(self, tokenizer: object, scheduler: Scheduler) -> None:
+        self._tokenizer = tokenizer
+        self._scheduler = scheduler
+        self._eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
+        self._requests: dict[str, _RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    # -- requests entering and leaving ---------------------------------------------------------
+
+    def add(self, record: state_pb2.AdmittedRequest) -> None:
+        """Queues an admitted request in the scheduler."""
+        prompt = list(record.prompt_token_ids)
+        seqs = [Sequence(seq_id=seq_id, prompt_token_ids=prompt) for seq_id in record.seq_ids]
+        group = SequenceGroup(
+            request_id=record.request_id, seqs=seqs,
+            sampling_params=sampling_from_proto(record.sampling), arrival_time=record.arrival_time,
+        )
+        state = _RequestState(group)
+        for index, seq in enumerate(seqs):
+            state.seqs[seq.seq_id] = _SeqOutput(index, IncrementalDetokenizer(self._tokenizer, prompt))
+        self._scheduler.add_request(group)
+        self._requests[record.request_id] = state
+
+    def abort(self, request_id: str, commit: StepCommit) -> None:
+        """Client-requested abort: frees blocks, ends the stream with FINISH_REASON_ABORT."""
+        group = self._scheduler.abort_request(request_id)
+        if group is not None:
+            self._finish_request(group, commit, error="")
+
+    def fail(self, group: SequenceGroup, commit: StepCommit, message: str) -> None:
+        """Ends a request with an error its client sees (FINISH_REASON_ERROR)."""
+        if not group.is_finished():
+            self._scheduler.abort_request(group.request_id)
+        self._finish_request(group, commit, error=message)
+
+    def _finish_request(self, group: SequenceGroup, commit: StepCommit, error: str) -> None:
+        state = self._requests.pop(group.request_id, None)
+        msg = generation_pb2.GenerateResponse(request_id=group.request_id, error=error)
+        for seq in group.seqs:
+            index = state.seqs[seq.seq_id].index if state else 0
+            reason = common_pb2.FINISH_REASON_ERROR if error else _FINISH_REASONS[seq.status]
+            msg.outputs.add(index=index, finish_reason=reason)
+        self._add_final(group, msg, commit)
+
+    def _add_final(self, group: SequenceGroup, msg: generation_pb2.GenerateResponse, commit: StepCommit) -> None:
+        msg.usage.prompt_tokens = len(group.seqs[0].prompt_token_ids)
+        msg.usage.completion_tokens = sum(len(s.output_token_ids) for s in group.seqs)
+        commit.outputs.append((group.request_id, msg))
+        commit.finished_requests.append(group.request_id)
+        commit.dropped_seqs.extend(s.seq_id for s in group.seqs)
+
+    # -- step results --------------------------------------------------------------------------
+
+    def process(self, out: SchedulerOutput, result: worker_pb2.StepResult, commit: StepCommit) -> None:
+        """Applies a step's sampled tokens and emits deltas for every request that advanced."""
+        sampled = {s.seq_id: s.token_id for s in result.sampled}
+        self._scheduler.update_after_step(out, sampled)
+        messages: dict[str, generation_pb2.GenerateResponse] = {}
+        for item in out.scheduled:
+            seq, group = item.seq, item.group
+            token = sampled.get(seq.seq_id)
+            state = self._requests.get(group.request_id)
+            if token is None or state is None or seq.is_finished:
+                continue
+            commit.new_tokens[seq.seq_id] = [token]
+            delta = self._on_token(state, group, seq, token)
+            msg = messages.get(group.request_id)
+            if msg is None:
+                msg = messages[group.request_id] = generation_pb2.GenerateResponse(request_id=group.request_id)
+            msg.outputs.append(delta)
+        for request_id, msg in messages.items():
+            state = self._requests[request_id]
+            if state.group.is_finished():
+                del self._requests[request_id]
+                self._add_final(state.group, msg, commit)
+            else:
+                commit.outputs.append((request_id, msg))
+
+    def _on_token(self, state: _RequestState, group: SequenceGroup, seq: Sequence, token: int) -> generation_pb2.CompletionDelta:
+        out = state.seqs[seq.seq_id]
+        params = group.sampling_params
+        new_text = out.detokenizer.step([token])
+        decision = check_stop(
+            seq, params, output_text=out.detokenizer.output_text, num_new_chars=len(new_text),
+            eos_token_id=self._eos_token_id, max_model_len=self._scheduler.max_seq_len,
+        )
+        if decision.truncate_text_to is not None:
+            out.detokenizer.truncate(decision.truncate_text_to)
+        text = out.detokenizer.output_text
+        end = streamable_text_length(text, params.stop, decision.finished)
+        delta = generation_pb2.CompletionDelta(index=out.index, text=text[out.sent_chars:end], token_ids=[token])
+        out.sent_chars = max(out.sent_chars, end)
+        if decision.finished:
+            assert decision.status is not None  # guaranteed by StopDecision's invariant
+            self._scheduler.finish_sequence(group, seq, decision.status)
+            delta.finish_reason = _FINISH_REASONS[decision.status]
+            if decision.reason is not None:
+                delta.stop_reason = str(decision.reason)
+        return delta

@@ -1,0 +1,83 @@
+"""Turns a SchedulerOutput into a protobuf StepPlan, sending deltas where it can.
+
+The planner remembers, per sequence, how many block ids the worker already
+has. A sequence it has never sent (or has told the worker to forget, after a
+recompute preemption) goes out in full; every other one as a delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos import worker_pb2
+from scheduler_service.core.scheduler import SchedulerOutput
+from shared.sampling_proto import sampling_to_proto
+
+
+@dataclass
+class BuiltPlan:
+    """The plan and the block-table growth it announces (committed to Redis with the step)."""
+
+    plan: worker_pb2.StepPlan
+    # seq_id -> block ids added to the table since the last plan (the whole table for new ones).
+    new_blocks: dict[int, list[int]]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.plan.new_sequences) + len(self.plan.cached_sequences)
+
+
+class Planner:
+    """Builds step plans for one worker."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._step_id = 0
+        self._sent_blocks: dict[int, int] = {}
+        self._to_forget: list[int] = []
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence finished or was preempted: the next plan tells the worker to drop it."""
+        if self._sent_blocks.pop(seq_id, None) is not None:
+            self._to_forget.append(seq_id)
+
+    def reset(self, epoch: int) -> None:
+        """After a worker Reset nothing is cached there any more."""
+        self.epoch = epoch
+        self._sent_blocks.clear()
+        self._to_forget.clear()
+
+    def build(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> BuiltPlan:
+        """One plan; `block_tables` maps each scheduled seq_id to its current table."""
+        self._step_id += 1
+        plan = worker_pb2.StepPlan(epoch=self.epoch, step_id=self._step_id, finished_seq_ids=self._to_forget)
+        self._to_forget = []
+        for src, dst in out.blocks_to_swap_in:
+            plan.swap_in.add(src=src, dst=dst)
+        for src, dst in out.blocks_to_swap_out:
+            plan.swap_out.add(src=src, dst=dst)
+        for src, dst in out.blocks_to_copy:
+            plan.copy.add(src=src, dst=dst)
+        new_blocks: dict[int, list[int]] = {}
+        for item in out.scheduled:
+            seq = item.seq
+            table = block_tables[seq.seq_id]
+            sent = self._sent_blocks.get(seq.seq_id)
+            if sent is None:
+                plan.new_sequences.add(
+                    seq_id=seq.seq_id,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=seq.output_token_ids,
+                    sampling=sampling_to_proto(item.group.sampling_params),
+                    block_table=table,
+                    num_computed_tokens=seq.num_computed_tokens,
+                    num_new_tokens=item.num_new_tokens,
+                )
+                added = list(table)
+            else:
+                added = table[sent:]
+                plan.cached_sequences.add(seq_id=seq.seq_id, new_block_ids=added, num_new_tokens=item.num_new_tokens)
+            if added:
+                new_blocks[seq.seq_id] = added
+            self._sent_blocks[seq.seq_id] = len(table)
+        return BuiltPlan(plan, new_blocks)

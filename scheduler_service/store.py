@@ -1,0 +1,178 @@
+"""The Redis state store: the only module that talks to Redis.
+
+Admission writes a request record and pushes it to its worker's inbox. Each
+engine-loop step is committed in one MULTI/EXEC round trip that also picks up
+the next admitted requests and aborts, so a step costs exactly one round trip.
+Clients read their request's output stream; tokens appear there only once
+their step is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from protos import generation_pb2, state_pb2
+from scheduler_service import keys
+from shared.errors import AlreadyExistsError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+# How long a finished request's output stream stays readable (for late readers).
+OUTPUT_TTL_SECONDS = 3600
+# Requests and aborts picked up per commit.
+INBOX_BATCH = 64
+
+
+class DuplicateRequestError(AlreadyExistsError):
+    """A live request already uses this request id."""
+
+
+@dataclass
+class StepCommit:
+    """Everything one engine-loop step changes in Redis."""
+
+    worker_id: str
+    # seq_id -> output tokens appended this step.
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> block ids appended to its table this step.
+    new_blocks: dict[int, list[int]] = field(default_factory=dict)
+    # Sequences whose stored block table is dropped (finished or preempted).
+    dropped_block_tables: list[int] = field(default_factory=list)
+    # Sequences whose token list is dropped (their request finished).
+    dropped_seqs: list[int] = field(default_factory=list)
+    # (request id, message) to publish to the request's output stream.
+    outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
+    finished_requests: list[str] = field(default_factory=list)
+    # Queue snapshots; None when unchanged.
+    waiting: list[str] | None = None
+    running: list[str] | None = None
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+    def is_empty(self) -> bool:
+        return not (self.new_tokens or self.new_blocks or self.dropped_block_tables or self.outputs
+                    or self.finished_requests or self.waiting is not None or self.running is not None)
+
+
+@dataclass
+class Pickup:
+    """Work the engine loop picked up with a commit."""
+
+    admitted: list[state_pb2.AdmittedRequest]
+    aborts: list[str]
+
+
+class RedisStore:
+    """Typed operations over the Redis state."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._r = client
+
+    @classmethod
+    def from_url(cls, url: str) -> "RedisStore":
+        return cls(aioredis.Redis.from_url(url, max_connections=1024, health_check_interval=30))
+
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._r
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def ping(self) -> None:
+        try:
+            await self._r.ping()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise UnavailableError(f"Redis is unreachable: {exc}") from exc
+
+    # -- admission ---------------------------------------------------------------------------
+
+    async def reserve_seq_ids(self, count: int) -> list[int]:
+        """Globally unique sequence ids (shared by every scheduler replica)."""
+        last = await self._r.incrby(keys.SEQ_ID_COUNTER, count)
+        return list(range(last - count + 1, last + 1))
+
+    async def admit(self, req: state_pb2.AdmittedRequest) -> None:
+        """Records the request and queues it for its worker; duplicate live ids are refused."""
+        key = keys.request(req.request_id)
+        created = await self._r.hsetnx(key, "request", req.SerializeToString())
+        if not created:
+            raise DuplicateRequestError(f"request id {req.request_id!r} is already in use")
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={"worker": req.worker_id, "state": "queued"})
+            pipe.rpush(keys.inbox(req.worker_id), req.SerializeToString())
+            await pipe.execute()
+
+    async def request_abort(self, worker_id: str, request_id: str) -> None:
+        await self._r.rpush(keys.aborts(worker_id), request_id)
+
+    # -- engine loop -------------------------------------------------------------------------
+
+    async def next_epoch(self, worker_id: str) -> int:
+        """A new fencing epoch for the worker's engine loop."""
+        return int(await self._r.incr(keys.epoch(worker_id)))
+
+    async def wait_for_work(self, worker_id: str, timeout: float) -> Pickup:
+        """Blocks until a request or abort arrives for the worker (or the timeout passes)."""
+        item = await self._r.blpop([keys.inbox(worker_id), keys.aborts(worker_id)], timeout=timeout)
+        pickup = Pickup([], [])
+        if item is not None:
+            key, value = item
+            self._add_item(pickup, key.decode(), value, worker_id)
+        return pickup
+
+    def _add_item(self, pickup: Pickup, key: str, value: bytes, worker_id: str) -> None:
+        if key == keys.inbox(worker_id):
+            pickup.admitted.append(state_pb2.AdmittedRequest.FromString(value))
+        else:
+            pickup.aborts.append(value.decode())
+
+    async def commit(self, c: StepCommit) -> Pickup:
+        """Writes one step in one transaction and picks up new requests and aborts."""
+        w = c.worker_id
+        async with self._r.pipeline(transaction=True) as pipe:
+            for seq_id, tokens in c.new_tokens.items():
+                pipe.rpush(keys.seq_tokens(seq_id), *tokens)
+            for seq_id in c.dropped_block_tables:
+                pipe.delete(keys.seq_blocks(seq_id))
+            for seq_id, block_ids in c.new_blocks.items():
+                pipe.rpush(keys.seq_blocks(seq_id), *block_ids)
+            for seq_id in c.dropped_seqs:
+                pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
+            for request_id, msg in c.outputs:
+                pipe.xadd(keys.output_stream(request_id), {"m": msg.SerializeToString()})
+            for request_id in c.finished_requests:
+                pipe.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
+                pipe.delete(keys.request(request_id))
+            for key, snapshot in ((keys.waiting(w), c.waiting), (keys.running(w), c.running)):
+                if snapshot is not None:
+                    pipe.delete(key)
+                    if snapshot:
+                        pipe.rpush(key, *snapshot)
+            pipe.hset(keys.blocks(w), mapping={"free": c.num_free_blocks, "total": c.num_total_blocks})
+            pipe.lpop(keys.inbox(w), INBOX_BATCH)
+            pipe.lpop(keys.aborts(w), INBOX_BATCH)
+            results = await pipe.execute()
+        admitted_raw, aborts_raw = results[-2], results[-1]
+        return Pickup(
+            admitted=[state_pb2.AdmittedRequest.FromString(v) for v in admitted_raw or []],
+            aborts=[v.decode() for v in aborts_raw or []],
+        )
+
+    # -- clients -----------------------------------------------------------------------------
+
+    async def read_outputs(
+        self, request_id: str, last_id: str, block_ms: int
+    ) -> list[tuple[str, generation_pb2.GenerateResponse]]:
+        """Committed messages of a request after `last_id` ("0" for all), waiting up to block_ms."""
+        reply = await self._r.xread({keys.output_stream(request_id): last_id}, block=block_ms)
+        out: list[tuple[str, generation_pb2.GenerateResponse]] = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                out.append((entry_id.decode(), generation_pb2.GenerateResponse.FromString(fields[b"m"])))
+        return out

@@ -1,0 +1,1 @@
+"""Code both services use: configuration, sampling parameters, Redis launcher, logging."""

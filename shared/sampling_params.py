@@ -1,0 +1,58 @@
+"""Sampling parameters, validated at admission with vLLM's messages.
+
+The same dataclass is built from the public API's protobuf at the scheduler and
+from the step plan at the worker, so both sides agree on defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy, as in vLLM: dividing logits by
+# a tiny temperature overflows and the result is argmax anyway.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request and when to stop.
+
+    max_tokens: number of tokens to generate at most (None = up to max_model_len).
+    temperature: 0 means greedy decoding.
+    top_p: nucleus sampling mass in (0, 1].
+    top_k: keep the k most likely tokens; 0 or -1 disables.
+    seed: per-request seed; the request's samples are reproducible whatever shares the batch.
+    stop: strings that end generation; they are not included in the output text.
+    stop_token_ids: token ids that end generation (besides EOS).
+    ignore_eos: keep generating after EOS (benchmarks).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty.")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}.")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request decodes greedily (temperature ~ 0)."""
+        return self.temperature < _GREEDY_EPS

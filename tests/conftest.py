@@ -1,0 +1,30 @@
+"""Shared fixtures: the default model, tiny random models, a real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.default_model import prepare_default_model
+from shared.redis_server import RedisServer
+from tests.tiny_models import build_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted default model (SmolLM2-135M-Instruct); converted on first use."""
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+@pytest.fixture()
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server process on a free port."""
+    with RedisServer() as server:
+        yield server

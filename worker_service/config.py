@@ -1,0 +1,60 @@
+"""Worker configuration, validated at start-up."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_GIB = 1 << 30
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a worker needs to load its model and size its KV cache.
+
+    model: local Hugging Face checkpoint directory (config.json + safetensors).
+    dtype: "auto" picks float32 on a CPU and the checkpoint's dtype (at least 16-bit) on a GPU.
+    block_size: tokens per KV-cache block.
+    kv_cache_memory_gib: memory given to the device KV cache when no override is set.
+    num_gpu_blocks_override: exact number of device blocks (tests, tuning).
+    swap_space_gib: host memory for swapped-out blocks.
+    max_model_len: longest sequence accepted; 0 takes the model's max_position_embeddings.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    num_gpu_blocks_override: int | None = None
+    swap_space_gib: float = 0.0
+    max_model_len: int = 0
+    seed: int = 0
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local checkpoint directory, got {self.model!r} (not a directory).")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib must be non-negative, got {self.swap_space_gib}.")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}.")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes budgeted for the device KV cache."""
+        return int(self.kv_cache_memory_gib * _GIB)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        """Bytes budgeted for the host swap cache."""
+        return int(self.swap_space_gib * _GIB)

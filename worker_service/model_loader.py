@@ -1,0 +1,82 @@
+"""Loads a Hugging Face checkpoint with the paged attention function plugged in."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from worker_service import attention
+
+log = logging.getLogger(__name__)
+
+# Architectures whose transformers modules run unchanged over the paged attention function.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one llmserve serves."""
+
+
+@dataclass
+class ModelShape:
+    """The numbers the KV cache and the scheduler need from a model config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """vLLM's rule for --dtype auto: float32 on a CPU, else the checkpoint's 16-bit dtype."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = _DTYPES.get(checkpoint)
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def model_shape(config: PretrainedConfig) -> ModelShape:
+    """Reads layer, head and vocabulary sizes from a config."""
+    num_heads = config.num_attention_heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return ModelShape(
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_size=head_size,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+    )
+
+
+def load_config(path: str) -> PretrainedConfig:
+    """Loads and checks a checkpoint's config; unsupported architectures fail here, at start-up."""
+    config = AutoConfig.from_pretrained(path)
+    archs = list(getattr(config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise UnsupportedModelError(
+            f"model architecture {archs or 'unknown'} is not supported; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return config
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Loads the weights with transformers, attention replaced by the paged kernels."""
+    impl = attention.register()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
+    model.to(device)
+    model.eval()
+    log.info("loaded %s (%s) on %s", path, dtype, device)
+    return model

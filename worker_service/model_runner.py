@@ -1,0 +1,113 @@
+"""Runs one step plan: block operations, the forward pass, sampling."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels import get_backend
+from worker_service.attention import METADATA_KWARG
+from worker_service.cache_engine import CacheEngine, size_cache
+from worker_service.config import WorkerConfig
+from worker_service.input_builder import build_inputs
+from worker_service.model_loader import load_config, load_model, model_shape, resolve_dtype
+from worker_service.plan import StepPlanData
+from worker_service.sampler import sample
+from worker_service.sequence_cache import CachedSequence, PlanError, SequenceCache
+
+
+@dataclass
+class SampledTokenData:
+    """One sampled token."""
+
+    seq_id: int
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class StepOutput:
+    """What a step produced."""
+
+    step_id: int
+    sampled: list[SampledTokenData]
+    execute_seconds: float
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and the per-sequence cache of one worker."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        # Unseeded random sampling draws from the global generator; --seed makes a run repeatable.
+        torch.manual_seed(config.seed)
+        hf_config = load_config(config.model)
+        self.shape = model_shape(hf_config)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        max_len = config.max_model_len or self.shape.max_position_embeddings
+        if max_len > self.shape.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                f"{self.shape.max_position_embeddings}"
+            )
+        self.max_model_len = max_len
+        self.backend = get_backend(self.device)
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.decoder = self.model.base_model
+        self.lm_head = self.model.get_output_embeddings()
+        sizing = size_cache(
+            self.shape, config.block_size, self.dtype, config.kv_cache_bytes,
+            config.swap_space_bytes, max_len, config.num_gpu_blocks_override,
+        )
+        self.cache = CacheEngine(self.shape, sizing, config.block_size, self.dtype, self.device, self.backend)
+        self.seqs = SequenceCache(config.block_size)
+
+    def reset(self) -> None:
+        """Forgets every sequence (their blocks are reassigned by the new owner)."""
+        self.seqs.clear()
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlanData) -> StepOutput:
+        """Applies the plan to the cached state and runs it."""
+        start = time.perf_counter()
+        self.seqs.drop(plan.finished_seq_ids)
+        scheduled: list[CachedSequence] = [self.seqs.add(s) for s in plan.new_sequences]
+        scheduled += [self.seqs.update(d) for d in plan.cached_sequences]
+        if len({s.seq_id for s in scheduled}) != len(scheduled):
+            raise PlanError("a sequence is scheduled twice in one plan")
+        # Block moves come before the forward pass: it may read swapped-in or copied blocks.
+        self.cache.swap_out(plan.swap_out)
+        self.cache.swap_in(plan.swap_in)
+        self.cache.copy(plan.copy)
+        if not scheduled:
+            return StepOutput(plan.step_id, [], time.perf_counter() - start)
+
+        inputs = build_inputs(
+            scheduled, self.backend, self.cache.key_caches, self.cache.value_caches,
+            self.config.block_size, self.device,
+        )
+        hidden = self.decoder(
+            input_ids=inputs.input_ids.unsqueeze(0),
+            position_ids=inputs.positions.unsqueeze(0),
+            use_cache=False,
+            **{METADATA_KWARG: inputs.attn},
+        ).last_hidden_state[0]
+        sampled: list[SampledTokenData] = []
+        sampled_ids: dict[int, int] = {}
+        if inputs.sampling_seqs:
+            # Only the rows that sample go through the LM head: prompt tokens need no logits.
+            logits = self.lm_head(hidden[inputs.sample_indices]).float()
+            out = sample(
+                logits,
+                [s.sampling for s in inputs.sampling_seqs],
+                [s.generator for s in inputs.sampling_seqs],
+            )
+            for seq, token, logprob in zip(inputs.sampling_seqs, out.token_ids, out.logprobs):
+                sampled.append(SampledTokenData(seq.seq_id, token, logprob))
+                sampled_ids[seq.seq_id] = token
+        for seq in inputs.seqs:
+            self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
+        return StepOutput(plan.step_id, sampled, time.perf_counter() - start)

@@ -1,0 +1,83 @@
+"""Step plans as domain objects, converted from protobuf at the servicer edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos import worker_pb2
+from shared.sampling_params import SamplingParams
+from shared.sampling_proto import sampling_from_proto
+
+
+@dataclass
+class NewSequenceData:
+    """A sequence sent in full: the worker (re)learns it."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+    num_new_tokens: int
+
+
+@dataclass
+class SequenceDeltaData:
+    """What changed for a sequence the worker already caches."""
+
+    seq_id: int
+    new_block_ids: list[int]
+    num_new_tokens: int
+    replaced_blocks: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class StepPlanData:
+    """One step: block operations, then the sequences to run."""
+
+    epoch: int
+    step_id: int
+    swap_in: list[tuple[int, int]]
+    swap_out: list[tuple[int, int]]
+    copy: list[tuple[int, int]]
+    new_sequences: list[NewSequenceData]
+    cached_sequences: list[SequenceDeltaData]
+    finished_seq_ids: list[int]
+
+
+def _pairs(pairs: object) -> list[tuple[int, int]]:
+    return [(p.src, p.dst) for p in pairs]  # type: ignore[attr-defined]
+
+
+def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlanData:
+    """Converts the wire plan into domain objects."""
+    return StepPlanData(
+        epoch=msg.epoch,
+        step_id=msg.step_id,
+        swap_in=_pairs(msg.swap_in),
+        swap_out=_pairs(msg.swap_out),
+        copy=_pairs(msg.copy),
+        new_sequences=[
+            NewSequenceData(
+                seq_id=s.seq_id,
+                prompt_token_ids=list(s.prompt_token_ids),
+                output_token_ids=list(s.output_token_ids),
+                sampling=sampling_from_proto(s.sampling),
+                block_table=list(s.block_table),
+                num_computed_tokens=s.num_computed_tokens,
+                num_new_tokens=s.num_new_tokens,
+            )
+            for s in msg.new_sequences
+        ],
+        cached_sequences=[
+            SequenceDeltaData(
+                seq_id=s.seq_id,
+                new_block_ids=list(s.new_block_ids),
+                num_new_tokens=s.num_new_tokens,
+                replaced_blocks=dict(s.replaced_blocks),
+            )
+            for s in msg.cached_sequences
+        ],
+        finished_seq_ids=list(msg.finished_seq_ids),
+    )

@@ -1,0 +1,63 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Random sampling uses the exponential race (argmax of p / E with E ~ Exp(1)),
+which equals sampling from p and lets each seeded sequence draw its noise from
+its own generator while the rest of the batch shares one draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled token ids and their log-probabilities under the raw model distribution."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks logits outside each row's top-k and nucleus (top-p) sets with -inf."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
+    mask = ranks >= k
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    # Keep a token when the mass strictly before it is below top_p (so the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask |= mass_before >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplerOutput:
+    """Samples one token per row of `logits` ([num_seqs, vocab], float32)."""
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    greedy_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    chosen = greedy_ids.clone()
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        sub = logits[rows]
+        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        sub = sub / temps.unsqueeze(1)
+        top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
+        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+            sub = _apply_top_k_top_p(sub, top_k, top_p)
+        probs = sub.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for j, i in enumerate(random_rows):
+            gen = generators[i]
+            if gen is not None:
+                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(probs.device)
+        chosen[rows] = (probs / noise).argmax(dim=-1)
+    token_logprobs = logprobs_all.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return SamplerOutput(token_ids=chosen.tolist(), logprobs=token_logprobs.tolist())

@@ -1,0 +1,84 @@
+"""The worker's gRPC servicer: protobuf at the edge, fencing, one step at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from protos import worker_pb2, worker_pb2_grpc
+from shared.errors import StaleEpochError, abort_with
+from worker_service.model_runner import ModelRunner
+from worker_service.plan import plan_from_proto
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves Describe / ExecuteStep / Reset over one ModelRunner.
+
+    The forward pass runs in a thread so Describe and health checks stay
+    responsive during a long step; a lock keeps steps strictly sequential.
+    """
+
+    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+        self._runner = runner
+        self._model_name = model_name
+        self._instance_id = uuid.uuid4().hex
+        self._epoch = 0
+        self._lock = asyncio.Lock()
+
+    @property
+    def instance_id(self) -> str:
+        return self._instance_id
+
+    def _fence(self, epoch: int) -> None:
+        # Fencing: a plan from an engine loop older than the newest owner is refused,
+        # so a deposed scheduler replica can never write into the new owner's blocks.
+        if epoch < self._epoch:
+            raise StaleEpochError(f"epoch {epoch} is older than the current epoch {self._epoch}")
+        self._epoch = epoch
+
+    async def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerDescription:
+        r = self._runner
+        return worker_pb2.WorkerDescription(
+            model=self._model_name,
+            dtype=str(r.dtype).removeprefix("torch."),
+            block_size=r.config.block_size,
+            num_gpu_blocks=r.cache.sizing.num_gpu_blocks,
+            num_cpu_blocks=r.cache.sizing.num_cpu_blocks,
+            max_model_len=r.max_model_len,
+            instance_id=self._instance_id,
+            device=str(r.device),
+            num_cached_sequences=len(r.seqs),
+            epoch=self._epoch,
+            vocab_size=r.shape.vocab_size,
+        )
+
+    async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
+        try:
+            async with self._lock:
+                self._fence(request.epoch)
+                plan = plan_from_proto(request)
+                out = await asyncio.to_thread(self._runner.execute, plan)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server stays up
+            await abort_with(context, exc)
+            raise  # unreachable: abort raises
+        return worker_pb2.StepResult(
+            step_id=out.step_id,
+            sampled=[worker_pb2.SampledToken(seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob) for s in out.sampled],
+            execute_seconds=out.execute_seconds,
+        )
+
+    async def Reset(self, request: worker_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ResetResponse:
+        try:
+            async with self._lock:
+                self._fence(request.epoch)
+                self._runner.reset()
+        except Exception as exc:  # noqa: BLE001
+            await abort_with(context, exc)
+            raise
+        log.info("reset by epoch %d", request.epoch)
+        return worker_pb2.ResetResponse(instance_id=self._instance_id)
