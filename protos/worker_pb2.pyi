@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "instance_id", "device", "num_cached_sequences", "epoch", "vocab_size")
+    __slots__ = ("model", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "instance_id", "device", "num_cached_sequences", "epoch", "vocab_size", "num_used_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class WorkerDescription(_message.Message):
     NUM_CACHED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -35,7 +36,8 @@ class WorkerDescription(_message.Message):
     num_cached_sequences: int
     epoch: int
     vocab_size: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., device: _Optional[str] = ..., num_cached_sequences: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    num_used_blocks: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., device: _Optional[str] = ..., num_cached_sequences: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_used_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockPair(_message.Message):
     __slots__ = ("src", "dst")

@@ -78,7 +78,9 @@ class EngineLoop:
         for seq_id, block_ids in built.new_blocks.items():
             commit.new_blocks.setdefault(seq_id, []).extend(block_ids)
         self._snapshot(commit)
-        has_work = built.num_sequences or built.plan.swap_in or built.plan.swap_out or built.plan.copy
+        plan = built.plan
+        # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.
+        has_work = built.num_sequences or plan.swap_in or plan.swap_out or plan.copy or plan.finished_seq_ids
         return out, built.plan if has_work else None
 
     def _ignored_message(self, group: SequenceGroup) -> str:

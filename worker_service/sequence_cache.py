@@ -49,6 +49,10 @@ class SequenceCache:
     def __len__(self) -> int:
         return len(self._seqs)
 
+    def num_used_blocks(self) -> int:
+        """Distinct blocks referenced by the cached sequences."""
+        return len({b for seq in self._seqs.values() for b in seq.block_table})
+
     def clear(self) -> None:
         self._seqs.clear()
 

@@ -55,6 +55,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_cached_sequences=len(r.seqs),
             epoch=self._epoch,
             vocab_size=r.shape.vocab_size,
+            num_used_blocks=r.seqs.num_used_blocks(),
         )
 
     async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:

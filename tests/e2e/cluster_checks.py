@@ -1,0 +1,61 @@
+"""Assertions about a running cluster's state: every KV block free, nothing left behind."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import redis
+
+from llmserve.local_cluster import LocalCluster
+from protos import worker_pb2, worker_pb2_grpc
+from scheduler_service import keys
+
+
+def describe_worker(cluster: LocalCluster) -> worker_pb2.WorkerDescription:
+    with grpc.insecure_channel(cluster.worker_address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
+
+
+def redis_state(cluster: LocalCluster) -> dict[str, object]:
+    """The parts of the Redis state that must be empty when no request is live."""
+    client = redis.Redis.from_url(cluster.redis_url)
+    w = cluster.worker_address
+    blocks = {k.decode(): int(v) for k, v in client.hgetall(keys.blocks(w)).items()}
+    state = {
+        "seq_keys": sorted(k.decode() for k in client.scan_iter(f"{keys.PREFIX}:seq:*")),
+        "request_keys": sorted(k.decode() for k in client.scan_iter(f"{keys.PREFIX}:req:*")),
+        "waiting": client.llen(keys.waiting(w)),
+        "running": client.llen(keys.running(w)),
+        "inbox": client.llen(keys.inbox(w)),
+        "blocks": blocks,
+    }
+    client.close()
+    return state
+
+
+def wait_until_idle(cluster: LocalCluster, timeout_s: float = 20.0) -> tuple[dict[str, object], worker_pb2.WorkerDescription]:
+    """Waits for the engine loop's cleanup commit and plan, then returns both views of the state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = redis_state(cluster)
+        desc = describe_worker(cluster)
+        blocks = state["blocks"]
+        idle = (
+            not state["seq_keys"] and not state["request_keys"] and not state["waiting"] and not state["running"]
+            and isinstance(blocks, dict) and blocks.get("free") == blocks.get("total")
+            and desc.num_cached_sequences == 0 and desc.num_used_blocks == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return state, desc
+        time.sleep(0.2)
+
+
+def assert_all_blocks_free(cluster: LocalCluster) -> None:
+    state, desc = wait_until_idle(cluster)
+    assert state["seq_keys"] == [], state
+    assert state["request_keys"] == [], state
+    assert state["waiting"] == 0 and state["running"] == 0 and state["inbox"] == 0, state
+    assert state["blocks"] == {"free": desc.num_gpu_blocks, "total": desc.num_gpu_blocks}, state
+    assert desc.num_cached_sequences == 0, desc
+    assert desc.num_used_blocks == 0, desc

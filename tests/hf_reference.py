@@ -1,0 +1,65 @@
+"""Hugging Face `transformers` reference outputs and the greedy comparison rule.
+
+A greedy divergence is accepted only at a genuine near-tie: the token we
+produced and the reference's token are within NEAR_TIE of each other in the
+reference's log-probabilities at that position (vLLM's check_logprobs_close
+rule). After an accepted divergence the continuations legitimately differ,
+so the comparison stops there; the divergence is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+
+NEAR_TIE = 1e-4
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    # [num_generated, vocab] log-probabilities the reference saw at each step.
+    logprobs: torch.Tensor
+
+
+class HFReference:
+    """Greedy generation with transformers, one prompt at a time (no padding effects)."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Reference:
+        kwargs = {} if stop_at_eos else {"eos_token_id": None}
+        out = self.model.generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
+            pad_token_id=self.model.config.eos_token_id, **kwargs,
+        )
+        tokens = out.sequences[0, len(prompt_ids):].tolist()
+        logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
+        return Reference(tokens, logprobs)
+
+
+@dataclass
+class Comparison:
+    matched: bool
+    near_tie_at: int | None = None
+    detail: str = ""
+
+
+def compare_greedy(ours: list[int], ref: Reference) -> Comparison:
+    """Token-exact comparison, tolerating a divergence only at a near-tie."""
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+        if a == b:
+            continue
+        gap = abs(float(ref.logprobs[i, a] - ref.logprobs[i, b]))
+        if gap <= NEAR_TIE:
+            return Comparison(True, i, f"near-tie at position {i}: {a} vs {b}, logprob gap {gap:.2e}")
+        return Comparison(False, None, f"diverged at position {i}: ours {a}, reference {b}, logprob gap {gap:.3g}")
+    if len(ours) != len(ref.token_ids):
+        return Comparison(False, None, f"lengths differ: ours {len(ours)}, reference {len(ref.token_ids)}")
+    return Comparison(True)
