@@ -1,0 +1,69 @@
+"""Scheduler and KV-cache configuration, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Largest block size the paged-attention kernels are expected to support.
+_MAX_BLOCK_SIZE = 256
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    # bool is an int subclass; True as a size is always a caller bug.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Limits on what one scheduling step may contain.
+
+    max_num_seqs: most sequences running (holding KV blocks) at once.
+    max_num_batched_tokens: most tokens computed in one step (prefill + decode).
+    max_model_len: longest sequence (prompt + output) the model accepts.
+
+    max_num_batched_tokens may be smaller than max_model_len (chunked prefill
+    will need that); until chunking exists such long prompts are ignored.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive_int("max_model_len", self.max_model_len)
+
+
+@dataclass(kw_only=True)
+class CacheConfig:
+    """Shape of the paged KV cache.
+
+    block_size: tokens per KV block, a power of two in [1, 256].
+    num_gpu_blocks: physical KV blocks available on the device.
+    watermark: fraction of blocks kept free when admitting new prompts, so
+        running sequences can keep decoding without immediate preemption.
+    """
+
+    num_gpu_blocks: int
+    block_size: int = 16
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        _require_positive_int("block_size", self.block_size)
+        if self.block_size > _MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"block_size must be a power of two in [1, {_MAX_BLOCK_SIZE}], "
+                f"got {self.block_size}."
+            )
+        _require_positive_int("num_gpu_blocks", self.num_gpu_blocks)
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
+            raise ValueError(f"watermark must be a number in [0, 1), got {self.watermark!r}.")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks that prompt admission must leave free."""
+        return int(self.watermark * self.num_gpu_blocks)

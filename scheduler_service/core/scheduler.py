@@ -1,0 +1,245 @@
+"""FCFS continuous-batching scheduler with a token budget and recompute preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from scheduler_service.core.block_manager import AllocStatus, BlockManager
+from scheduler_service.core.config import CacheConfig, SchedulerConfig
+from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class Scheduler:
+    """Decides, step by step, which sequences run and which tokens they compute.
+
+    Priority is the order of add_request (first come, first served); the
+    running list and the waiting queue both stay in that order, so the last
+    running group is always the latest arrival, the one preempted first.
+
+    Engine loop contract: schedule() -> run the step -> update_after_step()
+    -> check stops and finish_sequence(). Calling schedule() again without
+    update_after_step() re-plans the same tokens (nothing is lost).
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = BlockManager.from_config(cache_config)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self._requests: dict[str, SequenceGroup] = {}
+        self._seq_ids: set[int] = set()
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence that can always be (re)prefilled in one step.
+
+        Without chunked prefill a recomputed sequence must fit the token budget
+        and the cache, so the engine should stop sequences at this length
+        (pass it as max_model_len to check_stop); otherwise a preempted long
+        sequence would come back as ignored.
+        """
+        cache_tokens = (self.cache_config.num_gpu_blocks - self.cache_config.watermark_blocks) * (
+            self.cache_config.block_size
+        )
+        return min(
+            self.scheduler_config.max_model_len,
+            self.scheduler_config.max_num_batched_tokens,
+            cache_tokens,
+        )
+
+    # -- requests ------------------------------------------------------------
+
+    def add_request(self, group: SequenceGroup) -> None:
+        """Queue a new request at the end of the waiting queue."""
+        if group.request_id in self._requests:
+            raise ValueError(f"request_id {group.request_id!r} is already scheduled.")
+        for seq in group.seqs:
+            if seq.status is not SequenceStatus.WAITING:
+                raise ValueError(f"seq {seq.seq_id} of a new request must be WAITING, got {seq.status.name}.")
+            if seq.seq_id in self._seq_ids:
+                raise ValueError(f"seq_id {seq.seq_id} is already in use.")
+        self._requests[group.request_id] = group
+        self._seq_ids.update(seq.seq_id for seq in group.seqs)
+        self.waiting.append(group)
+
+    def abort_request(self, request_id: str) -> SequenceGroup | None:
+        """Abort a request: free its blocks and drop it. None if unknown or done.
+
+        Safe between schedule() and update_after_step(): aborted sequences of
+        the in-flight step are skipped by the update.
+        """
+        group = self._requests.get(request_id)
+        if group is None:
+            return None
+        for seq in group.unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            self.block_manager.free(seq)
+        self._remove(group)
+        return group
+
+    def finish_sequence(self, group: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark seq finished with status and free its blocks.
+
+        When the whole group is finished it leaves the scheduler.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* status, got {status.name}.")
+        if self._requests.get(group.request_id) is not group or not any(s is seq for s in group.seqs):
+            raise ValueError(f"seq {seq.seq_id} is not an active sequence of request {group.request_id!r}.")
+        if seq.is_finished:
+            raise ValueError(f"seq {seq.seq_id} is already finished ({seq.status.name}).")
+        seq.status = status
+        self.block_manager.free(seq)
+        if group.is_finished():
+            self._remove(group)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Number of waiting plus running requests."""
+        return len(self.waiting) + len(self.running)
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """Physical block ids of a scheduled sequence (for the step plan)."""
+        return self.block_manager.get_block_table(seq)
+
+    # -- stepping ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: decodes of running groups first, then new prefills.
+
+        Never exceeds max_num_batched_tokens tokens or max_num_seqs running
+        sequences. When a decode cannot get a KV slot the latest-arrived
+        running group is preempted by recompute; no prompt is admitted in a
+        step that preempted (the cache is under pressure).
+        """
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def update_after_step(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """Record a finished step: advance computed tokens, append sampled ones.
+
+        sampled maps seq_id -> token id for every scheduled sequence whose
+        `samples` is True. Sequences finished meanwhile (aborted mid-step) are
+        skipped. Validates everything before changing anything.
+        """
+        live = [s for s in output.scheduled if not s.seq.is_finished]
+        expected = {s.seq.seq_id for s in output.scheduled if s.samples}
+        missing = sorted(s.seq.seq_id for s in live if s.samples and s.seq.seq_id not in sampled)
+        if missing:
+            raise ValueError(f"sampled has no token for scheduled seq_ids {missing}.")
+        unexpected = sorted(set(sampled) - expected)
+        if unexpected:
+            raise ValueError(f"sampled has tokens for seq_ids {unexpected} that were not scheduled to sample.")
+        bad = {seq_id: tok for seq_id, tok in sampled.items() if not isinstance(tok, int) or tok < 0}
+        if bad:
+            raise ValueError(f"sampled token ids must be non-negative ints, got {bad}.")
+        for s in live:
+            if s.seq.num_computed_tokens != s.num_computed_tokens:
+                raise ValueError(f"seq {s.seq.seq_id} changed since it was scheduled; stale output?")
+        for s in live:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                s.seq.append_token(sampled[s.seq.seq_id])
+
+    # -- internals -----------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule decodes in FCFS order, preempting from the back. Returns the budget left."""
+        queue = deque(self.running)
+        kept: list[SequenceGroup] = []
+        num_seqs = 0
+        while queue:
+            group = queue.popleft()
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            num_new = sum(seq.num_uncomputed_tokens for seq in seqs)
+            if num_seqs + len(seqs) > self.scheduler_config.max_num_seqs or num_new > budget:
+                # Out of room this step: the rest keep their blocks and wait a step.
+                kept.append(group)
+                kept.extend(queue)
+                break
+            while not self.block_manager.can_append_slot(group):
+                if queue:
+                    self._preempt(queue.pop(), out)
+                else:
+                    self._preempt(group, out)
+                    break
+            else:
+                for seq in seqs:
+                    cow = self.block_manager.append_slot(seq)
+                    if cow is not None:
+                        out.blocks_to_copy.append(cow)
+                    out.scheduled.append(ScheduledSequence(group, seq, seq.num_uncomputed_tokens))
+                num_seqs += len(seqs)
+                budget -= num_new
+                kept.append(group)
+        self.running = kept
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting groups in FCFS order until one does not fit."""
+        config = self.scheduler_config
+        num_running_seqs = sum(len(g.get_seqs(SequenceStatus.RUNNING)) for g in self.running)
+        while self.waiting:
+            group = self.waiting[0]
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            num_new = sum(seq.num_uncomputed_tokens for seq in seqs)
+            # Without chunked prefill these can never run; drop them instead of
+            # letting them block the queue forever.
+            if (
+                seqs[0].num_tokens > config.max_model_len
+                or num_new > config.max_num_batched_tokens
+                or len(seqs) > config.max_num_seqs
+            ):
+                self._ignore(group, out)
+                continue
+            status = self.block_manager.can_allocate(group)
+            if status is AllocStatus.NEVER:
+                self._ignore(group, out)
+                continue
+            # FCFS: a group that must wait also holds back everything behind it.
+            if status is AllocStatus.LATER:
+                break
+            if num_running_seqs + len(seqs) > config.max_num_seqs or num_new > budget:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+                out.scheduled.append(ScheduledSequence(group, seq, seq.num_uncomputed_tokens))
+            self.running.append(group)
+            num_running_seqs += len(seqs)
+            budget -= num_new
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Preempt by recompute: drop the KV, keep the tokens, wait at the front."""
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            self.block_manager.free(seq)
+            seq.reset_for_recompute()
+        # The caller (_schedule_running) rebuilds self.running without it.
+        self.waiting.appendleft(group)
+        out.preempted.append(group)
+
+    def _ignore(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        for seq in group.unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_IGNORED
+            self.block_manager.free(seq)
+        self._remove(group)
+        out.ignored.append(group)
+
+    def _remove(self, group: SequenceGroup) -> None:
+        """Forget a finished group, wherever it is queued."""
+        if group in self.running:
+            self.running.remove(group)
+        elif group in self.waiting:
+            self.waiting.remove(group)
+        del self._requests[group.request_id]
+        self._seq_ids.difference_update(seq.seq_id for seq in group.seqs)

@@ -1,0 +1,81 @@
+"""What one scheduling step asks the workers (and the engine loop) to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.core.sequence import Sequence, SequenceGroup
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence in a step: compute num_new_tokens tokens of it.
+
+    The step computes tokens [num_computed_tokens, num_computed_tokens +
+    num_new_tokens) of seq.all_token_ids. num_computed_tokens and
+    num_tokens are snapshots taken when the step was planned, so is_prefill
+    and samples keep their meaning after update_after_step mutates seq.
+    """
+
+    group: SequenceGroup
+    seq: Sequence
+    num_new_tokens: int
+    num_computed_tokens: int = field(init=False)
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_computed_tokens = self.seq.num_computed_tokens
+        self.num_tokens = self.seq.num_tokens
+        if not 1 <= self.num_new_tokens <= self.seq.num_uncomputed_tokens:
+            raise ValueError(
+                f"num_new_tokens must be in [1, {self.seq.num_uncomputed_tokens}] for seq "
+                f"{self.seq.seq_id}, got {self.num_new_tokens}."
+            )
+
+    @property
+    def is_prefill(self) -> bool:
+        """True for prompt (or recompute) processing rather than a single decode."""
+        return self.num_new_tokens > 1 or self.num_computed_tokens < len(self.seq.prompt_token_ids)
+
+    @property
+    def samples(self) -> bool:
+        """True when the step reaches the last known token, so a token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids this step feeds to the model for this sequence."""
+        start = self.num_computed_tokens
+        return self.seq.all_token_ids[start : start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step.
+
+    scheduled: sequences to compute, prefills and decodes mixed, FCFS order.
+    preempted: groups whose KV was dropped (recompute); they are WAITING again.
+    ignored: groups that can never run (too long); already FINISHED_IGNORED
+        and forgotten by the scheduler, the engine must report them.
+    blocks_to_copy: (src, dst) copy-on-write pairs to apply before the step.
+    blocks_to_swap_in / blocks_to_swap_out: reserved for swap preemption.
+    num_batched_tokens: sum of num_new_tokens over scheduled.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the workers have nothing to do this step.
+
+        ignored and preempted groups may still need the engine's attention.
+        """
+        return not (
+            self.scheduled or self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy
+        )

@@ -1,0 +1,90 @@
+"""Incremental detokenization (vLLM's prefix/read offsets) plus stop handling.
+
+Turns a growing list of token ids into text deltas without re-decoding the
+whole sequence every step, and without ever emitting half a UTF-8 character
+(byte-level BPE splits emoji and CJK characters across several tokens). The
+stop rules live in the pure core and are re-exported here for the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler_service.core.stop_checker import (
+    CONTINUE,
+    StopDecision,
+    check_stop,
+    find_stop_string,
+    streamable_text_length,
+)
+
+__all__ = [
+    "CONTINUE",
+    "IncrementalDetokenizer",
+    "StopDecision",
+    "check_stop",
+    "find_stop_string",
+    "streamable_text_length",
+]
+
+# Prompt tokens kept as decoding context, as in vLLM: enough for the tokenizer
+# to see word boundaries (e.g. SentencePiece's leading space) at the start of
+# the output without re-decoding the whole prompt.
+_INITIAL_PREFIX_TOKENS = 5
+
+# What decoding yields for an incomplete UTF-8 sequence.
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class _Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one sequence's output as tokens arrive.
+
+    Tokens before read_offset have been turned into text; decoding starts at
+    prefix_offset so the text of the pending tokens is computed in context
+    (new text = decode(tokens[prefix:]) minus decode(tokens[prefix:read])).
+    Text is held back while it ends with U+FFFD, i.e. mid-character.
+    """
+
+    def __init__(self, tokenizer: _Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = list(prompt_token_ids)
+        self.read_offset = len(self._token_ids)
+        self.prefix_offset = max(self.read_offset - _INITIAL_PREFIX_TOKENS, 0)
+        self.output_text = ""
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Add generated tokens; return the newly decodable text (may be "")."""
+        pieces = []
+        # One token at a time, so a multi-token step emits exactly the same
+        # text as the same tokens arriving over several steps.
+        for token_id in new_token_ids:
+            self._token_ids.append(token_id)
+            pieces.append(self._decode_newest())
+        new_text = "".join(pieces)
+        self.output_text += new_text
+        return new_text
+
+    def truncate(self, length: int) -> None:
+        """Cut output_text to length characters (after a stop; the sequence is done)."""
+        if not 0 <= length <= len(self.output_text):
+            raise ValueError(f"length must be in [0, {len(self.output_text)}], got {length}.")
+        self.output_text = self.output_text[:length]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _decode_newest(self) -> str:
+        prefix_text = self._decode(self._token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self._token_ids[self.prefix_offset :])
+        # Shorter or equal: a skipped special token. Trailing U+FFFD: the
+        # newest bytes do not complete a character yet; retry with more tokens.
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self._token_ids)
+        return full_text[len(prefix_text) :]

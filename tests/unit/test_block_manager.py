@@ -1,0 +1,269 @@
+"""Block allocator and block manager: exact block ids, ref counts, watermark, COW."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_service.core.block_manager import (
+    AllocStatus,
+    BlockAllocator,
+    BlockManager,
+    NoFreeBlocksError,
+)
+from scheduler_service.core.config import CacheConfig
+from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from shared.sampling_params import SamplingParams
+
+
+def make_group(request_id: str, seq_id: int, num_prompt: int, num_output: int = 0) -> SequenceGroup:
+    seq = Sequence(seq_id, list(range(1, num_prompt + 1)), list(range(100, 100 + num_output)))
+    return SequenceGroup(request_id, [seq], SamplingParams(), arrival_time=0.0)
+
+
+def grow(seq: Sequence, n: int = 1) -> None:
+    """Simulate n decode steps' worth of sampled tokens."""
+    for _ in range(n):
+        seq.append_token(7)
+
+
+# -- CacheConfig ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 3, "num_gpu_blocks": 8}, "block_size must be a power of two in \\[1, 256\\], got 3"),
+        ({"block_size": 512, "num_gpu_blocks": 8}, "block_size must be a power of two.*got 512"),
+        ({"block_size": 0, "num_gpu_blocks": 8}, "block_size must be a positive integer, got 0"),
+        ({"num_gpu_blocks": 0}, "num_gpu_blocks must be a positive integer, got 0"),
+        ({"num_gpu_blocks": 8, "watermark": 1.0}, "watermark must be in \\[0, 1\\), got 1.0"),
+        ({"num_gpu_blocks": 8, "watermark": -0.1}, "watermark must be in \\[0, 1\\), got -0.1"),
+    ],
+)
+def test_cache_config_rejects_bad_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(**kwargs)
+
+
+def test_cache_config_defaults_and_watermark_blocks() -> None:
+    config = CacheConfig(num_gpu_blocks=1000)
+    assert (config.block_size, config.watermark) == (16, 0.01)
+    assert config.watermark_blocks == 10
+    assert CacheConfig(num_gpu_blocks=12, block_size=1, watermark=0.0).watermark_blocks == 0
+
+
+# -- BlockAllocator ------------------------------------------------------------
+
+
+def test_allocator_hands_out_lowest_free_id_first() -> None:
+    alloc = BlockAllocator(4)
+    assert [alloc.allocate() for _ in range(3)] == [0, 1, 2]
+    alloc.free(1)
+    alloc.free(0)
+    # Lowest free id first, whatever order the frees came in.
+    assert alloc.allocate() == 0
+    assert alloc.allocate() == 1
+    assert alloc.allocate() == 3
+    assert alloc.num_free_blocks == 0
+    with pytest.raises(NoFreeBlocksError):
+        alloc.allocate()
+
+
+def test_allocator_ref_counts() -> None:
+    alloc = BlockAllocator(2)
+    block = alloc.allocate()
+    alloc.incref(block)
+    assert alloc.get_ref_count(block) == 2
+    alloc.free(block)
+    assert alloc.get_ref_count(block) == 1
+    assert alloc.num_free_blocks == 1
+    alloc.free(block)
+    assert alloc.get_ref_count(block) == 0
+    assert alloc.num_free_blocks == 2
+    with pytest.raises(ValueError, match="cannot free block 0: it is not allocated"):
+        alloc.free(block)
+    with pytest.raises(ValueError, match="cannot incref block 0"):
+        alloc.incref(block)
+    with pytest.raises(ValueError, match="block_id must be in \\[0, 2\\), got 5"):
+        alloc.free(5)
+
+
+def test_allocator_rejects_bad_size() -> None:
+    with pytest.raises(ValueError, match="num_blocks must be a positive integer, got 0"):
+        BlockAllocator(0)
+
+
+# -- BlockManager: admission ---------------------------------------------------
+
+
+def test_can_allocate_ok_later_never_with_watermark() -> None:
+    # 10 blocks, watermark 0.1 -> 1 block kept free for admissions.
+    bm = BlockManager(block_size=4, num_gpu_blocks=10, watermark=0.1)
+    assert bm.watermark_blocks == 1
+    assert bm.can_allocate(make_group("a", 0, 36)) is AllocStatus.OK  # 9 blocks, 1 left
+    assert bm.can_allocate(make_group("b", 1, 37)) is AllocStatus.NEVER  # 10 blocks > 10 - 1
+    bm.allocate(make_group("c", 2, 20))  # 5 blocks
+    assert bm.can_allocate(make_group("d", 3, 16)) is AllocStatus.OK  # 4 blocks, 1 left
+    assert bm.can_allocate(make_group("e", 4, 17)) is AllocStatus.LATER  # 5 blocks, 0 left
+
+
+def test_can_allocate_counts_output_tokens_for_recompute() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0)
+    assert bm.can_allocate(make_group("a", 0, 8)) is AllocStatus.OK
+    assert bm.can_allocate(make_group("b", 1, 6, num_output=3)) is AllocStatus.NEVER
+
+
+def test_allocate_exact_block_ids_and_free() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    a, b = make_group("a", 0, 5), make_group("b", 1, 4)
+    bm.allocate(a)
+    bm.allocate(b)
+    assert bm.get_block_table(a.seqs[0]) == [0, 1]
+    assert bm.get_block_table(b.seqs[0]) == [2]
+    assert (bm.num_free_gpu_blocks, bm.get_num_used_blocks()) == (5, 3)
+    bm.free(a.seqs[0])
+    assert not bm.has_block_table(a.seqs[0])
+    assert (bm.num_free_gpu_blocks, bm.get_num_used_blocks()) == (7, 1)
+    c = make_group("c", 2, 12)
+    bm.allocate(c)
+    assert bm.get_block_table(c.seqs[0]) == [0, 1, 3]
+    bm.free(a.seqs[0])  # freeing twice is a no-op
+    assert bm.num_free_gpu_blocks == 4
+
+
+def test_get_block_table_returns_a_copy() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=8)
+    a = make_group("a", 0, 4)
+    bm.allocate(a)
+    bm.get_block_table(a.seqs[0]).append(99)
+    assert bm.get_block_table(a.seqs[0]) == [0]
+
+
+def test_allocate_errors() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0)
+    a = make_group("a", 0, 4)
+    bm.allocate(a)
+    with pytest.raises(ValueError, match="seq 0 already has a block table"):
+        bm.allocate(a)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(make_group("b", 1, 8))
+    assert bm.num_free_gpu_blocks == 1  # nothing half-allocated
+    a.seqs[0].status = SequenceStatus.RUNNING
+    with pytest.raises(ValueError, match="request 'a' has no WAITING sequence"):
+        bm.can_allocate(a)
+    with pytest.raises(ValueError, match="seq 5 has no block table"):
+        bm.get_block_table(Sequence(5, [1]))
+
+
+def test_allocate_shares_table_between_waiting_seqs_of_a_group() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    group = SequenceGroup("g", [Sequence(0, [1, 2, 3, 4, 5]), Sequence(1, [1, 2, 3, 4, 5])], SamplingParams(), 0.0)
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    assert bm.get_block_table(group.seqs[0]) == [0, 1]
+    assert bm.get_block_table(group.seqs[1]) == [0, 1]
+    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [2, 2]
+    assert bm.get_num_used_blocks() == 2
+    bm.free(group.seqs[0])
+    assert bm.get_num_used_blocks() == 2
+    bm.free(group.seqs[1])
+    assert bm.get_num_used_blocks() == 0
+
+
+def test_allocate_rejects_diverged_waiting_seqs() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=8)
+    group = SequenceGroup("g", [Sequence(0, [1, 2]), Sequence(1, [1, 2], [3])], SamplingParams(), 0.0)
+    with pytest.raises(ValueError, match="hold different tokens"):
+        bm.allocate(group)
+    assert bm.num_free_gpu_blocks == 8
+
+
+# -- BlockManager: growth ------------------------------------------------------
+
+
+def _running(group: SequenceGroup) -> SequenceGroup:
+    for seq in group.seqs:
+        seq.status = SequenceStatus.RUNNING
+    return group
+
+
+def test_append_slot_allocates_only_at_block_boundary() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0)
+    group = make_group("a", 0, 3)
+    bm.allocate(group)
+    _running(group)
+    seq = group.seqs[0]
+    grow(seq)  # 4 tokens: slot 3 is still in block 0
+    assert bm.can_append_slot(group)
+    assert bm.append_slot(seq) is None
+    assert bm.get_block_table(seq) == [0]
+    grow(seq)  # 5 tokens: slot 4 needs a second block
+    assert bm.append_slot(seq) is None
+    assert bm.get_block_table(seq) == [0, 1]
+    assert bm.append_slot(seq) is None  # idempotent
+    assert bm.get_block_table(seq) == [0, 1]
+    other = make_group("b", 1, 4)
+    bm.allocate(other)  # takes the last block, 2
+    grow(seq, 4)  # 9 tokens: needs a third block, none free
+    assert not bm.can_append_slot(group)
+    with pytest.raises(NoFreeBlocksError):
+        bm.append_slot(seq)
+    bm.free(other.seqs[0])
+    assert bm.can_append_slot(group)
+    assert bm.append_slot(seq) is None
+    assert bm.get_block_table(seq) == [0, 1, 2]
+
+
+def _share_table(bm: BlockManager, parent: Sequence, child: Sequence) -> None:
+    """What fork() will do: the child shares every block of the parent."""
+    table = bm.get_block_table(parent)
+    for block_id in table:
+        bm.gpu_allocator.incref(block_id)
+    bm.block_tables[child.seq_id] = table
+
+
+def test_append_slot_copy_on_write_of_shared_last_block() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=6, watermark=0.0)
+    group = make_group("a", 0, 6)
+    bm.allocate(group)  # blocks [0, 1], slot 5 used in block 1
+    parent = group.seqs[0]
+    child = Sequence(1, list(parent.prompt_token_ids), status=SequenceStatus.RUNNING)
+    group.seqs.append(child)
+    _running(group)
+    _share_table(bm, parent, child)
+    grow(parent)
+    grow(child)  # both write slot 6, inside shared block 1
+    assert bm.can_append_slot(group)
+    assert bm.append_slot(parent) == (1, 2)
+    assert bm.get_block_table(parent) == [0, 2]
+    assert bm.gpu_allocator.get_ref_count(1) == 1
+    # The child is now the only owner of block 1: it writes in place.
+    assert bm.append_slot(child) is None
+    assert bm.get_block_table(child) == [0, 1]
+    assert bm.gpu_allocator.get_ref_count(0) == 2
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_gpu_blocks == 6
+
+
+def test_can_append_slot_counts_copy_on_write() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0)
+    group = make_group("a", 0, 2)
+    bm.allocate(group)
+    parent = group.seqs[0]
+    child = Sequence(1, [1, 2], status=SequenceStatus.RUNNING)
+    group.seqs.append(child)
+    _running(group)
+    _share_table(bm, parent, child)
+    grow(parent)
+    grow(child)
+    # Conservative: both seqs are counted although the second COW is not needed.
+    assert not bm.can_append_slot(group)
+    child.status = SequenceStatus.FINISHED_STOPPED
+    assert bm.can_append_slot(group)
+
+
+def test_append_slot_without_table_is_an_error() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=2)
+    with pytest.raises(ValueError, match="seq 3 has no block table"):
+        bm.append_slot(Sequence(3, [1]))

@@ -1,0 +1,491 @@
+"""Scheduler: FCFS admission, token budget, recompute preemption, abort, ignore."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from scheduler_service.core.config import CacheConfig, SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from shared.sampling_params import SamplingParams
+
+TOKEN = 9  # every sampled token; the values do not matter to the scheduler
+
+
+def make_scheduler(
+    num_gpu_blocks: int = 8,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 64,
+    watermark: float = 0.0,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, watermark=watermark),
+    )
+
+
+def make_group(request_id: str, seq_id: int, num_prompt: int, arrival_time: float = 0.0) -> SequenceGroup:
+    seq = Sequence(seq_id, list(range(1, num_prompt + 1)))
+    return SequenceGroup(request_id, [seq], SamplingParams(), arrival_time)
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.group.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def ids(groups) -> list[str]:
+    return [g.request_id for g in groups]
+
+
+def sample_all(out: SchedulerOutput) -> dict[int, int]:
+    return {s.seq.seq_id: TOKEN for s in out.scheduled if s.samples}
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update_after_step(out, sample_all(out))
+    return out
+
+
+def table(sched: Scheduler, group: SequenceGroup) -> list[int]:
+    return sched.get_block_table(group.seqs[0])
+
+
+# -- configs and sequences -----------------------------------------------------
+
+
+@pytest.mark.parametrize("field_name", ["max_num_seqs", "max_num_batched_tokens", "max_model_len"])
+@pytest.mark.parametrize("value", [0, -3, True, 2.5])
+def test_scheduler_config_rejects_non_positive(field_name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{field_name} must be a positive integer, got {value!r}"):
+        SchedulerConfig(**{field_name: value})
+
+
+def test_scheduler_config_allows_budget_below_model_len() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=512, max_model_len=4096)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (256, 512, 4096)
+
+
+def test_sequence_basics_and_recompute_keeps_outputs() -> None:
+    prompt = [5, 6, 7]
+    seq = Sequence(3, prompt)
+    prompt.append(8)  # the sequence owns a copy
+    assert (seq.num_tokens, seq.last_token_id, seq.num_uncomputed_tokens) == (3, 7, 3)
+    seq.num_computed_tokens = 3
+    seq.append_token(11)
+    seq.status = SequenceStatus.RUNNING
+    assert (seq.all_token_ids, seq.last_token_id, seq.num_uncomputed_tokens) == ([5, 6, 7, 11], 11, 1)
+    seq.reset_for_recompute()
+    assert seq.output_token_ids == [11]
+    assert (seq.status, seq.num_computed_tokens, seq.num_uncomputed_tokens) == (SequenceStatus.WAITING, 0, 4)
+
+
+def test_sequence_validation() -> None:
+    with pytest.raises(ValueError, match="prompt_token_ids must not be empty"):
+        Sequence(0, [])
+    with pytest.raises(ValueError, match="num_computed_tokens must be in \\[0, 2\\], got 3"):
+        Sequence(0, [1, 2], num_computed_tokens=3)
+    with pytest.raises(ValueError, match="prompt_token_ids must hold non-negative ints, got -1"):
+        Sequence(0, [1, -1])
+    with pytest.raises(ValueError, match="token_id must hold non-negative ints"):
+        Sequence(0, [1]).append_token(-2)
+    with pytest.raises(ValueError, match="distinct seq_ids"):
+        SequenceGroup("r", [Sequence(0, [1]), Sequence(0, [1])], SamplingParams(), 0.0)
+    with pytest.raises(ValueError, match="seqs must not be empty"):
+        SequenceGroup("r", [], SamplingParams(), 0.0)
+
+
+def test_status_is_finished() -> None:
+    finished = {s for s in SequenceStatus if s.is_finished}
+    assert SequenceStatus.WAITING not in finished and SequenceStatus.RUNNING not in finished
+    assert len(finished) == 4
+
+
+def test_scheduled_sequence_snapshot() -> None:
+    group = make_group("a", 0, 3)
+    seq = group.seqs[0]
+    prefill = ScheduledSequence(group, seq, 3)
+    assert (prefill.is_prefill, prefill.samples, prefill.token_ids) == (True, True, [1, 2, 3])
+    seq.num_computed_tokens = 3
+    seq.append_token(TOKEN)
+    # Snapshot: still describes the planned prefill after the sequence moved on.
+    assert (prefill.is_prefill, prefill.samples) == (True, True)
+    decode = ScheduledSequence(group, seq, 1)
+    assert (decode.is_prefill, decode.samples, decode.token_ids) == (False, True, [TOKEN])
+    with pytest.raises(ValueError, match="num_new_tokens must be in \\[1, 1\\] for seq 0, got 2"):
+        ScheduledSequence(group, seq, 2)
+
+
+# -- admission -----------------------------------------------------------------
+
+
+def test_prefill_then_decode_exact_blocks() -> None:
+    sched = make_scheduler()
+    a, b = make_group("a", 0, 5), make_group("b", 1, 3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = step(sched)
+    assert plan(out) == [("a", 5), ("b", 3)]
+    assert all(s.is_prefill and s.samples for s in out.scheduled)
+    assert out.num_batched_tokens == 8
+    assert (table(sched, a), table(sched, b)) == ([0, 1], [2])
+    assert ids(sched.running) == ["a", "b"] and not sched.waiting
+    assert a.seqs[0].output_token_ids == [TOKEN] and a.seqs[0].num_computed_tokens == 5
+
+    out = step(sched)  # a: 6 tokens fit in 2 blocks; b: 4 tokens fit in 1 block
+    assert plan(out) == [("a", 1), ("b", 1)]
+    assert not any(s.is_prefill for s in out.scheduled)
+    assert (table(sched, a), table(sched, b)) == ([0, 1], [2])
+    out = step(sched)  # b's 5th token needs a new block
+    assert (table(sched, a), table(sched, b)) == ([0, 1], [2, 3])
+    assert out.blocks_to_copy == [] and not out.is_empty
+
+
+def test_token_budget_is_respected_and_fcfs_is_kept() -> None:
+    sched = make_scheduler(num_gpu_blocks=12, max_num_batched_tokens=10)
+    for i, n in enumerate([4, 5, 2, 1]):
+        sched.add_request(make_group(f"r{i}", i, n))
+    out = step(sched)
+    # r0 + r1 use 9 of 10 tokens; r2 (2) does not fit, and r3 (1) would but may not jump ahead.
+    assert plan(out) == [("r0", 4), ("r1", 5)]
+    assert ids(sched.waiting) == ["r2", "r3"]
+    out = step(sched)
+    assert plan(out) == [("r0", 1), ("r1", 1), ("r2", 2), ("r3", 1)]
+    assert out.num_batched_tokens == 5
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add_request(make_group(f"r{i}", i, 2))
+    assert plan(step(sched)) == [("r0", 2), ("r1", 2)]
+    assert plan(step(sched)) == [("r0", 1), ("r1", 1)]
+    sched.finish_sequence(sched.running[0], sched.running[0].seqs[0], SequenceStatus.FINISHED_STOPPED)
+    assert plan(step(sched)) == [("r1", 1), ("r2", 2)]
+
+
+def test_later_stops_admission_without_skipping() -> None:
+    sched = make_scheduler(num_gpu_blocks=8, watermark=0.0)
+    sched.add_request(make_group("big", 0, 24))  # 6 blocks
+    sched.add_request(make_group("mid", 1, 12))  # 3 blocks: LATER
+    sched.add_request(make_group("small", 2, 4))  # 1 block would fit, but must wait its turn
+    assert plan(step(sched)) == [("big", 24)]
+    assert ids(sched.waiting) == ["mid", "small"]
+    assert plan(step(sched)) == [("big", 1)]
+
+
+def test_watermark_keeps_blocks_free_for_decodes() -> None:
+    sched = make_scheduler(num_gpu_blocks=10, watermark=0.2)  # 2 watermark blocks
+    sched.add_request(make_group("a", 0, 16))  # 4 blocks
+    sched.add_request(make_group("b", 1, 16))  # 4 more would leave 2: OK
+    sched.add_request(make_group("c", 2, 1))  # 1 more would leave 1 < 2: LATER
+    assert plan(step(sched)) == [("a", 16), ("b", 16)]
+    assert ids(sched.waiting) == ["c"]
+
+
+# -- ignored requests ----------------------------------------------------------
+
+
+def test_ignored_prompts_do_not_block_the_queue() -> None:
+    sched = make_scheduler(num_gpu_blocks=8, max_num_batched_tokens=20, max_model_len=24)
+    too_long = make_group("too_long", 0, 25)  # > max_model_len
+    over_budget = make_group("over_budget", 1, 21)  # > max_num_batched_tokens
+    ok = make_group("ok", 2, 3)
+    for group in (too_long, over_budget, ok):
+        sched.add_request(group)
+    out = step(sched)
+    assert ids(out.ignored) == ["too_long", "over_budget"]
+    assert plan(out) == [("ok", 3)]
+    assert too_long.seqs[0].status is SequenceStatus.FINISHED_IGNORED
+    assert over_budget.seqs[0].status is SequenceStatus.FINISHED_IGNORED
+    assert sched.get_num_unfinished_requests() == 1
+    assert sched.abort_request("too_long") is None
+
+
+def test_prompt_larger_than_cache_is_ignored() -> None:
+    sched = make_scheduler(num_gpu_blocks=4, watermark=0.25)  # 3 usable blocks
+    sched.add_request(make_group("huge", 0, 13))  # 4 blocks: NEVER
+    sched.add_request(make_group("fits", 1, 12))
+    out = step(sched)
+    assert ids(out.ignored) == ["huge"] and plan(out) == [("fits", 12)]
+    assert sched.max_seq_len == 12
+
+
+def test_max_seq_len_is_the_tightest_limit() -> None:
+    assert make_scheduler(num_gpu_blocks=100, max_num_batched_tokens=30, max_model_len=40).max_seq_len == 30
+    assert make_scheduler(num_gpu_blocks=100, max_num_batched_tokens=50, max_model_len=40).max_seq_len == 40
+
+
+# -- preemption ----------------------------------------------------------------
+
+
+def test_last_group_preempts_itself_when_it_cannot_grow() -> None:
+    sched = make_scheduler(num_gpu_blocks=8)
+    groups = [make_group(name, i, 8) for i, name in enumerate("abc")]  # 2 blocks each
+    for group in groups:
+        sched.add_request(group)
+    sched.add_request(make_group("d", 3, 4))  # would need 1 of the 2 free blocks: admitted
+    assert plan(step(sched)) == [("a", 8), ("b", 8), ("c", 8), ("d", 4)]
+    # a, b, c each need a 3rd block; only 1 free -> a gets 7, then b needs one:
+    # preempt d (last), b gets 6; c needs one and is last now: preempt c itself.
+    out = sched.schedule()
+    assert ids(out.preempted) == ["d", "c"]
+    assert plan(out) == [("a", 1), ("b", 1)]
+    assert ids(sched.waiting) == ["c", "d"]  # front of waiting, FCFS order kept
+    assert ids(sched.running) == ["a", "b"]
+    assert (table(sched, groups[0]), table(sched, groups[1])) == ([0, 1, 7], [2, 3, 6])
+    assert sched.block_manager.num_free_gpu_blocks == 2
+    c = groups[2].seqs[0]
+    assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0
+    assert c.output_token_ids == [TOKEN]  # recompute keeps outputs
+    assert not sched.block_manager.has_block_table(c)
+    sched.update_after_step(out, sample_all(out))
+
+
+def test_preemption_victim_is_last_arrived_and_recompute_replays_outputs() -> None:
+    sched = make_scheduler(num_gpu_blocks=8)
+    a, b = make_group("a", 0, 8), make_group("b", 1, 24)  # 2 + 6 blocks: cache full
+    sched.add_request(a)
+    sched.add_request(b)
+    assert plan(step(sched)) == [("a", 8), ("b", 24)]
+    out = step(sched)  # a needs a 3rd block: preempt b, the last arrival
+    assert ids(out.preempted) == ["b"] and plan(out) == [("a", 1)]
+    assert table(sched, a) == [0, 1, 2]
+    assert ids(sched.waiting) == ["b"]
+    # No admission in a step that preempted, and b (25 tokens = 7 blocks) is LATER now.
+    out = step(sched)
+    assert plan(out) == [("a", 1)] and not out.preempted
+    assert ids(sched.waiting) == ["b"]
+    sched.abort_request("a")
+    assert sched.block_manager.num_free_gpu_blocks == 8
+    out = sched.schedule()
+    assert plan(out) == [("b", 25)]
+    (resumed,) = out.scheduled
+    assert resumed.is_prefill and resumed.samples
+    assert resumed.token_ids == list(range(1, 25)) + [TOKEN]
+    assert table(sched, b) == [0, 1, 2, 3, 4, 5, 6]
+    sched.update_after_step(out, {1: 42})
+    assert b.seqs[0].output_token_ids == [TOKEN, 42]
+    assert b.seqs[0].num_computed_tokens == 25
+
+
+# -- abort, finish, update -------------------------------------------------------
+
+
+def test_abort_frees_blocks_and_dequeues() -> None:
+    sched = make_scheduler()
+    a, b, c = make_group("a", 0, 5), make_group("b", 1, 4), make_group("c", 2, 30)
+    for group in (a, b, c):
+        sched.add_request(group)
+    step(sched)  # a: [0, 1], b: [2]; c does not fit the 5 free blocks (8 needed)
+    assert sched.abort_request("a") is a
+    assert a.seqs[0].status is SequenceStatus.FINISHED_ABORTED
+    assert sched.block_manager.num_free_gpu_blocks == 7
+    assert sched.abort_request("c") is c  # waiting
+    assert ids(sched.running) == ["b"] and not sched.waiting
+    assert sched.abort_request("a") is None
+    assert sched.abort_request("b") is b
+    assert sched.block_manager.num_free_gpu_blocks == 8
+    assert not sched.has_unfinished_requests()
+
+
+def test_abort_during_step_is_skipped_by_update() -> None:
+    sched = make_scheduler()
+    a, b = make_group("a", 0, 3), make_group("b", 1, 3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    sched.abort_request("a")
+    sched.update_after_step(out, {0: 1, 1: 2})  # the worker still returns a's sample
+    assert a.seqs[0].output_token_ids == [] and b.seqs[0].output_token_ids == [2]
+
+
+def test_update_requires_every_sample_and_changes_nothing_on_error() -> None:
+    sched = make_scheduler()
+    a, b = make_group("a", 0, 3), make_group("b", 1, 3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="no token for scheduled seq_ids \\[1\\]"):
+        sched.update_after_step(out, {0: 5})
+    with pytest.raises(ValueError, match="seq_ids \\[7\\] that were not scheduled"):
+        sched.update_after_step(out, {0: 5, 1: 6, 7: 1})
+    with pytest.raises(ValueError, match="non-negative ints"):
+        sched.update_after_step(out, {0: 5, 1: -6})
+    assert a.seqs[0].num_computed_tokens == 0 and a.seqs[0].output_token_ids == []
+    sched.update_after_step(out, {0: 5, 1: 6})
+    with pytest.raises(ValueError, match="changed since it was scheduled"):
+        sched.update_after_step(out, {0: 5, 1: 6})
+
+
+def test_finish_sequence_frees_and_leaves_running() -> None:
+    sched = make_scheduler()
+    a = make_group("a", 0, 5)
+    sched.add_request(a)
+    step(sched)
+    with pytest.raises(ValueError, match="must be a FINISHED_\\* status, got RUNNING"):
+        sched.finish_sequence(a, a.seqs[0], SequenceStatus.RUNNING)
+    sched.finish_sequence(a, a.seqs[0], SequenceStatus.FINISHED_LENGTH)
+    assert a.seqs[0].status is SequenceStatus.FINISHED_LENGTH
+    assert not sched.running and sched.block_manager.num_free_gpu_blocks == 8
+    assert sched.schedule().is_empty
+    with pytest.raises(ValueError, match="not an active sequence"):
+        sched.finish_sequence(a, a.seqs[0], SequenceStatus.FINISHED_STOPPED)
+
+
+def test_add_request_validation() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_group("a", 0, 2))
+    with pytest.raises(ValueError, match="request_id 'a' is already scheduled"):
+        sched.add_request(make_group("a", 1, 2))
+    with pytest.raises(ValueError, match="seq_id 0 is already in use"):
+        sched.add_request(make_group("b", 0, 2))
+    done = make_group("c", 5, 2)
+    done.seqs[0].status = SequenceStatus.FINISHED_ABORTED
+    with pytest.raises(ValueError, match="must be WAITING, got FINISHED_ABORTED"):
+        sched.add_request(done)
+
+
+def test_drain_to_completion_frees_everything() -> None:
+    sched = make_scheduler(num_gpu_blocks=8, max_num_batched_tokens=16, max_num_seqs=3)
+    for i in range(6):
+        sched.add_request(make_group(f"r{i}", i, 3 + 2 * i))
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out = step(sched)
+        assert out.num_batched_tokens <= 16
+        for s in out.scheduled:
+            if len(s.seq.output_token_ids) >= 6 or s.seq.num_tokens >= sched.max_seq_len:
+                sched.finish_sequence(s.group, s.seq, SequenceStatus.FINISHED_LENGTH)
+    assert not sched.has_unfinished_requests()
+    assert sched.block_manager.num_free_gpu_blocks == 8
+
+
+# -- property test ---------------------------------------------------------------
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / schedule / update / finish / abort; blocks never leak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched = make_scheduler(
+            num_gpu_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=24, watermark=0.1
+        )
+        self.next_id = 0
+        self.pending: SchedulerOutput | None = None
+        self.max_tokens: dict[int, int] = {}
+        self.groups: list[SequenceGroup] = []
+
+    # Mostly prompts that fit, some that must be ignored (> 16-token budget or
+    # > 24-token model length); long outputs create the cache pressure that
+    # forces preemption.
+    @rule(prompt_len=st.integers(1, 14) | st.integers(1, 30), max_tokens=st.integers(1, 24))
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        group = make_group(f"r{self.next_id}", self.next_id, prompt_len, arrival_time=float(self.next_id))
+        self.max_tokens[self.next_id] = max_tokens
+        self.next_id += 1
+        self.sched.add_request(group)
+        self.groups.append(group)
+
+    @precondition(lambda self: self.pending is None)
+    @rule()
+    def schedule(self) -> None:
+        running_before = list(self.sched.running)
+        out = self.sched.schedule()
+        config = self.sched.scheduler_config
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+        assert out.num_batched_tokens <= config.max_num_batched_tokens
+        assert len(out.scheduled) <= config.max_num_seqs
+        assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+        for s in out.scheduled:
+            assert s.samples  # no chunking yet: every scheduled seq samples
+            table = self.sched.get_block_table(s.seq)
+            assert len(table) * 4 >= s.num_computed_tokens + s.num_new_tokens
+        for name, happened in (("preempted", out.preempted), ("ignored", out.ignored), ("cow", out.blocks_to_copy)):
+            if happened:
+                event(name)
+        if out.preempted:
+            # Victims are taken from the back of the running list.
+            n = len(out.preempted)
+            assert ids(out.preempted) == ids(reversed(running_before[-n:]))
+            assert ids(list(self.sched.waiting)[:n]) == ids(running_before[-n:])
+            assert not any(s.is_prefill for s in out.scheduled)
+        self.pending = out
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def update(self) -> None:
+        out, self.pending = self.pending, None
+        sampled = {s.seq.seq_id: TOKEN for s in out.scheduled if s.samples and not s.seq.is_finished}
+        self.sched.update_after_step(out, sampled)
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:
+                continue
+            if len(seq.output_token_ids) >= self.max_tokens[seq.seq_id] or seq.num_tokens >= self.sched.max_seq_len:
+                self.sched.finish_sequence(s.group, seq, SequenceStatus.FINISHED_LENGTH)
+
+    @rule(data=st.data())
+    def finish_one(self, data: st.DataObject) -> None:
+        live = [(g, s) for g in self.sched.running for s in g.unfinished_seqs()]
+        if live:
+            group, seq = data.draw(st.sampled_from(live))
+            self.sched.finish_sequence(group, seq, SequenceStatus.FINISHED_STOPPED)
+
+    @rule(data=st.data())
+    def abort_one(self, data: st.DataObject) -> None:
+        if self.groups:
+            group = data.draw(st.sampled_from(self.groups))
+            result = self.sched.abort_request(group.request_id)
+            assert result is None or result is group
+
+    @invariant()
+    def blocks_are_consistent(self) -> None:
+        bm = self.sched.block_manager
+        alloc = bm.gpu_allocator
+        owners = Counter(b for table in bm.block_tables.values() for b in table)
+        for block_id in range(bm.num_gpu_blocks):
+            ref = alloc.get_ref_count(block_id)
+            assert ref >= 0
+            # A block in several tables must be ref counted that many times.
+            assert ref == owners[block_id]
+        assert bm.num_free_gpu_blocks == sum(1 for b in range(bm.num_gpu_blocks) if owners[b] == 0)
+        running_seqs = {s.seq_id for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)}
+        assert set(bm.block_tables) == running_seqs
+        assert len(running_seqs) <= self.sched.scheduler_config.max_num_seqs
+        for group in self.sched.running:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                assert len(bm.block_tables[seq.seq_id]) * 4 >= seq.num_computed_tokens
+        for group in self.sched.waiting:
+            assert all(s.status is SequenceStatus.WAITING for s in group.unfinished_seqs())
+
+    def teardown(self) -> None:
+        # Drive everything to completion as an engine loop would.
+        if self.pending is not None:
+            self.update()
+        for _ in range(500):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.schedule()
+            self.update()
+        assert not self.sched.has_unfinished_requests()
+        assert self.sched.block_manager.num_free_gpu_blocks == 10
+        assert self.sched.block_manager.block_tables == {}
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
