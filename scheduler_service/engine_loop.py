@@ -67,6 +67,7 @@ class EngineLoop:
         for seq_id in commit.dropped_seqs:
             self._planner.forget(seq_id)
         out = self._scheduler.schedule()
+        commit.num_preemptions += len(out.preempted)
         for group in out.preempted:
             for seq in group.seqs:
                 self._planner.forget(seq.seq_id)

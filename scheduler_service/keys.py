@@ -37,9 +37,9 @@ def running(worker_id: str) -> str:
     return f"{PREFIX}:w:{worker_id}:running"
 
 
-def blocks(worker_id: str) -> str:
-    """Hash: total / free KV blocks of the worker, as the engine loop last committed."""
-    return f"{PREFIX}:w:{worker_id}:blocks"
+def stats(worker_id: str) -> str:
+    """Hash: the worker's KV blocks (total / free, as last committed) and its preemption count."""
+    return f"{PREFIX}:w:{worker_id}:stats"
 
 
 def epoch(worker_id: str) -> str:

@@ -55,6 +55,7 @@ class StepCommit:
     running: list[str] | None = None
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    num_preemptions: int = 0
 
     def is_empty(self) -> bool:
         return not (self.new_tokens or self.new_blocks or self.dropped_block_tables or self.outputs
@@ -160,7 +161,9 @@ class RedisStore:
                     pipe.delete(key)
                     if snapshot:
                         pipe.rpush(key, *snapshot)
-            pipe.hset(keys.blocks(w), mapping={"free": c.num_free_blocks, "total": c.num_total_blocks})
+            pipe.hset(keys.stats(w), mapping={"free": c.num_free_blocks, "total": c.num_total_blocks})
+            if c.num_preemptions:
+                pipe.hincrby(keys.stats(w), "preemptions", c.num_preemptions)
             pipe.lpop(keys.inbox(w), INBOX_BATCH)
             pipe.lpop(keys.aborts(w), INBOX_BATCH)
             results = await pipe.execute()

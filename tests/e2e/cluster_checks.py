@@ -21,7 +21,8 @@ def redis_state(cluster: LocalCluster) -> dict[str, object]:
     """The parts of the Redis state that must be empty when no request is live."""
     client = redis.Redis.from_url(cluster.redis_url)
     w = cluster.worker_address
-    blocks = {k.decode(): int(v) for k, v in client.hgetall(keys.blocks(w)).items()}
+    stats = {k.decode(): int(v) for k, v in client.hgetall(keys.stats(w)).items()}
+    blocks = {k: v for k, v in stats.items() if k in ("free", "total")}
     state = {
         "seq_keys": sorted(k.decode() for k in client.scan_iter(f"{keys.PREFIX}:seq:*")),
         "request_keys": sorted(k.decode() for k in client.scan_iter(f"{keys.PREFIX}:req:*")),
@@ -29,6 +30,7 @@ def redis_state(cluster: LocalCluster) -> dict[str, object]:
         "running": client.llen(keys.running(w)),
         "inbox": client.llen(keys.inbox(w)),
         "blocks": blocks,
+        "preemptions": stats.get("preemptions", 0),
     }
     client.close()
     return state

@@ -16,7 +16,7 @@ import pytest
 
 from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
-from tests.e2e.cluster_checks import assert_all_blocks_free
+from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
 from tests.e2e.concurrency import generate_all
 from tests.hf_reference import HFReference, compare_greedy
 
@@ -63,6 +63,8 @@ def test_concurrent_greedy_matches_transformers(cluster: LocalCluster, reference
             near_ties.append(cmp.detail)
     print(f"near-ties accepted: {near_ties or 'none'}")
     assert_all_blocks_free(cluster)
+    # The cache is too small for all 16 at once: the run must have gone through recompute preemption.
+    assert redis_state(cluster)["preemptions"] > 0
 
 
 def test_text_prompt_streams_text_and_stops_on_string(cluster: LocalCluster, reference: HFReference) -> None:

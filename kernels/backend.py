@@ -1,0 +1,123 @@
+"""The kernel API every backend implements, and picking a backend for a device.
+
+The model runner calls kernels only through a :class:`KernelBackend`, so the
+CPU (torch) kernels and the later Numba-CUDA kernels are interchangeable. The
+Protocols below pin the shared signatures; each backend's docstrings give the
+semantics (see :mod:`kernels.cpu`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class ReshapeAndCacheFn(Protocol):
+    def __call__(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+
+class CopyBlocksFn(Protocol):
+    def __call__(
+        self,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        block_mapping: torch.Tensor,
+    ) -> None: ...
+
+
+class SwapBlocksFn(Protocol):
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None: ...
+
+
+class PagedAttentionFn(Protocol):
+    def __call__(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        num_kv_heads: int,
+        scale: float,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        max_context_len: int,
+        alibi_slopes: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+    ) -> None: ...
+
+
+class ContextAttentionFn(Protocol):
+    def __call__(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        num_kv_heads: int,
+        scale: float,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_size: int,
+        alibi_slopes: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """The five paged KV-cache kernels of one backend."""
+
+    name: str
+    reshape_and_cache: ReshapeAndCacheFn
+    copy_blocks: CopyBlocksFn
+    swap_blocks: SwapBlocksFn
+    paged_attention: PagedAttentionFn
+    context_attention: ContextAttentionFn
+
+
+@functools.cache
+def _cpu_backend() -> KernelBackend:
+    # Imported here so that `kernels.backend` stays importable by the CUDA
+    # backend without pulling in the CPU implementation.
+    from kernels import cpu
+
+    return KernelBackend(
+        name="cpu",
+        reshape_and_cache=cpu.reshape_and_cache,
+        copy_blocks=cpu.copy_blocks,
+        swap_blocks=cpu.swap_blocks,
+        paged_attention=cpu.paged_attention,
+        context_attention=cpu.context_attention,
+    )
+
+
+def get_backend(device: torch.device | str) -> KernelBackend:
+    """Return the kernel backend for tensors on ``device`` (``"cpu"``, ``"cuda:0"``, ...).
+
+    Raises NotImplementedError for CUDA (the Numba-CUDA backend is not built
+    yet) and other device types, ValueError for an unparsable device.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be a torch.device or device string, got {device!r}") from exc
+    if dev.type == "cpu":
+        return _cpu_backend()
+    if dev.type == "cuda":
+        raise NotImplementedError(
+            f"Numba-CUDA kernels are not built yet; no kernel backend for device {dev}. "
+            "Run the worker on cpu until kernels/cuda exists."
+        )
+    raise NotImplementedError(f"no kernel backend for device type {dev.type!r} (device {dev}); supported: cpu")

@@ -1,0 +1,636 @@
+"""CPU paged KV-cache kernels against the float64 loop references.
+
+Every attention test builds its own random inputs (seeded per case, so a
+failure reproduces): a cache whose unwritten slots
+are NaN (so reading padding or a stale block shows up), block tables that are a
+random permutation of the physical blocks (never contiguous by accident),
+ragged context lengths, and an output tensor poisoned with NaN (so a row the
+kernel forgets to write fails).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels.cpu import attention as cpu_attention
+from tests.kernels_reference import ref_context_attention, ref_paged_attention, ref_reshape_and_cache
+
+# Max-abs error relative to the reference's max-abs value. fp32 computes in fp32;
+# half types also compute in fp32, so their error is mostly the final rounding
+# of the output (2^-9 for bf16, 2^-11 for fp16) plus a margin.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-3, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert not torch.isnan(actual).any(), "output has NaN (unwritten row or NaN leaked from the cache)"
+    return float((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+class PagedCache:
+    """A NaN-poisoned paged cache holding given sequences at randomly permuted blocks."""
+
+    def __init__(
+        self,
+        seq_lens: list[int],
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        dtype: torch.dtype,
+        gen: torch.Generator,
+        spare_blocks: int = 3,
+        unused_table_entry: int | None = None,
+    ) -> None:
+        blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + spare_blocks
+        self.block_size = block_size
+        self.key_cache = torch.full(
+            kernels.key_cache_shape(num_blocks, num_kv_heads, head_size, block_size, dtype), float("nan"), dtype=dtype
+        )
+        self.value_cache = torch.full(
+            kernels.value_cache_shape(num_blocks, num_kv_heads, head_size, block_size, dtype), float("nan"), dtype=dtype
+        )
+        physical = torch.randperm(num_blocks, generator=gen).tolist()
+        max_blocks = max(blocks_per_seq + [1]) + 2  # extra columns past every sequence's last block
+        # Entries past the used blocks are garbage: random ids, or a fixed value when asked.
+        table = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen)
+        if unused_table_entry is not None:
+            table.fill_(unused_table_entry)
+        for s, n in enumerate(blocks_per_seq):
+            table[s, :n] = torch.tensor(physical[:n], dtype=torch.long)
+            physical = physical[n:]
+        self.block_tables = table.to(torch.int32)
+
+        # Write every position's key/value with the reference writer.
+        slots = []
+        for s, n in enumerate(seq_lens):
+            for p in range(n):
+                slots.append(int(table[s, p // block_size]) * block_size + p % block_size)
+        total = len(slots)
+        self.keys = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
+        self.values = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        ref_reshape_and_cache(self.keys, self.values, self.key_cache, self.value_cache, self.slot_mapping)
+
+
+def alibi_slopes_for(num_heads: int) -> torch.Tensor:
+    # The standard ALiBi geometric slopes (2^(-8/n), 2^(-16/n), ...).
+    return torch.tensor([2 ** (-8 * (h + 1) / num_heads) for h in range(num_heads)], dtype=torch.float32)
+
+
+def stable_seed(*parts: str) -> int:
+    # Python's str hash is salted per process; crc32 keeps failures reproducible.
+    return zlib.crc32("/".join(parts).encode())
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+# (dtype, num_heads, num_kv_heads, head_size, block_size): GQA, MHA and MQA,
+# every head size and block size, each dtype at least twice.
+ATTENTION_CONFIGS = [
+    (torch.float32, 8, 2, 64, 16),
+    (torch.float32, 8, 8, 80, 8),
+    (torch.float32, 4, 1, 96, 32),
+    (torch.float32, 8, 2, 128, 16),
+    (torch.bfloat16, 8, 2, 64, 16),
+    (torch.bfloat16, 4, 1, 128, 8),
+    (torch.float16, 8, 2, 96, 32),
+    (torch.float16, 8, 8, 80, 16),
+    (torch.float64, 4, 2, 64, 8),
+]
+# (use_alibi, sliding_window)
+FEATURES = [(False, None), (True, None), (False, 11), (True, 11)]
+
+
+def config_id(cfg: tuple) -> str:
+    dtype, h, kvh, d, bs = cfg
+    return f"{str(dtype).removeprefix('torch.')}-h{h}kv{kvh}-d{d}-bs{bs}"
+
+
+def feature_id(feature: tuple) -> str:
+    alibi, window = feature
+    return ("alibi" if alibi else "noalibi") + (f"-win{window}" if window else "")
+
+
+def run_paged(
+    cfg: tuple,
+    context_lens: list[int],
+    use_alibi: bool,
+    sliding_window: int | None,
+    seed: int,
+    unused_table_entry: int | None = None,
+) -> float:
+    dtype, num_heads, num_kv_heads, head_size, block_size = cfg
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedCache(
+        context_lens, num_kv_heads, head_size, block_size, dtype, gen, unused_table_entry=unused_table_entry
+    )
+    query = torch.randn(len(context_lens), num_heads, head_size, generator=gen).to(dtype)
+    slopes = alibi_slopes_for(num_heads) if use_alibi else None
+    scale = head_size**-0.5
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    out = nan_like(query)
+    kernels.paged_attention(
+        out,
+        query,
+        cache.key_cache,
+        cache.value_cache,
+        num_kv_heads,
+        scale,
+        cache.block_tables,
+        lens,
+        block_size,
+        max(context_lens),
+        alibi_slopes=slopes,
+        sliding_window=sliding_window,
+    )
+    expected = ref_paged_attention(
+        query, cache.key_cache, cache.value_cache, cache.block_tables, lens, scale, slopes, sliding_window
+    )
+    assert out.dtype == dtype
+    return rel_error(out, expected)
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=feature_id)
+@pytest.mark.parametrize("cfg", ATTENTION_CONFIGS, ids=config_id)
+def test_paged_attention_matches_reference(cfg: tuple, feature: tuple) -> None:
+    block_size = cfg[4]
+    # Ragged: one token, exactly one block, one past a block, a long odd length.
+    context_lens = [1, block_size, block_size + 1, 3 * block_size - 5, 2 * block_size + 3]
+    err = run_paged(cfg, context_lens, *feature, seed=stable_seed(config_id(cfg), feature_id(feature)))
+    assert err < TOLERANCE[cfg[0]]
+
+
+@pytest.mark.parametrize("sliding_window", [1, 2, 7, 8, 9, 30, 1000])
+@pytest.mark.parametrize("use_alibi", [False, True])
+def test_paged_attention_sliding_window_sizes(sliding_window: int, use_alibi: bool) -> None:
+    # Windows smaller than, equal to, straddling and larger than blocks and contexts.
+    cfg = (torch.float32, 4, 2, 64, 8)
+    err = run_paged(cfg, [1, 7, 8, 9, 23, 40], use_alibi, sliding_window, seed=sliding_window + 100 * use_alibi)
+    assert err < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("unused_entry", [0, -1])
+def test_paged_attention_ignores_unused_block_table_entries(unused_entry: int) -> None:
+    err = run_paged((torch.float32, 8, 2, 64, 16), [3, 17, 33], False, None, seed=5, unused_table_entry=unused_entry)
+    assert err < TOLERANCE[torch.float32]
+
+
+def test_paged_attention_chunked_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tiny gather budget forces one-sequence chunks; results must not change.
+    monkeypatch.setattr(cpu_attention, "_DECODE_GATHER_BUDGET", 1)
+    err = run_paged((torch.float32, 8, 2, 64, 8), [1, 9, 30, 16], True, 13, seed=6)
+    assert err < TOLERANCE[torch.float32]
+
+
+def test_paged_attention_zero_length_context_gives_zeros() -> None:
+    gen = torch.Generator().manual_seed(7)
+    cache = PagedCache([5, 0, 12], 2, 64, 8, torch.float32, gen)
+    query = torch.randn(3, 4, 64, generator=gen)
+    out = nan_like(query)
+    lens = torch.tensor([5, 0, 12], dtype=torch.int32)
+    kernels.paged_attention(out, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 12)
+    expected = ref_paged_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, lens, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_paged_attention_loose_max_context_len() -> None:
+    # max_context_len is an upper bound; a loose one must not change the result.
+    gen = torch.Generator().manual_seed(8)
+    cache = PagedCache([4, 19], 1, 64, 16, torch.float32, gen)
+    query = torch.randn(2, 2, 64, generator=gen)
+    lens = torch.tensor([4, 19], dtype=torch.int32)
+    out = nan_like(query)
+    kernels.paged_attention(
+        out, query, cache.key_cache, cache.value_cache, 1, 0.125, cache.block_tables, lens, 16, 4096
+    )
+    expected = ref_paged_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, lens, 0.125)
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    data=st.data(),
+    num_kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    block_size=st.sampled_from([8, 16]),
+    use_alibi=st.booleans(),
+    sliding_window=st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_paged_attention_property(
+    data: st.DataObject, num_kv_heads: int, group: int, block_size: int, use_alibi: bool, sliding_window: int | None
+) -> None:
+    context_lens = data.draw(st.lists(st.integers(1, 45), min_size=1, max_size=4))
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    cfg = (torch.float32, num_kv_heads * group, num_kv_heads, 64, block_size)
+    assert run_paged(cfg, context_lens, use_alibi, sliding_window, seed) < TOLERANCE[torch.float32]
+
+
+# ---------------------------------------------------------------- context attention
+
+CONTEXT_FEATURES = [(False, None), (True, None), (False, 6), (True, 6)]
+
+
+def run_context(
+    cfg: tuple, seqs: list[tuple[int, int]], use_alibi: bool, sliding_window: int | None, seed: int
+) -> float:
+    """seqs: (seq_len, q_len) per sequence; the q_len newest positions are the queries."""
+    dtype, num_heads, num_kv_heads, head_size, block_size = cfg
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [s for s, _ in seqs]
+    cache = PagedCache(seq_lens, num_kv_heads, head_size, block_size, dtype, gen)
+    q_lens = [q for _, q in seqs]
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1], num_heads, head_size, generator=gen).to(dtype)
+    slopes = alibi_slopes_for(num_heads) if use_alibi else None
+    scale = head_size**-0.5
+    qsl = torch.tensor(starts, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = nan_like(query)
+    kernels.context_attention(
+        out,
+        query,
+        cache.key_cache,
+        cache.value_cache,
+        num_kv_heads,
+        scale,
+        cache.block_tables,
+        qsl,
+        lens,
+        block_size,
+        alibi_slopes=slopes,
+        sliding_window=sliding_window,
+    )
+    expected = ref_context_attention(
+        query, cache.key_cache, cache.value_cache, cache.block_tables, qsl, lens, scale, slopes, sliding_window
+    )
+    assert out.dtype == dtype
+    return rel_error(out, expected)
+
+
+@pytest.mark.parametrize("feature", CONTEXT_FEATURES, ids=feature_id)
+@pytest.mark.parametrize("cfg", ATTENTION_CONFIGS, ids=config_id)
+def test_context_attention_matches_reference(cfg: tuple, feature: tuple) -> None:
+    block_size = cfg[4]
+    seqs = [
+        (block_size + 3, block_size + 3),  # pure prefill, not a block multiple
+        (2 * block_size + 5, 6),  # chunk after a cached prefix, spanning blocks
+        (block_size, block_size),  # pure prefill, exactly one block
+        (9, 1),  # one new token after a prefix
+        (1, 1),  # one-token prompt
+        (7, 0),  # sequence with no queries this step
+    ]
+    err = run_context(cfg, seqs, *feature, seed=stable_seed("ctx", config_id(cfg), feature_id(feature)))
+    assert err < TOLERANCE[cfg[0]]
+
+
+@pytest.mark.parametrize("budget", [1, 300])
+@pytest.mark.parametrize("feature", CONTEXT_FEATURES, ids=feature_id)
+def test_context_attention_query_tiles(monkeypatch: pytest.MonkeyPatch, budget: int, feature: tuple) -> None:
+    # A tiny scores budget splits prompts into 1-query (or few-query) tiles, each
+    # with its own causal / window key range; results must not change.
+    monkeypatch.setattr(cpu_attention, "_PREFILL_SCORES_BUDGET", budget)
+    seqs = [(21, 21), (30, 11), (5, 1)]
+    seed = stable_seed("tiles", str(budget), feature_id(feature))
+    err = run_context((torch.float32, 4, 2, 64, 8), seqs, *feature, seed=seed)
+    assert err < TOLERANCE[torch.float32]
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    data=st.data(),
+    num_kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    block_size=st.sampled_from([8, 16]),
+    use_alibi=st.booleans(),
+    sliding_window=st.one_of(st.none(), st.integers(1, 30)),
+)
+def test_context_attention_property(
+    data: st.DataObject, num_kv_heads: int, group: int, block_size: int, use_alibi: bool, sliding_window: int | None
+) -> None:
+    seq_lens = data.draw(st.lists(st.integers(1, 30), min_size=1, max_size=3))
+    seqs = [(n, data.draw(st.integers(0, n))) for n in seq_lens]
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    cfg = (torch.float32, num_kv_heads * group, num_kv_heads, 64, block_size)
+    if sum(q for _, q in seqs) == 0:
+        seqs[0] = (seqs[0][0], 1)
+    assert run_context(cfg, seqs, use_alibi, sliding_window, seed) < TOLERANCE[torch.float32]
+
+
+def test_context_attention_with_one_query_per_sequence_equals_paged_attention() -> None:
+    gen = torch.Generator().manual_seed(9)
+    lens_list = [1, 8, 13, 30]
+    cache = PagedCache(lens_list, 2, 64, 8, torch.float32, gen)
+    query = torch.randn(4, 8, 64, generator=gen)
+    lens = torch.tensor(lens_list, dtype=torch.int32)
+    slopes = alibi_slopes_for(8)
+    decode, prefill = nan_like(query), nan_like(query)
+    kernels.paged_attention(
+        decode, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 30, slopes, 10
+    )
+    qsl = torch.arange(5, dtype=torch.int32)
+    kernels.context_attention(
+        prefill, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, qsl, lens, 8, slopes, 10
+    )
+    torch.testing.assert_close(decode, prefill, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_accepts_strided_query_and_out_and_empty_batches() -> None:
+    # Query/out are often views into a fused qkv / output buffer.
+    gen = torch.Generator().manual_seed(15)
+    cache = PagedCache([6, 20], 2, 64, 8, torch.float32, gen)
+    fused = torch.randn(2, 3, 4, 64, generator=gen)  # [S, q/k/v, H, D]
+    query = fused[:, 0]
+    out_buffer = torch.full((2, 4, 2, 64), float("nan"))
+    out = out_buffer[:, :, 1]
+    lens = torch.tensor([6, 20], dtype=torch.int32)
+    kernels.paged_attention(out, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 20)
+    expected = ref_paged_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, lens, 0.125)
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]
+    assert torch.isnan(out_buffer[:, :, 0]).all()  # neighbours untouched
+
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    prefill = torch.full_like(query, float("nan"))
+    kernels.context_attention(
+        prefill, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, qsl, lens, 8
+    )
+    torch.testing.assert_close(prefill, out, rtol=1e-5, atol=1e-5)
+
+    empty = torch.empty(0, 4, 64)
+    no_rows = torch.empty(0, cache.block_tables.shape[1], dtype=torch.int32)
+    no_lens = torch.empty(0, dtype=torch.int32)
+    kernels.paged_attention(empty, empty, cache.key_cache, cache.value_cache, 2, 0.125, no_rows, no_lens, 8, 0)
+    no_starts = torch.zeros(1, dtype=torch.int32)
+    caches = (cache.key_cache, cache.value_cache)
+    kernels.context_attention(empty, empty, *caches, 2, 0.125, no_rows, no_starts, no_lens, 8)
+
+
+# ---------------------------------------------------------------- cache ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reshape_and_cache_matches_reference_and_skips_padding(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(10)
+    num_blocks, kv_heads, head_size, block_size = 6, 2, 64, 8
+    sizes = (num_blocks, kv_heads, head_size, block_size, dtype)
+    key_cache = torch.randn(kernels.key_cache_shape(*sizes), generator=gen).to(dtype)
+    value_cache = torch.randn(kernels.value_cache_shape(*sizes), generator=gen).to(dtype)
+    num_tokens = 20
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[0, 7, 19]] = -1  # padding tokens
+    key = torch.randn(num_tokens, kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, kv_heads, head_size, generator=gen).to(dtype)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    ref_reshape_and_cache(key, value, expected_k, expected_v, slots)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k)
+    assert torch.equal(value_cache, expected_v)
+
+
+def test_reshape_and_cache_element_addressing() -> None:
+    # Pin the layout itself: token t at slot s lands at key_cache[s // bs, h, d // x, s % bs, d % x].
+    key_cache, value_cache = (c[0] for c in kernels.allocate_kv_cache(1, 4, 2, 16, 4, torch.float16, "cpu"))
+    key = torch.arange(2 * 16, dtype=torch.float16).view(1, 2, 16)
+    value = -key
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([13]))
+    block, offset, x = 13 // 4, 13 % 4, 8
+    for h in range(2):
+        for d in range(16):
+            assert key_cache[block, h, d // x, offset, d % x] == key[0, h, d]
+            assert value_cache[block, h, d, offset] == value[0, h, d]
+    assert int((key_cache != 0).sum()) == 2 * 16 - 1  # everything else untouched (key[0,0,0] is 0)
+
+
+def test_reshape_and_cache_all_padding_is_a_no_op() -> None:
+    key_caches, value_caches = kernels.allocate_kv_cache(1, 2, 1, 8, 4, torch.float32, "cpu")
+    key = torch.ones(3, 1, 8)
+    kernels.reshape_and_cache(key, key, key_caches[0], value_caches[0], torch.full((3,), -1))
+    assert not key_caches[0].any() and not value_caches[0].any()
+
+
+def test_copy_blocks_is_exact_for_every_layer() -> None:
+    gen = torch.Generator().manual_seed(11)
+    layers = 3
+    sizes = (8, 2, 32, 4, torch.float16)
+    key_caches = [torch.randn(kernels.key_cache_shape(*sizes), generator=gen).half() for _ in range(layers)]
+    value_caches = [torch.randn(kernels.value_cache_shape(*sizes), generator=gen).half() for _ in range(layers)]
+    before_k = [k.clone() for k in key_caches]
+    before_v = [v.clone() for v in value_caches]
+    # Block 5 is both a source and a destination: sources are read before writes.
+    mapping = torch.tensor([[2, 5], [3, 7], [5, 1]], dtype=torch.int64)
+    kernels.copy_blocks(key_caches, value_caches, mapping)
+    for layer in range(layers):
+        for caches, before in ((key_caches, before_k), (value_caches, before_v)):
+            expected = before[layer].clone()
+            for src, dst in mapping.tolist():
+                expected[dst] = before[layer][src]
+            assert torch.equal(caches[layer], expected)
+
+
+def test_swap_blocks_is_exact_between_caches_of_different_sizes() -> None:
+    gen = torch.Generator().manual_seed(12)
+    for shape_fn in (kernels.key_cache_shape, kernels.value_cache_shape):
+        src = torch.randn(shape_fn(6, 2, 32, 8, torch.bfloat16), generator=gen).bfloat16()
+        dst = torch.randn(shape_fn(4, 2, 32, 8, torch.bfloat16), generator=gen).bfloat16()
+        src_before, expected = src.clone(), dst.clone()
+        mapping = torch.tensor([[5, 0], [0, 3], [2, 2]], dtype=torch.int64)
+        kernels.swap_blocks(src, dst, mapping)
+        for s, d in mapping.tolist():
+            expected[d] = src_before[s]
+        assert torch.equal(dst, expected)
+        assert torch.equal(src, src_before)
+
+
+# ---------------------------------------------------------------- layout and backend
+
+
+@pytest.mark.parametrize(
+    ("dtype", "x"), [(torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8), (torch.float64, 2)]
+)
+def test_layout_shapes(dtype: torch.dtype, x: int) -> None:
+    assert kernels.kv_pack_factor(dtype) == x
+    assert kernels.key_cache_shape(10, 2, 64, 16, dtype) == (10, 2, 64 // x, 16, x)
+    assert kernels.value_cache_shape(10, 2, 64, 16, dtype) == (10, 2, 64, 16)
+    keys, values = kernels.allocate_kv_cache(3, 10, 2, 64, 16, dtype, torch.device("cpu"))
+    assert len(keys) == len(values) == 3
+    for k, v in zip(keys, values):
+        assert k.shape == (10, 2, 64 // x, 16, x) and v.shape == (10, 2, 64, 16)
+        assert k.dtype == v.dtype == dtype
+        assert not k.any() and not v.any()
+    assert keys[0].data_ptr() != keys[1].data_ptr()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: kernels.kv_pack_factor(torch.int32),
+        lambda: kernels.key_cache_shape(10, 2, 66, 16, torch.float32),  # 66 % 4 != 0
+        lambda: kernels.key_cache_shape(10, 2, 68, 16, torch.float16),  # 68 % 8 != 0
+        lambda: kernels.value_cache_shape(0, 2, 64, 16, torch.float32),
+        lambda: kernels.key_cache_shape(10, 2, 64, True, torch.float32),
+        lambda: kernels.allocate_kv_cache(0, 10, 2, 64, 16, torch.float32, "cpu"),
+        lambda: kernels.allocate_kv_cache(1, 10, 2, 64, 16, torch.float32, "meta", pin_memory=True),
+        lambda: kernels.get_backend("not-a-device"),
+    ],
+)
+def test_layout_rejects_invalid_arguments(call) -> None:
+    with pytest.raises(ValueError):
+        call()
+
+
+def test_get_backend() -> None:
+    backend = kernels.get_backend("cpu")
+    assert isinstance(backend, kernels.KernelBackend)
+    assert backend.paged_attention is kernels.paged_attention
+    assert backend.context_attention is kernels.context_attention
+    assert backend.reshape_and_cache is kernels.reshape_and_cache
+    assert backend.copy_blocks is kernels.copy_blocks
+    assert backend.swap_blocks is kernels.swap_blocks
+    assert kernels.get_backend(torch.device("cpu")) == backend
+    with pytest.raises(NotImplementedError, match="Numba-CUDA"):
+        kernels.get_backend("cuda:0")
+
+
+# ---------------------------------------------------------------- invalid arguments
+
+
+def _decode_args() -> dict:
+    gen = torch.Generator().manual_seed(13)
+    cache = PagedCache([5, 12], 2, 64, 8, torch.float32, gen)
+    query = torch.randn(2, 4, 64, generator=gen)
+    return dict(
+        out=torch.empty_like(query),
+        query=query,
+        key_cache=cache.key_cache,
+        value_cache=cache.value_cache,
+        num_kv_heads=2,
+        scale=0.125,
+        block_tables=cache.block_tables,
+        context_lens=torch.tensor([5, 12], dtype=torch.int32),
+        block_size=8,
+        max_context_len=12,
+    )
+
+
+DECODE_BAD = {
+    "kv_heads_mismatch": dict(num_kv_heads=1),
+    "heads_not_multiple": dict(query=torch.randn(2, 3, 64), out=torch.empty(2, 3, 64)),
+    "out_shape": dict(out=torch.empty(2, 4, 32)),
+    "head_size": dict(query=torch.randn(2, 4, 32), out=torch.empty(2, 4, 32)),
+    "block_size": dict(block_size=16),
+    "scale_zero": dict(scale=0.0),
+    "scale_nan": dict(scale=math.nan),
+    "window_zero": dict(sliding_window=0),
+    "alibi_shape": dict(alibi_slopes=torch.ones(3)),
+    "context_over_max": dict(max_context_len=11),
+    "negative_context": dict(context_lens=torch.tensor([-1, 12], dtype=torch.int32)),
+    "context_lens_float": dict(context_lens=torch.tensor([5.0, 12.0])),
+    "context_lens_count": dict(context_lens=torch.tensor([5], dtype=torch.int32)),
+    "table_too_narrow": dict(context_lens=torch.tensor([5, 60], dtype=torch.int32), max_context_len=60),
+    "table_block_out_of_range": dict(block_tables=torch.tensor([[99, 0, 0, 0], [0, 1, 0, 0]], dtype=torch.int32)),
+    "table_float": dict(block_tables=torch.zeros(2, 4)),
+    "cache_dtype_mismatch": "value_cache_half",
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_BAD))
+def test_paged_attention_rejects_invalid_arguments(name: str) -> None:
+    args = _decode_args()
+    change = DECODE_BAD[name]
+    if change == "value_cache_half":
+        args["value_cache"] = args["value_cache"].half()
+    else:
+        args.update(change)
+    with pytest.raises(ValueError):
+        kernels.paged_attention(**args)
+
+
+def _prefill_args() -> dict:
+    gen = torch.Generator().manual_seed(14)
+    cache = PagedCache([5, 12], 2, 64, 8, torch.float32, gen)
+    query = torch.randn(9, 4, 64, generator=gen)
+    return dict(
+        out=torch.empty_like(query),
+        query=query,
+        key_cache=cache.key_cache,
+        value_cache=cache.value_cache,
+        num_kv_heads=2,
+        scale=0.125,
+        block_tables=cache.block_tables,
+        query_start_loc=torch.tensor([0, 5, 9], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 12], dtype=torch.int32),
+        block_size=8,
+    )
+
+
+PREFILL_BAD = {
+    "qsl_length": dict(query_start_loc=torch.tensor([0, 9], dtype=torch.int32)),
+    "qsl_end": dict(query_start_loc=torch.tensor([0, 5, 8], dtype=torch.int32)),
+    "qsl_start": dict(query_start_loc=torch.tensor([1, 5, 9], dtype=torch.int32)),
+    "qsl_decreasing": dict(query_start_loc=torch.tensor([0, 10, 9], dtype=torch.int32)),
+    "q_len_over_seq_len": dict(seq_lens=torch.tensor([4, 12], dtype=torch.int32)),
+    "table_too_narrow": dict(seq_lens=torch.tensor([5, 60], dtype=torch.int32)),
+    "table_rows": dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)),
+    "kv_heads": dict(num_kv_heads=4),
+    "window_negative": dict(sliding_window=-3),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_BAD))
+def test_context_attention_rejects_invalid_arguments(name: str) -> None:
+    args = _prefill_args()
+    args.update(PREFILL_BAD[name])
+    with pytest.raises(ValueError):
+        kernels.context_attention(**args)
+
+
+def test_cache_ops_reject_invalid_arguments() -> None:
+    keys, values = kernels.allocate_kv_cache(2, 4, 2, 16, 4, torch.float32, "cpu")
+    kv = torch.zeros(3, 2, 16)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.reshape_and_cache(kv, kv, keys[0], values[0], torch.tensor([0, 1, 16]))  # 16 slots only
+    with pytest.raises(ValueError, match="key"):
+        kernels.reshape_and_cache(torch.zeros(3, 2, 8), kv, keys[0], values[0], torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.reshape_and_cache(kv.half(), kv.half(), keys[0], values[0], torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.reshape_and_cache(kv, kv, keys[0], values[0], torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="block_mapping"):
+        kernels.copy_blocks(keys, values, torch.tensor([[0, 4]]))
+    with pytest.raises(ValueError, match="block_mapping"):
+        kernels.copy_blocks(keys, values, torch.tensor([[0, 1], [2, 1]]))  # repeated destination
+    with pytest.raises(ValueError, match="block_mapping"):
+        kernels.copy_blocks(keys, values, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="layers"):
+        kernels.copy_blocks(keys, values[:1], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="block shape"):
+        kernels.swap_blocks(keys[0], values[0], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="block_mapping"):
+        kernels.swap_blocks(keys[0], keys[1], torch.tensor([[-1, 1]]))
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.swap_blocks(keys[0], keys[1].half(), torch.tensor([[0, 1]]))
+
+
+def test_import_reads_no_environment() -> None:
+    # Backends are chosen by argument, never by environment at import time.
+    import ast
+    import pathlib
+
+    root = pathlib.Path(kernels.__file__).parent
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
+            n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+        }
+        assert "environ" not in names and "getenv" not in names, path
