@@ -48,6 +48,9 @@ class EngineLoop:
         self._processor = processor
         self._planner = Planner(epoch=0)
         self.steps = 0
+        self._last_waiting: list[str] | None = None
+        self._last_running: list[str] | None = None
+        self._last_blocks: tuple[int, int] | None = None
 
     async def _take_ownership(self) -> None:
         epoch = await self._store.next_epoch(self.worker_id)
@@ -56,11 +59,16 @@ class EngineLoop:
         log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
 
     def _snapshot(self, commit: StepCommit) -> None:
+        """Queue order and free blocks go into the commit only when they changed (an idle loop writes nothing)."""
         bm = self._scheduler.block_manager
-        commit.waiting = [g.request_id for g in self._scheduler.waiting]
-        commit.running = [g.request_id for g in self._scheduler.running]
-        commit.num_free_blocks = bm.num_free_gpu_blocks
-        commit.num_total_blocks = bm.num_gpu_blocks
+        waiting = [g.request_id for g in self._scheduler.waiting]
+        running = [g.request_id for g in self._scheduler.running]
+        commit.waiting = waiting if waiting != self._last_waiting else None
+        commit.running = running if running != self._last_running else None
+        self._last_waiting, self._last_running = waiting, running
+        blocks = (bm.num_free_gpu_blocks, bm.num_gpu_blocks)
+        commit.blocks = blocks if blocks != self._last_blocks else None
+        self._last_blocks = blocks
 
     def _plan(self, commit: StepCommit) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
         # Sequences that finished since the last plan: the worker may drop them.

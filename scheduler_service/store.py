@@ -53,13 +53,14 @@ class StepCommit:
     # Queue snapshots; None when unchanged.
     waiting: list[str] | None = None
     running: list[str] | None = None
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
+    # (free, total) KV blocks; None when unchanged.
+    blocks: tuple[int, int] | None = None
     num_preemptions: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.new_tokens or self.new_blocks or self.dropped_block_tables or self.outputs
-                    or self.finished_requests or self.waiting is not None or self.running is not None)
+        return not (self.new_tokens or self.new_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
+                    or self.finished_requests or self.waiting is not None or self.running is not None
+                    or self.blocks is not None or self.num_preemptions)
 
 
 @dataclass
@@ -161,7 +162,8 @@ class RedisStore:
                     pipe.delete(key)
                     if snapshot:
                         pipe.rpush(key, *snapshot)
-            pipe.hset(keys.stats(w), mapping={"free": c.num_free_blocks, "total": c.num_total_blocks})
+            if c.blocks is not None:
+                pipe.hset(keys.stats(w), mapping={"free": c.blocks[0], "total": c.blocks[1]})
             if c.num_preemptions:
                 pipe.hincrby(keys.stats(w), "preemptions", c.num_preemptions)
             pipe.lpop(keys.inbox(w), INBOX_BATCH)

@@ -119,3 +119,19 @@ def test_duplicate_live_request_id_is_refused_and_cancel_frees_blocks(cluster: L
         assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
         stream.cancel()
     assert_all_blocks_free(cluster)
+
+
+def test_idle_engine_loop_does_not_spin(cluster: LocalCluster) -> None:
+    """With no work the loop blocks on its inbox (one BLPOP a second), it does not commit in a loop."""
+    import time
+
+    import redis
+
+    assert_all_blocks_free(cluster)
+    client = redis.Redis.from_url(cluster.redis_url)
+    before = client.info("stats")["total_commands_processed"]
+    time.sleep(3.0)
+    after = client.info("stats")["total_commands_processed"]
+    client.close()
+    # ~3 BLPOPs plus our own INFO calls; a spinning loop makes thousands.
+    assert after - before < 20, after - before
