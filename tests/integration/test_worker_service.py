@@ -1,0 +1,100 @@
+"""The worker service over real gRPC: fencing, plan validation, staying up after bad plans."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from shared.redis_server import free_port
+
+BLOCKS = 32
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[worker_pb2_grpc.WorkerStub]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmserve", "worker", "--model", str(tiny_llama_dir), "--host", "127.0.0.1",
+             "--port", str(port), "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "256"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 120
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"worker exited: {log.read_text()}")
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"worker not ready: {log.read_text()}")
+            time.sleep(0.2)
+        yield worker_pb2_grpc.WorkerStub(channel)
+    finally:
+        channel.close()
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def _new_seq(seq_id: int, prompt: list[int], table: list[int]) -> worker_pb2.NewSequence:
+    return worker_pb2.NewSequence(
+        seq_id=seq_id, prompt_token_ids=prompt, block_table=table, num_computed_tokens=0,
+        num_new_tokens=len(prompt), sampling=common_pb2.SamplingParams(temperature=0.0),
+    )
+
+
+def test_describe_reports_the_cache(worker: worker_pb2_grpc.WorkerStub) -> None:
+    desc = worker.Describe(worker_pb2.DescribeRequest(), timeout=10)
+    assert desc.num_gpu_blocks == BLOCKS and desc.block_size == 16 and desc.max_model_len == 256
+    assert desc.dtype == "float32" and desc.device == "cpu" and len(desc.instance_id) == 32
+
+
+def test_fencing_rejects_older_epochs(worker: worker_pb2_grpc.WorkerStub) -> None:
+    worker.Reset(worker_pb2.ResetRequest(epoch=10), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        worker.ExecuteStep(worker_pb2.StepPlan(epoch=9, step_id=1), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "older than the current epoch 10" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        worker.Reset(worker_pb2.ResetRequest(epoch=3), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).epoch == 10
+
+
+def test_bad_plans_are_invalid_argument_and_the_worker_stays_up(worker: worker_pb2_grpc.WorkerStub) -> None:
+    worker.Reset(worker_pb2.ResetRequest(epoch=20), timeout=10)
+    bad_plans = {
+        "not cached": worker_pb2.StepPlan(epoch=20, step_id=1, cached_sequences=[worker_pb2.SequenceDelta(seq_id=99, num_new_tokens=1)]),
+        "do not fit": worker_pb2.StepPlan(epoch=20, step_id=2, new_sequences=[_new_seq(1, list(range(5, 40)), [0])]),
+        "out of range": worker_pb2.StepPlan(epoch=20, step_id=3, copy=[worker_pb2.BlockPair(src=0, dst=BLOCKS + 5)]),
+    }
+    for fragment, plan in bad_plans.items():
+        with pytest.raises(grpc.RpcError) as info:
+            worker.ExecuteStep(plan, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fragment
+        assert fragment in info.value.details()
+    # After a reset the same worker serves a valid plan: prefill then a decode delta.
+    worker.Reset(worker_pb2.ResetRequest(epoch=21), timeout=10)
+    first = worker.ExecuteStep(worker_pb2.StepPlan(epoch=21, step_id=1, new_sequences=[_new_seq(1, [5, 6, 7], [2])]), timeout=30)
+    assert [s.seq_id for s in first.sampled] == [1]
+    second = worker.ExecuteStep(worker_pb2.StepPlan(
+        epoch=21, step_id=2, cached_sequences=[worker_pb2.SequenceDelta(seq_id=1, num_new_tokens=1)]), timeout=30)
+    assert [s.seq_id for s in second.sampled] == [1]
+    desc = worker.Describe(worker_pb2.DescribeRequest(), timeout=10)
+    assert desc.num_cached_sequences == 1 and desc.num_used_blocks == 1
+    worker.ExecuteStep(worker_pb2.StepPlan(epoch=21, step_id=3, finished_seq_ids=[1]), timeout=10)
+    assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_cached_sequences == 0
