@@ -14,7 +14,7 @@ export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 PROTO_MESSAGES := protos/common.proto protos/state.proto
 PROTO_SERVICES := protos/generation.proto protos/worker.proto
 
-.PHONY: help install model run test unit protos check-protos clean
+.PHONY: help install model run test unit lint protos check-protos clean
 
 help:
 	@echo "make run | test | unit | install | model | protos | check-protos | clean"
@@ -37,8 +37,11 @@ model: install
 run: model
 	$(LLMSERVE) demo
 
-test: model check-protos
+test: model check-protos lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

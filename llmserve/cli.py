@@ -190,7 +190,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
               flush=True)
         try:
             while not stop:
-                signal.pause() if hasattr(signal, "pause") else None
+                signal.pause()
         except KeyboardInterrupt:
             pass
         print("stopping...", flush=True)

@@ -17,7 +17,8 @@ import logging
 import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
-from scheduler_service.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceGroup
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
@@ -124,7 +125,7 @@ class EngineLoop:
                 except grpc.aio.AioRpcError as exc:
                     pickup = await committed
                     pending = StepCommit(self.worker_id)
-                    await self._on_worker_failure(out, exc, pending)
+                    await self._on_worker_failure(exc, pending)
                     continue
                 pickup = await committed
                 pending = StepCommit(self.worker_id)
@@ -138,15 +139,13 @@ class EngineLoop:
         if not pending.is_empty():
             await self._store.commit(pending)
 
-    async def _on_worker_failure(self, out: SchedulerOutput, exc: grpc.aio.AioRpcError, commit: StepCommit) -> None:
+    async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit) -> None:
         """The worker's cache can no longer be trusted: fail what ran, reset, go on."""
         log.error("worker %s failed a step: %s %s", self.worker_id, exc.code(), exc.details())
         message = f"the worker failed while running this request: {exc.code().name}: {exc.details()}"
+        # Every running group (the step's ones included) had KV on the worker; waiting ones are re-sent in full.
         for group in list(self._scheduler.running):
             self._processor.fail(group, commit, message)
-        for group in {id(item.group): item.group for item in out.scheduled}.values():
-            if not group.is_finished():
-                self._processor.fail(group, commit, message)
         while True:
             try:
                 await self._take_ownership()

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
-from scheduler_service.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.detokenizer import IncrementalDetokenizer, check_stop, streamable_text_length
 from scheduler_service.store import StepCommit

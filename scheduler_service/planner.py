@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos import worker_pb2
-from scheduler_service.core.scheduler import SchedulerOutput
+from scheduler_service.core.scheduler_output import SchedulerOutput
 from shared.sampling_proto import sampling_to_proto
 
 

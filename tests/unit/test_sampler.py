@@ -1,0 +1,254 @@
+"""Sampler: greedy, temperature, top-k / top-p masks, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.sampling_params import SamplingParams
+from worker_service.sampler import SamplerOutput, sample
+
+# A small vocabulary with distinct logits; the argmax (token 1) is not at index 0.
+LOGITS = torch.tensor([0.3, 2.0, -1.0, 1.2, 0.0, 1.6, -0.4, 0.9], dtype=torch.float32)
+VOCAB = LOGITS.numel()
+ARGMAX = int(LOGITS.argmax())
+NUM_DRAWS = 20000
+# Each empirical frequency has a standard deviation of at most sqrt(0.25 / 20000) ~ 0.0035.
+TOLERANCE = 0.02
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Straightforward reference: temperature, keep top-k, renormalise, keep the nucleus, renormalise."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept = order[:top_k] if top_k > 0 else order
+    total = sum(probs[i] for i in kept)
+    renorm = {i: probs[i] / total for i in kept}
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if mass >= top_p:
+            break
+        nucleus.append(i)
+        mass += renorm[i]
+    total = sum(renorm[i] for i in nucleus)
+    out = torch.zeros(len(probs), dtype=torch.float64)
+    for i in nucleus:
+        out[i] = renorm[i] / total
+    return out
+
+
+def nucleus_margin(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> float:
+    """Distance of top_p from every cumulative-mass boundary (so float rounding cannot flip the cut)."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1).sort(descending=True).values
+    if top_k > 0:
+        probs = probs[:top_k] / probs[:top_k].sum()
+    cums = probs.cumsum(0).tolist()
+    return min(abs(c - top_p) for c in cums)
+
+
+def draw(params: SamplingParams, n: int = NUM_DRAWS, logits: torch.Tensor = LOGITS) -> SamplerOutput:
+    batch = logits.unsqueeze(0).repeat(n, 1)
+    return sample(batch, [params] * n, [None] * n)
+
+
+def frequencies(token_ids: list[int], vocab: int = VOCAB) -> torch.Tensor:
+    return torch.bincount(torch.tensor(token_ids), minlength=vocab).double() / len(token_ids)
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_rng() -> None:
+    torch.manual_seed(1234)
+
+
+# -- greedy ------------------------------------------------------------------------------
+
+
+def test_greedy_rows_return_argmax_and_its_raw_logprob() -> None:
+    logits = torch.tensor(
+        [
+            [0.1, 0.2, 3.0, -1.0],
+            [5.0, 4.0, 3.0, 2.0],
+            [-2.0, -1.0, -3.0, -0.5],
+        ],
+        dtype=torch.float32,
+    )
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1e-6)]
+    out = sample(logits, params, [None, None, None])
+    assert out.token_ids == [2, 0, 3]
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(3), torch.tensor([2, 0, 3])]
+    assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+    assert all(isinstance(t, int) for t in out.token_ids)
+    assert len(out.logprobs) == 3
+
+
+def test_greedy_ignores_top_k_top_p_and_seed() -> None:
+    params = SamplingParams(temperature=0.0, top_k=3, top_p=0.1, seed=5)
+    out = sample(LOGITS.unsqueeze(0), [params], [torch.Generator().manual_seed(5)])
+    assert out.token_ids == [ARGMAX]
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[ARGMAX]), abs=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 5.0])
+def test_top_k_1_always_returns_argmax(temperature: float) -> None:
+    out = draw(SamplingParams(temperature=temperature, top_k=1), n=500)
+    assert set(out.token_ids) == {ARGMAX}
+
+
+def test_tiny_top_p_always_returns_argmax() -> None:
+    out = draw(SamplingParams(temperature=1.0, top_p=1e-3), n=500)
+    assert set(out.token_ids) == {ARGMAX}
+
+
+# -- distributions -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [
+        (1.0, 0, 1.0),  # plain softmax sampling
+        (0.5, 0, 1.0),  # temperature sharpens
+        (2.0, 0, 1.0),  # temperature flattens
+        (1.0, 3, 1.0),  # top-k only
+        (1.0, -1, 1.0),  # -1 disables top-k
+        (1.0, 0, 0.8),  # top-p only
+        (1.0, 5, 0.7),  # top-k then top-p on the renormalised top-k distribution
+        (0.7, 4, 0.9),  # everything at once
+        (1.5, 20, 0.95),  # top_k larger than the vocabulary keeps everything
+    ],
+)
+def test_empirical_distribution_matches_reference(temperature: float, top_k: int, top_p: float) -> None:
+    k = max(top_k, 0)
+    if top_p < 1.0:
+        assert nucleus_margin(LOGITS, temperature, k, top_p) > 0.01, "test case sits on a cut boundary"
+    expected = reference_probs(LOGITS, temperature, k, top_p)
+    out = draw(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    freq = frequencies(out.token_ids)
+    # Tokens outside the kept set never appear.
+    assert set(out.token_ids) <= {i for i in range(VOCAB) if expected[i] > 0}
+    assert float((freq - expected).abs().max()) < TOLERANCE, (freq.tolist(), expected.tolist())
+    # Logprobs are always those of the raw (unfiltered, untempered) model distribution.
+    raw = torch.log_softmax(LOGITS, dim=-1)
+    assert torch.allclose(torch.tensor(out.logprobs), raw[torch.tensor(out.token_ids)], atol=1e-6)
+
+
+def test_reference_keeps_expected_sets() -> None:
+    """Pins the reference itself on hand-checked cases."""
+    # Sorted by logit: 1 (2.0), 5 (1.6), 3 (1.2), 7 (0.9), 0 (0.3), 4 (0.0), 6 (-0.4), 2 (-1.0).
+    assert set(torch.nonzero(reference_probs(LOGITS, 1.0, 3, 1.0)).flatten().tolist()) == {1, 5, 3}
+    p = torch.softmax(LOGITS.double(), -1)
+    top3 = reference_probs(LOGITS, 1.0, 3, 1.0)
+    assert top3[[1, 5, 3]].tolist() == pytest.approx((p[[1, 5, 3]] / p[[1, 5, 3]].sum()).tolist())
+    # Top-p 0.8: masses 0.31, 0.52, 0.66, 0.77, 0.85 -> keep the first five.
+    assert set(torch.nonzero(reference_probs(LOGITS, 1.0, 0, 0.8)).flatten().tolist()) == {1, 5, 3, 7, 0}
+
+
+def test_masked_tokens_never_appear_even_when_almost_likely() -> None:
+    # Two near-equal leaders and a long flat tail: top_k=2 must never emit the tail.
+    logits = torch.tensor([1.0, 5.0, 4.999, 4.99, 4.98, 1.0], dtype=torch.float32)
+    out = draw(SamplingParams(top_k=2), n=5000, logits=logits)
+    assert set(out.token_ids) == {1, 2}
+
+
+def test_top_p_always_keeps_the_top_token_when_it_alone_exceeds_top_p() -> None:
+    logits = torch.tensor([0.0, 10.0, 0.0, 0.0], dtype=torch.float32)
+    out = draw(SamplingParams(top_p=0.5), n=200, logits=logits)
+    assert set(out.token_ids) == {1}
+
+
+# -- seeds -------------------------------------------------------------------------------
+
+
+def _seeded_run(seed: int, layouts: list[tuple[int, list[SamplingParams]]], steps: int = 12) -> list[int]:
+    """Samples `steps` tokens for one seeded row; each step places it among other rows.
+
+    layouts[step % len] = (row index of the seeded row, params of the other rows).
+    Fresh generator per run, as the worker creates one per sequence.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    mine = SamplingParams(temperature=1.0, seed=seed)
+    flat = torch.zeros(VOCAB)  # uniform: every token equally likely, so runs are informative
+    tokens = []
+    for step in range(steps):
+        index, others = layouts[step % len(layouts)]
+        params = list(others)
+        params.insert(index, mine)
+        generators: list[torch.Generator | None] = [
+            torch.Generator().manual_seed(1000 + j) if p.seed is not None else None for j, p in enumerate(params)
+        ]
+        generators[index] = gen
+        logits = torch.randn(len(params), VOCAB)
+        logits[index] = flat
+        out = sample(logits, params, generators)
+        tokens.append(out.token_ids[index])
+    return tokens
+
+
+def test_same_seed_gives_same_tokens_whatever_shares_the_batch() -> None:
+    alone = _seeded_run(42, [(0, [])])
+    crowded = _seeded_run(
+        42,
+        [
+            (2, [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(seed=7), SamplingParams(top_k=2)]),
+            (0, [SamplingParams(top_p=0.5)]),
+            (1, [SamplingParams(seed=42), SamplingParams(), SamplingParams(temperature=0.0)]),
+        ],
+    )
+    torch.manual_seed(999)  # a different global RNG state must not matter either
+    reordered = _seeded_run(42, [(3, [SamplingParams(), SamplingParams(), SamplingParams(seed=1)])])
+    assert alone == crowded == reordered
+    assert len(set(alone)) > 1  # the runs actually sample
+
+
+def test_different_seeds_differ() -> None:
+    runs = {seed: tuple(_seeded_run(seed, [(0, [])])) for seed in (1, 2, 3)}
+    assert len(set(runs.values())) == 3
+
+
+def test_seeded_rows_follow_the_distribution() -> None:
+    # Each seeded row owns its generator: 4000 distinct seeds sample the masked distribution.
+    n = 4000
+    params = [SamplingParams(top_k=3, seed=s) for s in range(n)]
+    gens = [torch.Generator().manual_seed(s) for s in range(n)]
+    out = sample(LOGITS.unsqueeze(0).repeat(n, 1), params, gens)
+    expected = reference_probs(LOGITS, 1.0, 3, 1.0)
+    assert set(out.token_ids) <= {1, 5, 3}
+    assert float((frequencies(out.token_ids) - expected).abs().max()) < 0.04
+
+
+def test_mixed_greedy_seeded_and_random_rows_in_one_batch() -> None:
+    rows = torch.tensor(
+        [
+            [0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # greedy -> 2
+            LOGITS.tolist(),  # random, top_k=2 -> {1, 5}
+            [0.0] * VOCAB,  # seeded, uniform
+            [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0],  # greedy -> 7
+            LOGITS.tolist(),  # random, top_p tiny -> argmax
+        ],
+        dtype=torch.float32,
+    )
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=2),
+        SamplingParams(seed=11),
+        SamplingParams(temperature=0.0, seed=3),
+        SamplingParams(top_p=1e-3, temperature=0.9),
+    ]
+    solo = sample(rows[2:3], [params[2]], [torch.Generator().manual_seed(11)]).token_ids[0]
+    for _ in range(50):
+        gens = [None, None, torch.Generator().manual_seed(11), torch.Generator().manual_seed(3), None]
+        out = sample(rows, params, gens)
+        assert out.token_ids[0] == 2
+        assert out.token_ids[1] in (1, 5)
+        assert out.token_ids[2] == solo
+        assert out.token_ids[3] == 7
+        assert out.token_ids[4] == ARGMAX
+        expected = torch.log_softmax(rows, dim=-1)[torch.arange(5), torch.tensor(out.token_ids)]
+        assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_single_random_row_and_all_random_batch_shapes() -> None:
+    out = sample(LOGITS.unsqueeze(0), [SamplingParams()], [None])
+    assert len(out.token_ids) == 1 and 0 <= out.token_ids[0] < VOCAB
+    logits = torch.randn(3, 16)
+    out = sample(logits, [SamplingParams(top_k=1)] * 3, [None] * 3)
+    assert out.token_ids == logits.argmax(-1).tolist()
