@@ -44,6 +44,10 @@ class GenerationClient:
         """The raw response stream."""
         return self._stub.Generate(request, timeout=timeout, wait_for_ready=True)
 
+    def abort(self, request_id: str, timeout: float = 30) -> None:
+        """Aborts a live request; its stream ends with FINISH_REASON_ABORT."""
+        self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=timeout)
+
     def generate(self, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> Completion:
         """Collects the whole stream (sequence 0) into one Completion."""
         out = Completion()

@@ -40,6 +40,11 @@ class GenerationStub:
                 request_serializer=protos_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/llmserve.v1.Generation/Abort',
+                request_serializer=protos_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_generation__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -56,6 +61,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Aborts a live request by id: its blocks are freed and its stream ends with FINISH_REASON_ABORT.
+        NOT_FOUND when no live request has this id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +76,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -93,6 +111,33 @@ class Generation:
             '/llmserve.v1.Generation/Generate',
             protos_dot_generation__pb2.GenerateRequest.SerializeToString,
             protos_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/Abort',
+            protos_dot_generation__pb2.AbortRequest.SerializeToString,
+            protos_dot_generation__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ from protos import generation_pb2, generation_pb2_grpc
 from scheduler_service.admission import Admission, to_record
 from scheduler_service.router import Router
 from scheduler_service.store import RedisStore
-from shared.errors import UnavailableError, abort_with
+from shared.errors import NotFoundError, UnavailableError, abort_with
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not finished:
                 # The client went away (or the stream broke): free the request's blocks.
                 await asyncio.shield(self._abort_quietly(worker_id, request_id))
+
+    async def Abort(self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
+        try:
+            worker_id = await self._store.worker_of(request.request_id)
+            if worker_id is None:
+                raise NotFoundError(f"no live request has id {request.request_id!r}")
+            await self._store.request_abort(worker_id, request.request_id)
+        except RedisError as exc:
+            await abort_with(context, UnavailableError(f"the state store is unavailable: {exc}"))
+        except Exception as exc:  # noqa: BLE001
+            await abort_with(context, exc)
+        return generation_pb2.AbortResponse()
 
     async def _abort_quietly(self, worker_id: str, request_id: str) -> None:
         try:

@@ -116,6 +116,11 @@ class RedisStore:
             pipe.rpush(keys.inbox(req.worker_id), req.SerializeToString())
             await pipe.execute()
 
+    async def worker_of(self, request_id: str) -> str | None:
+        """The worker serving a live request, or None when no live request has this id."""
+        worker = await self._r.hget(keys.request(request_id), "worker")
+        return worker.decode() if worker is not None else None
+
     async def request_abort(self, worker_id: str, request_id: str) -> None:
         await self._r.rpush(keys.aborts(worker_id), request_id)
 

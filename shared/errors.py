@@ -25,6 +25,10 @@ class AlreadyExistsError(ValueError):
     """The client reused an identifier that is still live."""
 
 
+class NotFoundError(LookupError):
+    """The named object does not exist (or no longer)."""
+
+
 class StaleEpochError(RuntimeError):
     """A plan or reset from an engine loop that no longer owns the worker."""
 
@@ -32,6 +36,7 @@ class StaleEpochError(RuntimeError):
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (StaleEpochError, grpc.StatusCode.FAILED_PRECONDITION),
     (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -16,6 +16,7 @@ import pytest
 
 from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
+from protos import common_pb2
 from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
 from tests.e2e.concurrency import generate_all
 from tests.hf_reference import HFReference, compare_greedy
@@ -135,3 +136,18 @@ def test_idle_engine_loop_does_not_spin(cluster: LocalCluster) -> None:
     client.close()
     # ~3 BLPOPs plus our own INFO calls; a spinning loop makes thousands.
     assert after - before < 20, after - before
+
+
+def test_abort_rpc_ends_the_stream_and_frees_blocks(cluster: LocalCluster) -> None:
+    with GenerationClient(cluster.address) as client:
+        stream = client.stream(make_request(request_id="to-abort", prompt_token_ids=[9] * 40, max_tokens=400,
+                                            ignore_eos=True, temperature=0.0))
+        assert next(stream).outputs
+        client.abort("to-abort")
+        last = list(stream)[-1]
+        assert last.outputs[0].finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert last.usage.prompt_tokens == 40 and 0 < last.usage.completion_tokens < 400
+        with pytest.raises(grpc.RpcError) as info:
+            client.abort("to-abort")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_all_blocks_free(cluster)
