@@ -22,7 +22,7 @@ class BlockAllocator:
     next; the cache layout depends only on which blocks are free.
 
     Reference counts let several block tables share a block (fork for n>1 and
-    beam search, prefix caching later): free() only returns the block to the
+    beam search, prefix caching): free() only returns the block to the
     free pool when its count drops to zero.
     """
 
@@ -64,7 +64,15 @@ class BlockAllocator:
         self._check_allocated(block_id, "free")
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            heapq.heappush(self._free_heap, block_id)
+            self._release(block_id)
+
+    def free_block_ids(self) -> list[int]:
+        """Ids of the blocks with reference count zero, sorted."""
+        return sorted(self._free_heap)
+
+    def _release(self, block_id: int) -> None:
+        """Called when block_id lost its last owner (a hook for the prefix cache)."""
+        heapq.heappush(self._free_heap, block_id)
 
     def get_ref_count(self, block_id: int) -> int:
         """Current number of owners of block_id (0 when free)."""

@@ -14,6 +14,12 @@ def _require_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
+def _require_bool(name: str, value: object) -> None:
+    # A truthy string such as "false" would silently switch a feature on.
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}.")
+
+
 @dataclass(kw_only=True)
 class SchedulerConfig:
     """Limits on what one scheduling step may contain.
@@ -21,19 +27,25 @@ class SchedulerConfig:
     max_num_seqs: most sequences running (holding KV blocks) at once.
     max_num_batched_tokens: most tokens computed in one step (prefill + decode).
     max_model_len: longest sequence (prompt + output) the model accepts.
+    enable_chunked_prefill: split prompts into chunks that share each step's
+        token budget with the running decodes (decodes are scheduled first, so
+        a long prompt never stalls them).
 
-    max_num_batched_tokens may be smaller than max_model_len (chunked prefill
-    will need that); until chunking exists such long prompts are ignored.
+    max_num_batched_tokens may be smaller than max_model_len. With chunked
+    prefill such long prompts are prefilled over several steps; without it
+    they can never run and are ignored.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         _require_positive_int("max_num_seqs", self.max_num_seqs)
         _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _require_positive_int("max_model_len", self.max_model_len)
+        _require_bool("enable_chunked_prefill", self.enable_chunked_prefill)
 
 
 @dataclass(kw_only=True)
@@ -44,11 +56,15 @@ class CacheConfig:
     num_gpu_blocks: physical KV blocks available on the device.
     watermark: fraction of blocks kept free when admitting new prompts, so
         running sequences can keep decoding without immediate preemption.
+    enable_prefix_caching: reuse the KV blocks of full, already computed
+        blocks whose token prefix matches (content-addressed by a chained
+        hash); unreferenced cached blocks stay resident until evicted (LRU).
     """
 
     num_gpu_blocks: int
     block_size: int = 16
     watermark: float = 0.01
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
@@ -62,6 +78,7 @@ class CacheConfig:
             raise ValueError(f"watermark must be a number in [0, 1), got {self.watermark!r}.")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
+        _require_bool("enable_prefix_caching", self.enable_prefix_caching)
 
     @property
     def watermark_blocks(self) -> int:

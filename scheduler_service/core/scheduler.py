@@ -1,4 +1,9 @@
-"""FCFS continuous-batching scheduler with a token budget and recompute preemption."""
+"""FCFS continuous-batching scheduler with a token budget and recompute preemption.
+
+Optionally (vLLM semantics) with chunked prefill, where decodes, prompt chunks
+and new prompts share each step's token budget, and with prefix caching,
+where admitted prompts skip the tokens whose KV blocks are cached.
+"""
 
 from __future__ import annotations
 
@@ -33,21 +38,21 @@ class Scheduler:
 
     @property
     def max_seq_len(self) -> int:
-        """Longest sequence that can always be (re)prefilled in one step.
+        """Longest sequence that can always be (re)prefilled.
 
-        Without chunked prefill a recomputed sequence must fit the token budget
-        and the cache, so the engine should stop sequences at this length
-        (pass it as max_model_len to check_stop); otherwise a preempted long
-        sequence would come back as ignored.
+        A recomputed sequence must fit the cache and, without chunked prefill,
+        the token budget of one step, so the engine should stop sequences at
+        this length (pass it as max_model_len to check_stop); otherwise a
+        preempted long sequence would come back as ignored. With chunked
+        prefill the budget does not matter: prompts are split across steps.
         """
         cache_tokens = (self.cache_config.num_gpu_blocks - self.cache_config.watermark_blocks) * (
             self.cache_config.block_size
         )
-        return min(
-            self.scheduler_config.max_model_len,
-            self.scheduler_config.max_num_batched_tokens,
-            cache_tokens,
-        )
+        limit = min(self.scheduler_config.max_model_len, cache_tokens)
+        if self.scheduler_config.enable_chunked_prefill:
+            return limit
+        return min(limit, self.scheduler_config.max_num_batched_tokens)
 
     # -- requests ------------------------------------------------------------
 
@@ -107,6 +112,10 @@ class Scheduler:
         """Physical block ids of a scheduled sequence (for the step plan)."""
         return self.block_manager.get_block_table(seq)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached KV block (call after the worker lost its cache)."""
+        self.block_manager.reset_prefix_cache()
+
     # -- stepping ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -116,6 +125,12 @@ class Scheduler:
         sequences. When a decode cannot get a KV slot the latest-arrived
         running group is preempted by recompute; no prompt is admitted in a
         step that preempted (the cache is under pressure).
+
+        With chunked prefill the budget goes, in this order, to the decodes
+        (one token each), to the next chunk of running sequences still in
+        prefill, then to the first chunk of newly admitted prompts; a chunk
+        is min(uncomputed tokens, budget left) and samples only when it
+        reaches the sequence's last token.
         """
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
@@ -147,24 +162,34 @@ class Scheduler:
                 raise ValueError(f"seq {s.seq.seq_id} changed since it was scheduled; stale output?")
         for s in live:
             s.seq.num_computed_tokens += s.num_new_tokens
+            # Before append_token: the sampled token's KV is not written yet.
+            self.block_manager.mark_computed(s.seq)
             if s.samples:
                 s.seq.append_token(sampled[s.seq.seq_id])
 
     # -- internals -----------------------------------------------------------
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedule decodes in FCFS order, preempting from the back. Returns the budget left."""
-        queue = deque(self.running)
-        kept: list[SequenceGroup] = []
+        """Schedule decodes in FCFS order, preempting from the back. Returns the budget left.
+
+        With chunked prefill, groups still in prefill are set aside and get
+        their next chunk after every decode (see _schedule_prefill_chunks).
+        """
+        running = self.running
+        chunked = self.scheduler_config.enable_chunked_prefill
+        queue = deque(running)
+        in_prefill: list[SequenceGroup] = []
         num_seqs = 0
         while queue:
             group = queue.popleft()
             seqs = group.get_seqs(SequenceStatus.RUNNING)
+            if chunked and any(seq.num_uncomputed_tokens > 1 for seq in seqs):
+                # Its blocks were allocated at admission: it needs budget, no slot.
+                in_prefill.append(group)
+                continue
             num_new = sum(seq.num_uncomputed_tokens for seq in seqs)
             if num_seqs + len(seqs) > self.scheduler_config.max_num_seqs or num_new > budget:
                 # Out of room this step: the rest keep their blocks and wait a step.
-                kept.append(group)
-                kept.extend(queue)
                 break
             while not self.block_manager.can_append_slot(group):
                 if queue:
@@ -180,25 +205,56 @@ class Scheduler:
                     out.scheduled.append(ScheduledSequence(group, seq, seq.num_uncomputed_tokens))
                 num_seqs += len(seqs)
                 budget -= num_new
-                kept.append(group)
-        self.running = kept
+        if in_prefill:
+            budget = self._schedule_prefill_chunks(out, in_prefill, budget, num_seqs)
+        # Victims were the latest arrivals; everything else keeps its FCFS place.
+        self.running = [g for g in running if not any(g is p for p in out.preempted)]
         return budget
+
+    def _schedule_prefill_chunks(
+        self, out: SchedulerOutput, groups: list[SequenceGroup], budget: int, num_seqs: int
+    ) -> int:
+        """Give running groups still in prefill their next chunk, FCFS. Returns the budget left."""
+        for group in groups:
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            chunk = self._chunk_size(seqs, [seq.num_uncomputed_tokens for seq in seqs], budget)
+            if chunk == 0 or num_seqs + len(seqs) > self.scheduler_config.max_num_seqs:
+                break
+            for seq in seqs:
+                num_new = min(seq.num_uncomputed_tokens, chunk)
+                out.scheduled.append(ScheduledSequence(group, seq, num_new))
+                budget -= num_new
+            num_seqs += len(seqs)
+        return budget
+
+    @staticmethod
+    def _chunk_size(seqs: list[Sequence], num_uncomputed: list[int], budget: int) -> int:
+        """Tokens per sequence of the group's next chunk; 0 when the budget is out.
+
+        The group's sequences prefill the same tokens side by side, so the
+        budget is split evenly between them.
+        """
+        return min(max(num_uncomputed), budget // len(seqs))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting groups in FCFS order until one does not fit."""
         config = self.scheduler_config
+        chunked = config.enable_chunked_prefill
         num_running_seqs = sum(len(g.get_seqs(SequenceStatus.RUNNING)) for g in self.running)
         while self.waiting:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
-            num_new = sum(seq.num_uncomputed_tokens for seq in seqs)
-            # Without chunked prefill these can never run; drop them instead of
-            # letting them block the queue forever.
-            if (
-                seqs[0].num_tokens > config.max_model_len
-                or num_new > config.max_num_batched_tokens
-                or len(seqs) > config.max_num_seqs
-            ):
+            # These can never run; drop them instead of letting them block the
+            # queue forever. Without chunking a prompt must fit one step's
+            # budget whole (cache hits are not counted on: they may be evicted
+            # by the time a preempted sequence comes back); with chunking each
+            # sequence needs at least one token of it.
+            too_big_for_budget = (
+                len(seqs) > config.max_num_batched_tokens
+                if chunked
+                else sum(seq.num_uncomputed_tokens for seq in seqs) > config.max_num_batched_tokens
+            )
+            if seqs[0].num_tokens > config.max_model_len or too_big_for_budget or len(seqs) > config.max_num_seqs:
                 self._ignore(group, out)
                 continue
             status = self.block_manager.can_allocate(group)
@@ -208,16 +264,37 @@ class Scheduler:
             # FCFS: a group that must wait also holds back everything behind it.
             if status is AllocStatus.LATER:
                 break
-            if num_running_seqs + len(seqs) > config.max_num_seqs or num_new > budget:
+            if num_running_seqs + len(seqs) > config.max_num_seqs:
                 break
+            # Only the tokens to compute count against the budget, not the
+            # ones allocate() will take from the prefix cache.
+            num_new = self._num_uncomputed_after_allocation(seqs)
+            if chunked:
+                chunk = self._chunk_size(seqs, num_new, budget)
+                if chunk == 0:
+                    break
+            else:
+                if sum(num_new) > budget:
+                    break
+                chunk = max(num_new)
             self.waiting.popleft()
             self.block_manager.allocate(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-                out.scheduled.append(ScheduledSequence(group, seq, seq.num_uncomputed_tokens))
+                scheduled = ScheduledSequence(group, seq, min(seq.num_uncomputed_tokens, chunk))
+                out.scheduled.append(scheduled)
+                budget -= scheduled.num_new_tokens
             self.running.append(group)
             num_running_seqs += len(seqs)
-            budget -= num_new
+
+    def _num_uncomputed_after_allocation(self, seqs: list[Sequence]) -> list[int]:
+        """Per waiting sequence, the tokens left to compute once allocate() ran."""
+        if not self.cache_config.enable_prefix_caching:
+            return [seq.num_uncomputed_tokens for seq in seqs]
+        # allocate() sets num_computed_tokens to the cached prefix, the same
+        # for every waiting sequence of the group (they hold the same tokens).
+        num_cached = self.block_manager.get_num_cached_tokens(seqs[0])
+        return [seq.num_tokens - num_cached for seq in seqs]
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Preempt by recompute: drop the KV, keep the tokens, wait at the front."""

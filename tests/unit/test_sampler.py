@@ -111,8 +111,9 @@ def test_tiny_top_p_always_returns_argmax() -> None:
         (1.0, 3, 1.0),  # top-k only
         (1.0, -1, 1.0),  # -1 disables top-k
         (1.0, 0, 0.8),  # top-p only
+        (1.5, 0, 0.8),  # top-p on the tempered distribution (5 tokens kept; 4 without temperature)
         (1.0, 5, 0.7),  # top-k then top-p on the renormalised top-k distribution
-        (0.7, 4, 0.9),  # everything at once
+        (0.7, 4, 0.85),  # top-p on the renormalised top-4 keeps 3 (4 on the full distribution)
         (1.5, 20, 0.95),  # top_k larger than the vocabulary keeps everything
     ],
 )
@@ -131,6 +132,19 @@ def test_empirical_distribution_matches_reference(temperature: float, top_k: int
     assert torch.allclose(torch.tensor(out.logprobs), raw[torch.tensor(out.token_ids)], atol=1e-6)
 
 
+def test_per_row_filters_in_a_mixed_batch() -> None:
+    # Rows with different filters share one batch: each row follows its own distribution.
+    configs = [(1.0, 2, 1.0), (1.0, 0, 1.0), (0.5, 0, 0.6), (2.0, 4, 1.0)]
+    n = 8000
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in configs] * n
+    out = sample(LOGITS.unsqueeze(0).repeat(len(params), 1), params, [None] * len(params))
+    for j, (t, k, p) in enumerate(configs):
+        tokens = out.token_ids[j :: len(configs)]
+        expected = reference_probs(LOGITS, t, k, p)
+        assert set(tokens) <= {i for i in range(VOCAB) if expected[i] > 0}
+        assert float((frequencies(tokens) - expected).abs().max()) < 0.03, (j, frequencies(tokens), expected)
+
+
 def test_reference_keeps_expected_sets() -> None:
     """Pins the reference itself on hand-checked cases."""
     # Sorted by logit: 1 (2.0), 5 (1.6), 3 (1.2), 7 (0.9), 0 (0.3), 4 (0.0), 6 (-0.4), 2 (-1.0).
@@ -138,8 +152,8 @@ def test_reference_keeps_expected_sets() -> None:
     p = torch.softmax(LOGITS.double(), -1)
     top3 = reference_probs(LOGITS, 1.0, 3, 1.0)
     assert top3[[1, 5, 3]].tolist() == pytest.approx((p[[1, 5, 3]] / p[[1, 5, 3]].sum()).tolist())
-    # Top-p 0.8: masses 0.31, 0.52, 0.66, 0.77, 0.85 -> keep the first five.
-    assert set(torch.nonzero(reference_probs(LOGITS, 1.0, 0, 0.8)).flatten().tolist()) == {1, 5, 3, 7, 0}
+    # Top-p 0.8: cumulative masses 0.34, 0.57, 0.73, 0.84, ... -> the mass before the fifth is >= 0.8.
+    assert set(torch.nonzero(reference_probs(LOGITS, 1.0, 0, 0.8)).flatten().tolist()) == {1, 5, 3, 7}
 
 
 def test_masked_tokens_never_appear_even_when_almost_likely() -> None:

@@ -25,20 +25,31 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 64,
     watermark: float = 0.0,
+    enable_chunked_prefill: bool = False,
+    enable_prefix_caching: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
         ),
-        CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, watermark=watermark),
+        CacheConfig(
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            watermark=watermark,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
     )
 
 
 def make_group(request_id: str, seq_id: int, num_prompt: int, arrival_time: float = 0.0) -> SequenceGroup:
-    seq = Sequence(seq_id, list(range(1, num_prompt + 1)))
-    return SequenceGroup(request_id, [seq], SamplingParams(), arrival_time)
+    return make_group_of(request_id, seq_id, list(range(1, num_prompt + 1)), arrival_time)
+
+
+def make_group_of(request_id: str, seq_id: int, prompt: list[int], arrival_time: float = 0.0) -> SequenceGroup:
+    return SequenceGroup(request_id, [Sequence(seq_id, prompt)], SamplingParams(), arrival_time)
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
@@ -76,6 +87,13 @@ def test_scheduler_config_rejects_non_positive(field_name: str, value: object) -
 def test_scheduler_config_allows_budget_below_model_len() -> None:
     config = SchedulerConfig(max_num_batched_tokens=512, max_model_len=4096)
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (256, 512, 4096)
+    assert config.enable_chunked_prefill is False
+
+
+@pytest.mark.parametrize("value", [1, "false", None])
+def test_scheduler_config_rejects_non_bool_chunked_prefill(value: object) -> None:
+    with pytest.raises(ValueError, match=f"enable_chunked_prefill must be a bool, got {value!r}"):
+        SchedulerConfig(enable_chunked_prefill=value)  # type: ignore[arg-type]
 
 
 def test_sequence_basics_and_recompute_keeps_outputs() -> None:
@@ -226,6 +244,10 @@ def test_prompt_larger_than_cache_is_ignored() -> None:
 def test_max_seq_len_is_the_tightest_limit() -> None:
     assert make_scheduler(num_gpu_blocks=100, max_num_batched_tokens=30, max_model_len=40).max_seq_len == 30
     assert make_scheduler(num_gpu_blocks=100, max_num_batched_tokens=50, max_model_len=40).max_seq_len == 40
+    # Chunked prefill splits a recompute over several steps: the budget is no limit.
+    chunked = make_scheduler(num_gpu_blocks=100, max_num_batched_tokens=30, max_model_len=40, enable_chunked_prefill=True)
+    assert chunked.max_seq_len == 40
+    assert make_scheduler(num_gpu_blocks=5, max_num_batched_tokens=8, enable_chunked_prefill=True).max_seq_len == 20
 
 
 # -- preemption ----------------------------------------------------------------
@@ -378,33 +400,58 @@ def test_drain_to_completion_frees_everything() -> None:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random add / schedule / update / finish / abort; blocks never leak."""
+    """Random add / schedule / update / finish / abort; blocks never leak.
+
+    Subclasses switch chunked prefill and prefix caching on. A shadow of the
+    worker's KV cache (block -> slot -> token) is written by every step, so
+    every computed token of a running sequence can be checked to sit in its
+    table's blocks: a wrong prefix-cache hit or a write into a shared block
+    shows up as a mismatch.
+    """
+
+    chunked_prefill = False
+    prefix_caching = False
 
     def __init__(self) -> None:
         super().__init__()
         self.sched = make_scheduler(
-            num_gpu_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=24, watermark=0.1
+            num_gpu_blocks=10,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            max_model_len=24,
+            watermark=0.1,
+            enable_chunked_prefill=self.chunked_prefill,
+            enable_prefix_caching=self.prefix_caching,
         )
         self.next_id = 0
         self.pending: SchedulerOutput | None = None
+        self.pending_tables: dict[int, list[int]] = {}
         self.max_tokens: dict[int, int] = {}
         self.groups: list[SequenceGroup] = []
+        self.kv: dict[int, dict[int, int]] = {}
 
-    # Mostly prompts that fit, some that must be ignored (> 16-token budget or
-    # > 24-token model length); long outputs create the cache pressure that
-    # forces preemption.
-    @rule(prompt_len=st.integers(1, 14) | st.integers(1, 30), max_tokens=st.integers(1, 24))
-    def add(self, prompt_len: int, max_tokens: int) -> None:
-        group = make_group(f"r{self.next_id}", self.next_id, prompt_len, arrival_time=float(self.next_id))
+    def add_prompt(self, prompt: list[int], max_tokens: int) -> None:
+        group = make_group_of(f"r{self.next_id}", self.next_id, prompt, arrival_time=float(self.next_id))
         self.max_tokens[self.next_id] = max_tokens
         self.next_id += 1
         self.sched.add_request(group)
         self.groups.append(group)
 
+    # Mostly prompts that fit, some that must be ignored (> 16-token budget
+    # without chunking, > 24-token model length); long outputs create the cache
+    # pressure that forces preemption.
+    @rule(prompt_len=st.integers(1, 14) | st.integers(1, 30), max_tokens=st.integers(1, 24))
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        self.add_prompt(list(range(1, prompt_len + 1)), max_tokens)
+
     @precondition(lambda self: self.pending is None)
     @rule()
     def schedule(self) -> None:
         running_before = list(self.sched.running)
+        decoding = {s.seq_id for g in running_before for s in g.get_seqs(SequenceStatus.RUNNING)
+                    if s.num_uncomputed_tokens == 1}
+        prefilling = {s.seq_id for g in running_before for s in g.get_seqs(SequenceStatus.RUNNING)} - decoding
         out = self.sched.schedule()
         config = self.sched.scheduler_config
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
@@ -412,10 +459,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(out.scheduled) <= config.max_num_seqs
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
         for s in out.scheduled:
-            assert s.samples  # no chunking yet: every scheduled seq samples
+            if not self.chunked_prefill:
+                assert s.samples  # without chunking every scheduled seq samples
+            elif not s.samples:
+                # A chunk is cut short only by the budget, which it then used up.
+                assert out.num_batched_tokens == config.max_num_batched_tokens
             table = self.sched.get_block_table(s.seq)
             assert len(table) * 4 >= s.num_computed_tokens + s.num_new_tokens
-        for name, happened in (("preempted", out.preempted), ("ignored", out.ignored), ("cow", out.blocks_to_copy)):
+            self.check_computed_kv(s.seq)
+            if s.seq.seq_id not in decoding and s.seq.seq_id not in prefilling and s.num_computed_tokens:
+                event("admitted with a prefix-cache hit")
+        # Decodes first, then running prefills, then admissions; a budget of 16
+        # covers 4 decodes, so no running decode is ever left out.
+        ranks = [0 if s.seq.seq_id in decoding else 1 if s.seq.seq_id in prefilling else 2 for s in out.scheduled]
+        if self.chunked_prefill:
+            assert ranks == sorted(ranks)
+        still_running = {s.seq_id for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)}
+        assert decoding & still_running <= {s.seq.seq_id for s in out.scheduled}
+        for name, happened in (
+            ("preempted", out.preempted),
+            ("ignored", out.ignored),
+            ("cow", out.blocks_to_copy),
+            ("partial chunk", [s for s in out.scheduled if not s.samples]),
+        ):
             if happened:
                 event(name)
         if out.preempted:
@@ -423,13 +489,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             n = len(out.preempted)
             assert ids(out.preempted) == ids(reversed(running_before[-n:]))
             assert ids(list(self.sched.waiting)[:n]) == ids(running_before[-n:])
-            assert not any(s.is_prefill for s in out.scheduled)
+            assert not any(s.group in out.preempted for s in out.scheduled)
+            if not self.chunked_prefill:
+                assert not any(s.is_prefill for s in out.scheduled)
         self.pending = out
+        self.pending_tables = {s.seq.seq_id: self.sched.get_block_table(s.seq) for s in out.scheduled}
 
     @precondition(lambda self: self.pending is not None)
     @rule()
     def update(self) -> None:
         out, self.pending = self.pending, None
+        # The worker: copies first, then the KV of every scheduled token, even
+        # for sequences aborted since (it ran the step anyway).
+        for src, dst in out.blocks_to_copy:
+            self.kv[dst] = dict(self.kv.get(src, {}))
+        for s in out.scheduled:
+            table = self.pending_tables[s.seq.seq_id]
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
+                self.kv.setdefault(table[pos // 4], {})[pos % 4] = s.seq.all_token_ids[pos]
         sampled = {s.seq.seq_id: TOKEN for s in out.scheduled if s.samples and not s.seq.is_finished}
         self.sched.update_after_step(out, sampled)
         for s in out.scheduled:
@@ -453,6 +530,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             result = self.sched.abort_request(group.request_id)
             assert result is None or result is group
 
+    def check_computed_kv(self, seq: Sequence) -> None:
+        """Every computed token of seq is in the shadow KV of its table's blocks."""
+        table = self.sched.get_block_table(seq)
+        tokens = seq.all_token_ids
+        for pos in range(seq.num_computed_tokens):
+            assert self.kv.get(table[pos // 4], {}).get(pos % 4) == tokens[pos], (seq.seq_id, pos)
+
     @invariant()
     def blocks_are_consistent(self) -> None:
         bm = self.sched.block_manager
@@ -463,13 +547,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert ref >= 0
             # A block in several tables must be ref counted that many times.
             assert ref == owners[block_id]
-        assert bm.num_free_gpu_blocks == sum(1 for b in range(bm.num_gpu_blocks) if owners[b] == 0)
+        free = alloc.free_block_ids()
+        assert len(set(free)) == len(free) and not set(free) & set(owners)
+        assert bm.num_free_gpu_blocks == len(free) == sum(1 for b in range(bm.num_gpu_blocks) if owners[b] == 0)
+        assert bm.num_free_gpu_blocks + bm.get_num_used_blocks() == bm.num_gpu_blocks
         running_seqs = {s.seq_id for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)}
         assert set(bm.block_tables) == running_seqs
         assert len(running_seqs) <= self.sched.scheduler_config.max_num_seqs
         for group in self.sched.running:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 assert len(bm.block_tables[seq.seq_id]) * 4 >= seq.num_computed_tokens
+                if self.pending is None:
+                    self.check_computed_kv(seq)
         for group in self.sched.waiting:
             assert all(s.status is SequenceStatus.WAITING for s in group.unfinished_seqs())
 
@@ -484,6 +573,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.update()
         assert not self.sched.has_unfinished_requests()
         assert self.sched.block_manager.num_free_gpu_blocks == 10
+        assert self.sched.block_manager.get_num_used_blocks() == 0
         assert self.sched.block_manager.block_tables == {}
 
 
