@@ -87,6 +87,8 @@ class EngineLoop:
         built = self._planner.build(out, tables)
         for seq_id, block_ids in built.new_blocks.items():
             commit.new_blocks.setdefault(seq_id, []).extend(block_ids)
+        for seq_id, replaced in built.replaced_blocks.items():
+            commit.replaced_blocks.setdefault(seq_id, {}).update(replaced)
         self._snapshot(commit)
         plan = built.plan
         # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.

@@ -1,8 +1,11 @@
 """Turns a SchedulerOutput into a protobuf StepPlan, sending deltas where it can.
 
 The planner remembers, per sequence, how many block ids the worker already
-has. A sequence it has never sent (or has told the worker to forget, after a
-recompute preemption) goes out in full; every other one as a delta.
+has and the last of them. A sequence it has never sent (or has told the worker
+to forget, after a recompute preemption) goes out in full; every other one as a
+delta. Tables only grow, except that copy-on-write replaces the block being
+written into, which is always the last one sent: comparing that one entry
+finds every replacement.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ class BuiltPlan:
     plan: worker_pb2.StepPlan
     # seq_id -> block ids added to the table since the last plan (the whole table for new ones).
     new_blocks: dict[int, list[int]]
+    # seq_id -> {table index: new block id} replaced by copy-on-write since the last plan.
+    replaced_blocks: dict[int, dict[int, int]]
 
     @property
     def num_sequences(self) -> int:
@@ -33,7 +38,8 @@ class Planner:
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
         self._step_id = 0
-        self._sent_blocks: dict[int, int] = {}
+        # seq_id -> (number of block ids the worker has, the last of them)
+        self._sent_blocks: dict[int, tuple[int, int]] = {}
         self._to_forget: list[int] = []
 
     def forget(self, seq_id: int) -> None:
@@ -59,6 +65,7 @@ class Planner:
         for src, dst in out.blocks_to_copy:
             plan.copy.add(src=src, dst=dst)
         new_blocks: dict[int, list[int]] = {}
+        replaced: dict[int, dict[int, int]] = {}
         for item in out.scheduled:
             seq = item.seq
             table = block_tables[seq.seq_id]
@@ -75,9 +82,15 @@ class Planner:
                 )
                 added = list(table)
             else:
-                added = table[sent:]
-                plan.cached_sequences.add(seq_id=seq.seq_id, new_block_ids=added, num_new_tokens=item.num_new_tokens)
+                num_sent, last_sent = sent
+                added = table[num_sent:]
+                delta = plan.cached_sequences.add(
+                    seq_id=seq.seq_id, new_block_ids=added, num_new_tokens=item.num_new_tokens
+                )
+                if num_sent and table[num_sent - 1] != last_sent:
+                    delta.replaced_blocks[num_sent - 1] = table[num_sent - 1]
+                    replaced[seq.seq_id] = dict(delta.replaced_blocks)
             if added:
                 new_blocks[seq.seq_id] = added
-            self._sent_blocks[seq.seq_id] = len(table)
-        return BuiltPlan(plan, new_blocks)
+            self._sent_blocks[seq.seq_id] = (len(table), table[-1] if table else -1)
+        return BuiltPlan(plan, new_blocks, replaced)

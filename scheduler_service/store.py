@@ -43,6 +43,8 @@ class StepCommit:
     new_tokens: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> block ids appended to its table this step.
     new_blocks: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> {table index: block id} replaced by copy-on-write this step.
+    replaced_blocks: dict[int, dict[int, int]] = field(default_factory=dict)
     # Sequences whose stored block table is dropped (finished or preempted).
     dropped_block_tables: list[int] = field(default_factory=list)
     # Sequences whose token list is dropped (their request finished).
@@ -58,7 +60,7 @@ class StepCommit:
     num_preemptions: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.new_tokens or self.new_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
+        return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
                     or self.finished_requests or self.waiting is not None or self.running is not None
                     or self.blocks is not None or self.num_preemptions)
 
@@ -112,6 +114,8 @@ class RedisStore:
         if not created:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already in use")
         async with self._r.pipeline(transaction=True) as pipe:
+            # A finished request's stream outlives its record; a reused id must not replay it.
+            pipe.delete(keys.output_stream(req.request_id))
             pipe.hset(key, mapping={"worker": req.worker_id, "state": "queued"})
             pipe.rpush(keys.inbox(req.worker_id), req.SerializeToString())
             await pipe.execute()
@@ -153,6 +157,9 @@ class RedisStore:
                 pipe.rpush(keys.seq_tokens(seq_id), *tokens)
             for seq_id in c.dropped_block_tables:
                 pipe.delete(keys.seq_blocks(seq_id))
+            for seq_id, replaced in c.replaced_blocks.items():
+                for index, block_id in replaced.items():
+                    pipe.lset(keys.seq_blocks(seq_id), index, block_id)
             for seq_id, block_ids in c.new_blocks.items():
                 pipe.rpush(keys.seq_blocks(seq_id), *block_ids)
             for seq_id in c.dropped_seqs:

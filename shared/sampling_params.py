@@ -39,7 +39,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.temperature < 0.0:
+        # Written as a range check so that NaN (every comparison False) and inf are rejected too.
+        if not (0.0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")

@@ -1,0 +1,388 @@
+"""RedisStore against a real redis-server: admission, step commits, pickups, outputs, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+import redis
+
+from protos import common_pb2, generation_pb2, state_pb2
+from scheduler_service import keys
+from scheduler_service.store import (
+    INBOX_BATCH,
+    OUTPUT_TTL_SECONDS,
+    DuplicateRequestError,
+    Pickup,
+    RedisStore,
+    StepCommit,
+)
+from shared.errors import AlreadyExistsError, UnavailableError, status_for
+
+W = "w0"
+
+
+def run(url: str, body: Callable[[RedisStore], Awaitable[None]]) -> None:
+    """Runs one async test body with a fresh store (pytest-asyncio is not installed)."""
+
+    async def main() -> None:
+        store = RedisStore.from_url(url)
+        try:
+            await asyncio.wait_for(body(store), timeout=10)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+@pytest.fixture()
+def url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture()
+def plain(url: str):
+    """A plain synchronous client to inspect what the store wrote."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    yield client
+    client.close()
+
+
+def record(request_id: str, seq_ids: list[int] | None = None, worker_id: str = W, prompt=(1, 2, 3)) -> state_pb2.AdmittedRequest:
+    return state_pb2.AdmittedRequest(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling=common_pb2.SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop=["x"]),
+        arrival_time=1700000000.25,
+        seq_ids=seq_ids or [1],
+        worker_id=worker_id,
+    )
+
+
+def response(request_id: str, text: str, token_ids: list[int], finish: int = 0) -> generation_pb2.GenerateResponse:
+    return generation_pb2.GenerateResponse(
+        request_id=request_id,
+        outputs=[generation_pb2.CompletionDelta(index=0, text=text, token_ids=token_ids, finish_reason=finish)],
+    )
+
+
+def stream_id(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+# -- admission ---------------------------------------------------------------------------
+
+
+def test_reserve_seq_ids_are_consecutive_and_unique(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        assert await store.reserve_seq_ids(1) == [1]
+        assert await store.reserve_seq_ids(3) == [2, 3, 4]
+        assert await store.reserve_seq_ids(2) == [5, 6]
+        # Another replica (another client) continues the same sequence.
+        other = RedisStore.from_url(url)
+        try:
+            assert await other.reserve_seq_ids(2) == [7, 8]
+            batches = await asyncio.gather(*(s.reserve_seq_ids(n) for n in (1, 2, 3) for s in (store, other) for _ in range(5)))
+        finally:
+            await other.close()
+        for batch in batches:
+            assert batch == list(range(batch[0], batch[0] + len(batch)))
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(9, 9 + 5 * 2 * (1 + 2 + 3)))
+        assert await store.reserve_seq_ids(1) == [9 + 60]
+
+    run(url, body)
+
+
+def test_admit_then_commit_picks_up_the_record(url: str, plain) -> None:
+    rec = record("req-1", seq_ids=[4])
+
+    async def body(store: RedisStore) -> None:
+        await store.admit(rec)
+        assert plain.hmget(keys.request("req-1"), ["worker", "state"]) == [W, "queued"]
+        assert sorted(plain.hkeys(keys.request("req-1"))) == ["request", "state", "worker"]
+        assert plain.llen(keys.inbox(W)) == 1
+        pickup = await store.commit(StepCommit(W))
+        assert isinstance(pickup, Pickup)
+        assert pickup.aborts == []
+        assert len(pickup.admitted) == 1
+        got = pickup.admitted[0]
+        assert got == rec
+        assert got.SerializeToString() == rec.SerializeToString()
+        assert got.sampling.HasField("seed") and got.sampling.seed == 3
+        # Picked up once: the inbox is drained, the next commit gets nothing.
+        assert plain.llen(keys.inbox(W)) == 0
+        assert await store.commit(StepCommit(W)) == Pickup([], [])
+        # The record stays until the request finishes.
+        with redis.Redis.from_url(url) as raw_client:
+            raw = raw_client.hget(keys.request("req-1"), "request")
+        assert state_pb2.AdmittedRequest.FromString(raw) == rec
+
+    run(url, body)
+
+
+def test_admitted_requests_go_to_their_own_worker_in_order_and_in_batches(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        n = INBOX_BATCH + 6
+        for i in range(n):
+            await store.admit(record(f"r{i}", seq_ids=[i + 1]))
+        await store.admit(record("other", worker_id="w1"))
+        first = await store.commit(StepCommit(W))
+        assert [r.request_id for r in first.admitted] == [f"r{i}" for i in range(INBOX_BATCH)]
+        second = await store.commit(StepCommit(W))
+        assert [r.request_id for r in second.admitted] == [f"r{i}" for i in range(INBOX_BATCH, n)]
+        assert (await store.commit(StepCommit(W))).admitted == []
+        assert [r.request_id for r in (await store.commit(StepCommit("w1"))).admitted] == ["other"]
+
+    run(url, body)
+
+
+def test_duplicate_request_id_is_refused(url: str, plain) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("dup", prompt=(1, 2)))
+        with pytest.raises(DuplicateRequestError, match="request id 'dup' is already in use") as info:
+            await store.admit(record("dup", prompt=(9, 9, 9)))
+        assert isinstance(info.value, AlreadyExistsError)
+        assert status_for(info.value) == grpc.StatusCode.ALREADY_EXISTS
+        # Nothing of the second attempt was written.
+        assert plain.llen(keys.inbox(W)) == 1
+        pickup = await store.commit(StepCommit(W))
+        assert [list(r.prompt_token_ids) for r in pickup.admitted] == [[1, 2]]
+        # Once the request finished, its id may be used again.
+        await store.commit(StepCommit(W, finished_requests=["dup"]))
+        await store.admit(record("dup", prompt=(5,)))
+        pickup = await store.commit(StepCommit(W))
+        assert [list(r.prompt_token_ids) for r in pickup.admitted] == [[5]]
+
+    run(url, body)
+
+
+# -- commits -----------------------------------------------------------------------------
+
+
+def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.commit(
+            StepCommit(
+                W,
+                new_tokens={1: [10], 2: [20]},
+                new_blocks={1: [0, 1], 2: [2]},
+                waiting=["c", "d"],
+                running=["a", "b"],
+                blocks=(13, 16),
+                num_preemptions=2,
+            )
+        )
+        assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10"]
+        assert plain.lrange(keys.seq_tokens(2), 0, -1) == ["20"]
+        assert plain.lrange(keys.seq_blocks(1), 0, -1) == ["0", "1"]
+        assert plain.lrange(keys.seq_blocks(2), 0, -1) == ["2"]
+        assert plain.lrange(keys.waiting(W), 0, -1) == ["c", "d"]
+        assert plain.lrange(keys.running(W), 0, -1) == ["a", "b"]
+        assert plain.hgetall(keys.stats(W)) == {"free": "13", "total": "16", "preemptions": "2"}
+
+        # Appends; unchanged snapshots (None) are left alone; an empty snapshot clears the list.
+        await store.commit(
+            StepCommit(W, new_tokens={1: [11, 12]}, new_blocks={1: [3]}, waiting=[], blocks=(12, 16), num_preemptions=1)
+        )
+        assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10", "11", "12"]
+        assert plain.lrange(keys.seq_blocks(1), 0, -1) == ["0", "1", "3"]
+        assert plain.exists(keys.waiting(W)) == 0
+        assert plain.lrange(keys.running(W), 0, -1) == ["a", "b"]
+        assert plain.hgetall(keys.stats(W)) == {"free": "12", "total": "16", "preemptions": "3"}
+
+        # A new snapshot replaces the old list entirely.
+        await store.commit(StepCommit(W, running=["b"]))
+        assert plain.lrange(keys.running(W), 0, -1) == ["b"]
+        # Nothing else was touched by that commit.
+        assert plain.lrange(keys.seq_tokens(2), 0, -1) == ["20"]
+        assert plain.hgetall(keys.stats(W)) == {"free": "12", "total": "16", "preemptions": "3"}
+
+    run(url, body)
+
+
+def test_dropped_block_tables_and_dropped_seqs(url: str, plain) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.commit(StepCommit(W, new_tokens={1: [10], 2: [20]}, new_blocks={1: [0, 1], 2: [2, 3]}))
+        # Preempted seq 1: its table goes, its tokens stay; a table re-announced in the same commit replaces it.
+        await store.commit(StepCommit(W, dropped_block_tables=[1, 2], new_blocks={2: [5]}))
+        assert plain.exists(keys.seq_blocks(1)) == 0
+        assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10"]
+        assert plain.lrange(keys.seq_blocks(2), 0, -1) == ["5"]
+        # Finished seqs lose both keys.
+        await store.commit(StepCommit(W, dropped_seqs=[1, 2]))
+        for seq_id in (1, 2):
+            assert plain.exists(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id)) == 0
+
+    run(url, body)
+
+
+def test_outputs_are_read_in_order_and_finished_requests_expire(url: str, plain) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("a"))
+        await store.admit(record("b"))
+        await store.commit(StepCommit(W, outputs=[("a", response("a", "He", [1])), ("b", response("b", "X", [9]))]))
+        await store.commit(StepCommit(W, outputs=[("a", response("a", "llo", [2, 3]))]))
+        await store.commit(
+            StepCommit(
+                W,
+                outputs=[("a", response("a", "!", [4], common_pb2.FINISH_REASON_STOP))],
+                finished_requests=["a"],
+                dropped_seqs=[1],
+            )
+        )
+        got = await store.read_outputs("a", "0", block_ms=100)
+        assert [m for _, m in got] == [
+            response("a", "He", [1]),
+            response("a", "llo", [2, 3]),
+            response("a", "!", [4], common_pb2.FINISH_REASON_STOP),
+        ]
+        ids = [stream_id(i) for i, _ in got]
+        assert ids == sorted(ids) and len(set(ids)) == 3
+        # Reading after an id returns only what came later.
+        later = await store.read_outputs("a", got[0][0], block_ms=100)
+        assert [i for i, _ in later] == [i for i, _ in got[1:]]
+        # Nothing after the last id: waits block_ms and returns nothing.
+        t0 = time.monotonic()
+        assert await store.read_outputs("a", got[-1][0], block_ms=200) == []
+        assert time.monotonic() - t0 >= 0.15
+        # Finished: the stream lingers with a TTL, the request record is gone.
+        assert 0 < plain.ttl(keys.output_stream("a")) <= OUTPUT_TTL_SECONDS
+        assert plain.ttl(keys.output_stream("a")) > OUTPUT_TTL_SECONDS - 60
+        assert plain.exists(keys.request("a")) == 0
+        # The unfinished request keeps its record and a stream without TTL.
+        assert plain.ttl(keys.output_stream("b")) == -1
+        assert plain.exists(keys.request("b")) == 1
+        assert [m for _, m in await store.read_outputs("b", "0", block_ms=100)] == [response("b", "X", [9])]
+
+    run(url, body)
+
+
+def test_read_outputs_waits_for_a_later_commit(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        reader = asyncio.ensure_future(store.read_outputs("r", "$", block_ms=5000))
+        await asyncio.sleep(0.2)
+        assert not reader.done()
+        await store.commit(StepCommit(W, outputs=[("r", response("r", "hi", [5]))]))
+        got = await asyncio.wait_for(reader, timeout=5)
+        assert [m for _, m in got] == [response("r", "hi", [5])]
+
+    run(url, body)
+
+
+def test_request_abort_is_picked_up_by_the_next_commit(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("a"))
+        await store.request_abort(W, "a")
+        await store.request_abort(W, "zz")
+        await store.request_abort("w1", "elsewhere")
+        pickup = await store.commit(StepCommit(W))
+        assert [r.request_id for r in pickup.admitted] == ["a"]
+        assert pickup.aborts == ["a", "zz"]
+        assert await store.commit(StepCommit(W)) == Pickup([], [])
+        assert (await store.commit(StepCommit("w1"))).aborts == ["elsewhere"]
+
+    run(url, body)
+
+
+# -- waiting for work ----------------------------------------------------------------------
+
+
+def test_wait_for_work_returns_a_record_admitted_while_it_waits(url: str) -> None:
+    rec = record("late", seq_ids=[8])
+
+    async def body(store: RedisStore) -> None:
+        waiter = asyncio.ensure_future(store.wait_for_work(W, timeout=5))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        admitter = RedisStore.from_url(url)
+        try:
+            await admitter.admit(rec)
+        finally:
+            await admitter.close()
+        pickup = await asyncio.wait_for(waiter, timeout=5)
+        assert pickup.admitted == [rec]
+        assert pickup.aborts == []
+        # Consumed: a commit does not see it again.
+        assert (await store.commit(StepCommit(W))).admitted == []
+
+    run(url, body)
+
+
+def test_wait_for_work_returns_an_abort(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        waiter = asyncio.ensure_future(store.wait_for_work(W, timeout=5))
+        await asyncio.sleep(0.1)
+        await store.request_abort(W, "x")
+        assert await asyncio.wait_for(waiter, timeout=5) == Pickup([], ["x"])
+
+    run(url, body)
+
+
+def test_wait_for_work_returns_immediately_when_work_is_queued(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("a"))
+        await store.admit(record("b"))
+        t0 = time.monotonic()
+        first = await store.wait_for_work(W, timeout=5)
+        assert time.monotonic() - t0 < 1.0
+        assert [r.request_id for r in first.admitted] == ["a"]
+        # One item per wait; the rest is left for the next commit.
+        assert [r.request_id for r in (await store.commit(StepCommit(W))).admitted] == ["b"]
+
+    run(url, body)
+
+
+def test_wait_for_work_times_out_with_an_empty_pickup(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("other", worker_id="w1"))  # another worker's work does not wake us
+        t0 = time.monotonic()
+        pickup = await store.wait_for_work(W, timeout=0.3)
+        elapsed = time.monotonic() - t0
+        assert pickup == Pickup([], [])
+        assert 0.25 <= elapsed < 3.0
+
+    run(url, body)
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+def test_ping_on_a_stopped_server_raises_unavailable(redis_server) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.ping()
+        redis_server.stop()
+        with pytest.raises(UnavailableError, match="Redis is unreachable") as info:
+            await store.ping()
+        assert status_for(info.value) == grpc.StatusCode.UNAVAILABLE
+        # A store that never connected fails the same way.
+        fresh = RedisStore.from_url(redis_server_url)
+        try:
+            with pytest.raises(UnavailableError):
+                await fresh.ping()
+        finally:
+            await fresh.close()
+
+    redis_server_url = redis_server.url
+    run(redis_server_url, body)
+
+
+def test_reusing_a_finished_request_id_does_not_replay_old_outputs(url: str, plain) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("again"))
+        old = response("again", "old", [1], common_pb2.FINISH_REASON_STOP)
+        await store.commit(StepCommit(W, outputs=[("again", old)], finished_requests=["again"]))
+        try:
+            await store.admit(record("again"))
+        except DuplicateRequestError:
+            return  # refusing the reuse while old outputs are readable would also be correct
+        await store.commit(StepCommit(W, outputs=[("again", response("again", "new", [2]))]))
+        got = [m for _, m in await store.read_outputs("again", "0", block_ms=100)]
+        assert old not in got
+        assert got == [response("again", "new", [2])]
+
+    run(url, body)

@@ -1,0 +1,209 @@
+"""Admission: tokenization (text, chat, ids), defaults, and every INVALID_ARGUMENT case."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from llmserve.client import make_request
+from protos import generation_pb2
+from scheduler_service.admission import Admission, AdmittedPrompt, ModelLimits, to_record
+from shared.errors import InvalidRequestError, status_for
+from shared.sampling_params import SamplingParams
+from shared.sampling_proto import sampling_from_proto
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def admission(tokenizer) -> Admission:
+    return Admission(tokenizer, ModelLimits(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer)))
+
+
+def rejects(admission: Admission, req: generation_pb2.GenerateRequest, fragment: str) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError, match=re.escape(fragment)) as info:
+        admission.admit(req)
+    assert status_for(info.value) == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value
+
+
+# -- prompts -----------------------------------------------------------------------------
+
+
+def test_text_prompt_is_tokenized_like_the_tokenizer(admission: Admission, tokenizer) -> None:
+    prompt = "The capital of France is"
+    got = admission.admit(make_request(prompt, request_id="r1"))
+    assert isinstance(got, AdmittedPrompt)
+    assert got.request_id == "r1"
+    assert got.prompt_token_ids == list(tokenizer(prompt).input_ids)
+    assert all(isinstance(t, int) for t in got.prompt_token_ids)
+
+
+def test_chat_messages_render_with_the_chat_template(admission: Admission, tokenizer) -> None:
+    messages = [("system", "Be brief."), ("user", "Hi there"), ("assistant", "Hello!"), ("user", "Name a color.")]
+    got = admission.admit(make_request(messages=messages))
+    text = tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+    )
+    expected = list(tokenizer(text, add_special_tokens=False).input_ids)
+    assert got.prompt_token_ids == expected
+    # The generation prompt is there: the rendered text ends with the assistant header.
+    assert tokenizer.decode(expected).endswith("<|im_start|>assistant\n")
+
+
+def test_prompt_token_ids_pass_through(admission: Admission, tokenizer) -> None:
+    ids = [1, 5, 0, len(tokenizer) - 1, 42]
+    got = admission.admit(make_request(prompt_token_ids=ids))
+    assert got.prompt_token_ids == ids
+
+
+def test_empty_request_id_gets_a_unique_generated_one(admission: Admission) -> None:
+    ids = {admission.admit(make_request("hello")).request_id for _ in range(20)}
+    assert len(ids) == 20
+    assert all(i and i.isprintable() and len(i) <= 256 for i in ids)
+
+
+def test_request_id_at_the_length_limit_is_accepted(admission: Admission) -> None:
+    rid = "r" * 256
+    assert admission.admit(make_request("hello", request_id=rid)).request_id == rid
+
+
+# -- sampling defaults ---------------------------------------------------------------------
+
+
+def test_unset_sampling_fields_take_defaults(admission: Admission) -> None:
+    got = admission.admit(make_request("hello"))
+    assert got.sampling == SamplingParams()
+    assert got.sampling.max_tokens == 16
+
+
+def test_max_tokens_zero_means_the_room_left(admission: Admission, tokenizer) -> None:
+    prompt = "one two three four five"
+    prompt_len = len(tokenizer(prompt).input_ids)
+    got = admission.admit(make_request(prompt, max_tokens=0))
+    assert got.sampling.max_tokens == MAX_MODEL_LEN - prompt_len
+    got = admission.admit(make_request(prompt_token_ids=[7] * 63, max_tokens=0))
+    assert got.sampling.max_tokens == 1
+
+
+def test_sampling_fields_are_carried(admission: Admission) -> None:
+    got = admission.admit(
+        make_request(
+            "hello", max_tokens=5, temperature=0.25, top_p=0.5, top_k=-1, seed=123, stop=["\n"],
+            stop_token_ids=[2], ignore_eos=True,
+        )
+    )
+    s = got.sampling
+    assert (s.max_tokens, s.top_k, s.seed, s.stop, s.stop_token_ids, s.ignore_eos) == (5, 0, 123, ["\n"], [2], True)
+    assert s.temperature == pytest.approx(0.25) and s.top_p == pytest.approx(0.5)
+
+
+def test_to_record_round_trips_the_admitted_prompt(admission: Admission) -> None:
+    got = admission.admit(make_request(prompt_token_ids=[3, 4, 5], request_id="rec", max_tokens=0, seed=9))
+    rec = to_record(got, [10], "w0", 123.5)
+    assert (rec.request_id, list(rec.prompt_token_ids), list(rec.seq_ids), rec.worker_id, rec.arrival_time) == (
+        "rec", [3, 4, 5], [10], "w0", 123.5,
+    )
+    assert sampling_from_proto(rec.sampling) == got.sampling
+    assert rec.sampling.max_tokens == MAX_MODEL_LEN - 3
+
+
+def test_boundaries_that_still_fit(admission: Admission) -> None:
+    # 63 prompt tokens leave room for exactly one; 60 + 4 == max_model_len.
+    assert admission.admit(make_request(prompt_token_ids=[7] * 63, max_tokens=1)).sampling.max_tokens == 1
+    assert admission.admit(make_request(prompt_token_ids=[7] * 60, max_tokens=4)).sampling.max_tokens == 4
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def test_no_prompt(admission: Admission) -> None:
+    rejects(admission, make_request(), "the prompt is empty: set one of prompt, prompt_token_ids or messages")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"prompt": "hi", "prompt_token_ids": [1]}, "prompt, prompt_token_ids"),
+        ({"prompt": "hi", "messages": [("user", "x")]}, "prompt, messages"),
+        ({"prompt_token_ids": [1], "messages": [("user", "x")]}, "prompt_token_ids, messages"),
+        ({"prompt": "hi", "prompt_token_ids": [1], "messages": [("user", "x")]}, "prompt, prompt_token_ids, messages"),
+    ],
+)
+def test_two_prompt_kinds(admission: Admission, kwargs: dict, names: str) -> None:
+    rejects(admission, make_request(**kwargs), f"set exactly one of prompt, prompt_token_ids or messages, got {names}")
+
+
+def test_ids_outside_the_vocabulary(admission: Admission, tokenizer) -> None:
+    vocab = len(tokenizer)
+    rejects(
+        admission,
+        make_request(prompt_token_ids=[1, vocab, 2, vocab + 5]),
+        f"prompt_token_ids contains ids outside the vocabulary (size {vocab}): [{vocab}, {vocab + 5}]",
+    )
+
+
+def test_prompt_as_long_as_the_context(admission: Admission) -> None:
+    err = rejects(
+        admission,
+        make_request(prompt_token_ids=[7] * MAX_MODEL_LEN),
+        f"the prompt has {MAX_MODEL_LEN} tokens, but this model's maximum context length is {MAX_MODEL_LEN} tokens",
+    )
+    assert "shorten the prompt" in str(err)
+    rejects(admission, make_request(prompt_token_ids=[7] * 100, max_tokens=0), "the prompt has 100 tokens")
+
+
+def test_prompt_plus_max_tokens_too_long(admission: Admission) -> None:
+    rejects(
+        admission,
+        make_request(prompt_token_ids=[7] * 60, max_tokens=5),
+        "this model's maximum context length is 64 tokens, but 65 were requested "
+        "(60 in the prompt, 5 for the completion); lower max_tokens or shorten the prompt",
+    )
+
+
+def test_bad_chat_role(admission: Admission) -> None:
+    rejects(
+        admission,
+        make_request(messages=[("user", "hi"), ("tool", "x")]),
+        "messages[1].role must be one of system, user, assistant, got 'tool'",
+    )
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1.5, -0.1])
+def test_top_p_out_of_range(admission: Admission, top_p: float) -> None:
+    rejects(admission, make_request("hi", top_p=top_p), "top_p must be in (0, 1]")
+
+
+def test_negative_temperature(admission: Admission) -> None:
+    rejects(admission, make_request("hi", temperature=-0.5), "temperature must be non-negative, got -0.5")
+
+
+def test_top_k_below_minus_one(admission: Admission) -> None:
+    rejects(admission, make_request("hi", top_k=-2), "top_k must be -1 (disable), or at least 1, got -2")
+
+
+def test_empty_stop_string(admission: Admission) -> None:
+    rejects(admission, make_request("hi", stop=["ok", ""]), "stop strings must be non-empty")
+
+
+def test_request_id_too_long(admission: Admission) -> None:
+    rejects(admission, make_request("hi", request_id="r" * 257), "request_id must be at most 256 printable characters")
+
+
+def test_request_id_not_printable(admission: Admission) -> None:
+    rejects(admission, make_request("hi", request_id="a\nb"), "request_id must be at most 256 printable characters")
+
+
+def test_nan_temperature_is_rejected(admission: Admission) -> None:
+    rejects(admission, make_request("hi", temperature=math.nan), "temperature")
