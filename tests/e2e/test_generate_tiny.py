@@ -151,3 +151,26 @@ def test_abort_rpc_ends_the_stream_and_frees_blocks(cluster: LocalCluster) -> No
             client.abort("to-abort")
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert_all_blocks_free(cluster)
+
+
+def test_cancelling_every_third_of_60_streams_frees_everything(cluster: LocalCluster) -> None:
+    """Cancelled streams abort in whichever queue their request is; the rest complete normally."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(3)
+
+    def run(i: int) -> tuple[int, str]:
+        prompt = [rng.randrange(3, 40000) for _ in range(rng.randint(5, 60))]
+        stream = client.stream(make_request(prompt_token_ids=prompt, max_tokens=48, ignore_eos=True, temperature=0.0))
+        if i % 3 == 0:
+            next(stream)
+            stream.cancel()
+            return i, "cancelled"
+        tokens = sum(len(d.token_ids) for msg in stream for d in msg.outputs)
+        return i, f"{tokens} tokens"
+
+    with GenerationClient(cluster.address) as client, ThreadPoolExecutor(max_workers=60) as pool:
+        outcomes = dict(pool.map(run, range(60)))
+    assert sum(v == "cancelled" for v in outcomes.values()) == 20
+    assert all(v == "48 tokens" for i, v in outcomes.items() if i % 3), outcomes
+    assert_all_blocks_free(cluster)
