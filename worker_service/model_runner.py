@@ -103,7 +103,7 @@ class ModelRunner:
             out = sample(
                 logits,
                 [s.sampling for s in inputs.sampling_seqs],
-                [s.generator for s in inputs.sampling_seqs],
+                [len(s.token_ids) - s.num_prompt_tokens for s in inputs.sampling_seqs],
             )
             for seq, token, logprob in zip(inputs.sampling_seqs, out.token_ids, out.logprobs):
                 sampled.append(SampledTokenData(seq.seq_id, token, logprob))

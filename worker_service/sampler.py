@@ -3,6 +3,11 @@
 Random sampling uses the exponential race (argmax of p / E with E ~ Exp(1)),
 which equals sampling from p and lets each seeded sequence draw its noise from
 its own generator while the rest of the batch shares one draw.
+
+A seeded sequence's noise for output position i comes from a generator seeded
+with (seed, i) alone: the token at each position is a function of the seed and
+the logits only, so it is the same whatever shares the batch, and the same
+again when the sequence is recomputed after a preemption or a restart.
 """
 
 from __future__ import annotations
@@ -37,8 +42,16 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplerOutput:
-    """Samples one token per row of `logits` ([num_seqs, vocab], float32)."""
+def _position_generator(seed: int, position: int) -> torch.Generator:
+    # A fixed odd multiplier spreads (seed, position) pairs over the 63-bit seed space.
+    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> SamplerOutput:
+    """Samples one token per row of `logits` ([num_seqs, vocab], float32).
+
+    positions[i]: index among the sequence's output tokens of the token being sampled (seeded rows).
+    """
     logprobs_all = torch.log_softmax(logits, dim=-1)
     greedy_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -55,8 +68,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = sub.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for j, i in enumerate(random_rows):
-            gen = generators[i]
-            if gen is not None:
+            seed = params[i].seed
+            if seed is not None:
+                gen = _position_generator(seed, positions[i])
                 noise[j] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(probs.device)
         chosen[rows] = (probs / noise).argmax(dim=-1)
     token_logprobs = logprobs_all.gather(1, chosen.unsqueeze(1)).squeeze(1)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from shared.sampling_params import SamplingParams
 from worker_service.plan import NewSequenceData, SequenceDeltaData
 
@@ -29,7 +27,6 @@ class CachedSequence:
     block_table: list[int]
     num_computed_tokens: int
     sampling: SamplingParams
-    generator: torch.Generator | None
     # Set by the current step: tokens to compute this step.
     num_new_tokens: int = 0
 
@@ -62,10 +59,6 @@ class SequenceCache:
 
     def add(self, new: NewSequenceData) -> CachedSequence:
         """Learns (or re-learns after recompute) a sequence sent in full."""
-        generator = None
-        if new.sampling.seed is not None:
-            # A per-sequence generator makes seeded requests reproducible whatever shares the batch.
-            generator = torch.Generator().manual_seed(new.sampling.seed)
         seq = CachedSequence(
             seq_id=new.seq_id,
             token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
@@ -73,7 +66,6 @@ class SequenceCache:
             block_table=list(new.block_table),
             num_computed_tokens=new.num_computed_tokens,
             sampling=new.sampling,
-            generator=generator,
             num_new_tokens=new.num_new_tokens,
         )
         self._check(seq)

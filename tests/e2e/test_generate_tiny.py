@@ -174,3 +174,17 @@ def test_cancelling_every_third_of_60_streams_frees_everything(cluster: LocalClu
     assert sum(v == "cancelled" for v in outcomes.values()) == 20
     assert all(v == "48 tokens" for i, v in outcomes.items() if i % 3), outcomes
     assert_all_blocks_free(cluster)
+
+
+def test_seeded_sampling_survives_preemption(cluster: LocalCluster) -> None:
+    """A seeded request samples the same tokens alone and in a crowd that forces recompute preemption."""
+    before = redis_state(cluster)["preemptions"]
+    seeded = dict(prompt_token_ids=list(range(1000, 1100)), max_tokens=40, temperature=0.8, top_p=0.95,
+                  seed=1234, ignore_eos=True)
+    (alone,) = generate_all(cluster.address, [make_request(**seeded)])
+    crowd = [make_request(prompt_token_ids=p, max_tokens=40, ignore_eos=True, temperature=1.0)
+             for p in _prompts(15, 40000, seed=9)]
+    results = generate_all(cluster.address, [*crowd[:7], make_request(**seeded), *crowd[7:]])
+    assert results[7].token_ids == alone.token_ids
+    assert redis_state(cluster)["preemptions"] > before
+    assert_all_blocks_free(cluster)

@@ -48,7 +48,7 @@ def nucleus_margin(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 def draw(params: SamplingParams, n: int = NUM_DRAWS, logits: torch.Tensor = LOGITS) -> SamplerOutput:
     batch = logits.unsqueeze(0).repeat(n, 1)
-    return sample(batch, [params] * n, [None] * n)
+    return sample(batch, [params] * n, [0] * n)
 
 
 def frequencies(token_ids: list[int], vocab: int = VOCAB) -> torch.Tensor:
@@ -73,7 +73,7 @@ def test_greedy_rows_return_argmax_and_its_raw_logprob() -> None:
         dtype=torch.float32,
     )
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1e-6)]
-    out = sample(logits, params, [None, None, None])
+    out = sample(logits, params, [0, 0, 0])
     assert out.token_ids == [2, 0, 3]
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(3), torch.tensor([2, 0, 3])]
     assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
@@ -83,7 +83,7 @@ def test_greedy_rows_return_argmax_and_its_raw_logprob() -> None:
 
 def test_greedy_ignores_top_k_top_p_and_seed() -> None:
     params = SamplingParams(temperature=0.0, top_k=3, top_p=0.1, seed=5)
-    out = sample(LOGITS.unsqueeze(0), [params], [torch.Generator().manual_seed(5)])
+    out = sample(LOGITS.unsqueeze(0), [params], [5])
     assert out.token_ids == [ARGMAX]
     assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[ARGMAX]), abs=1e-6)
 
@@ -137,7 +137,7 @@ def test_per_row_filters_in_a_mixed_batch() -> None:
     configs = [(1.0, 2, 1.0), (1.0, 0, 1.0), (0.5, 0, 0.6), (2.0, 4, 1.0)]
     n = 8000
     params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in configs] * n
-    out = sample(LOGITS.unsqueeze(0).repeat(len(params), 1), params, [None] * len(params))
+    out = sample(LOGITS.unsqueeze(0).repeat(len(params), 1), params, [0] * len(params))
     for j, (t, k, p) in enumerate(configs):
         tokens = out.token_ids[j :: len(configs)]
         expected = reference_probs(LOGITS, t, k, p)
@@ -176,9 +176,8 @@ def _seeded_run(seed: int, layouts: list[tuple[int, list[SamplingParams]]], step
     """Samples `steps` tokens for one seeded row; each step places it among other rows.
 
     layouts[step % len] = (row index of the seeded row, params of the other rows).
-    Fresh generator per run, as the worker creates one per sequence.
+    The seeded row samples output positions 0, 1, 2, ... as the worker does.
     """
-    gen = torch.Generator().manual_seed(seed)
     mine = SamplingParams(temperature=1.0, seed=seed)
     flat = torch.zeros(VOCAB)  # uniform: every token equally likely, so runs are informative
     tokens = []
@@ -186,13 +185,11 @@ def _seeded_run(seed: int, layouts: list[tuple[int, list[SamplingParams]]], step
         index, others = layouts[step % len(layouts)]
         params = list(others)
         params.insert(index, mine)
-        generators: list[torch.Generator | None] = [
-            torch.Generator().manual_seed(1000 + j) if p.seed is not None else None for j, p in enumerate(params)
-        ]
-        generators[index] = gen
+        positions = [1000 + j for j in range(len(params))]
+        positions[index] = step
         logits = torch.randn(len(params), VOCAB)
         logits[index] = flat
-        out = sample(logits, params, generators)
+        out = sample(logits, params, positions)
         tokens.append(out.token_ids[index])
     return tokens
 
@@ -219,11 +216,10 @@ def test_different_seeds_differ() -> None:
 
 
 def test_seeded_rows_follow_the_distribution() -> None:
-    # Each seeded row owns its generator: 4000 distinct seeds sample the masked distribution.
+    # Each seeded row draws its own noise: 4000 distinct seeds sample the masked distribution.
     n = 4000
     params = [SamplingParams(top_k=3, seed=s) for s in range(n)]
-    gens = [torch.Generator().manual_seed(s) for s in range(n)]
-    out = sample(LOGITS.unsqueeze(0).repeat(n, 1), params, gens)
+    out = sample(LOGITS.unsqueeze(0).repeat(n, 1), params, [0] * n)
     expected = reference_probs(LOGITS, 1.0, 3, 1.0)
     assert set(out.token_ids) <= {1, 5, 3}
     assert float((frequencies(out.token_ids) - expected).abs().max()) < 0.04
@@ -247,10 +243,9 @@ def test_mixed_greedy_seeded_and_random_rows_in_one_batch() -> None:
         SamplingParams(temperature=0.0, seed=3),
         SamplingParams(top_p=1e-3, temperature=0.9),
     ]
-    solo = sample(rows[2:3], [params[2]], [torch.Generator().manual_seed(11)]).token_ids[0]
+    solo = sample(rows[2:3], [params[2]], [4]).token_ids[0]
     for _ in range(50):
-        gens = [None, None, torch.Generator().manual_seed(11), torch.Generator().manual_seed(3), None]
-        out = sample(rows, params, gens)
+        out = sample(rows, params, [0, 0, 4, 4, 0])
         assert out.token_ids[0] == 2
         assert out.token_ids[1] in (1, 5)
         assert out.token_ids[2] == solo
@@ -261,8 +256,19 @@ def test_mixed_greedy_seeded_and_random_rows_in_one_batch() -> None:
 
 
 def test_single_random_row_and_all_random_batch_shapes() -> None:
-    out = sample(LOGITS.unsqueeze(0), [SamplingParams()], [None])
+    out = sample(LOGITS.unsqueeze(0), [SamplingParams()], [0])
     assert len(out.token_ids) == 1 and 0 <= out.token_ids[0] < VOCAB
     logits = torch.randn(3, 16)
-    out = sample(logits, [SamplingParams(top_k=1)] * 3, [None] * 3)
+    out = sample(logits, [SamplingParams(top_k=1)] * 3, [0] * 3)
     assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_token_depends_only_on_seed_position_and_logits() -> None:
+    """Recomputing a preempted seeded sequence samples the same token at the same position."""
+    params = [SamplingParams(seed=5)]
+    flat = torch.zeros(1, 64)
+    first = [sample(flat, params, [pos]).token_ids[0] for pos in range(20)]
+    torch.manual_seed(123)
+    again = [sample(flat, params, [pos]).token_ids[0] for pos in range(20)]
+    assert first == again
+    assert len(set(first)) > 5
