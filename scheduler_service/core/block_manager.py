@@ -210,9 +210,11 @@ class BlockManager:
         unhashed (the first copy is the cached one). A no-op without prefix
         caching or for a sequence without a table.
         """
+        if self._cache is None:
+            return
         hashes = self._block_hashes.get(seq.seq_id)
         table = self.block_tables.get(seq.seq_id)
-        if self._cache is None or hashes is None or table is None:
+        if hashes is None or table is None:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         if num_full <= len(hashes):
@@ -304,7 +306,7 @@ class BlockManager:
         # The block holding the last token is never reused: the sequence must
         # compute at least that token (its logits are sampled) and write it
         # into a block of its own, never into a shared cached block.
-        return seq.num_tokens // self.block_size
+        return (seq.num_tokens - 1) // self.block_size
 
     def _match_prefix(self, seq: Sequence) -> tuple[list[BlockHash], list[int]]:
         """Chained hashes and cached block ids of seq's longest cached prefix."""

@@ -217,7 +217,7 @@ class Scheduler:
         """Give running groups still in prefill their next chunk, FCFS. Returns the budget left."""
         for group in groups:
             seqs = group.get_seqs(SequenceStatus.RUNNING)
-            chunk = self._chunk_size(seqs, [seq.num_uncomputed_tokens for seq in seqs], budget)
+            chunk = self._chunk_size([seq.num_uncomputed_tokens for seq in seqs], budget)
             if chunk == 0 or num_seqs + len(seqs) > self.scheduler_config.max_num_seqs:
                 break
             for seq in seqs:
@@ -228,13 +228,13 @@ class Scheduler:
         return budget
 
     @staticmethod
-    def _chunk_size(seqs: list[Sequence], num_uncomputed: list[int], budget: int) -> int:
-        """Tokens per sequence of the group's next chunk; 0 when the budget is out.
+    def _chunk_size(num_uncomputed: list[int], budget: int) -> int:
+        """Tokens per sequence of a group's next chunk (one entry per sequence); 0 when the budget is out.
 
         The group's sequences prefill the same tokens side by side, so the
         budget is split evenly between them.
         """
-        return min(max(num_uncomputed), budget // len(seqs))
+        return min(max(num_uncomputed), budget // len(num_uncomputed))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting groups in FCFS order until one does not fit."""
@@ -270,7 +270,7 @@ class Scheduler:
             # ones allocate() will take from the prefix cache.
             num_new = self._num_uncomputed_after_allocation(seqs)
             if chunked:
-                chunk = self._chunk_size(seqs, num_new, budget)
+                chunk = self._chunk_size(num_new, budget)
                 if chunk == 0:
                     break
             else:

@@ -88,6 +88,15 @@ def test_allocator_ref_counts() -> None:
         alloc.free(5)
 
 
+def test_allocator_free_block_ids() -> None:
+    alloc = BlockAllocator(4)
+    first, second = alloc.allocate(), alloc.allocate()
+    assert alloc.free_block_ids() == [2, 3]
+    alloc.free(second)
+    alloc.free(first)
+    assert alloc.free_block_ids() == [0, 1, 2, 3]
+
+
 def test_allocator_rejects_bad_size() -> None:
     with pytest.raises(ValueError, match="num_blocks must be a positive integer, got 0"):
         BlockAllocator(0)
