@@ -48,6 +48,7 @@ class LocalCluster:
         self.worker_port = free_port(spec.host)
         self._redis: RedisServer | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._args: dict[str, list[str]] = {}
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.log_dir = Path(spec.log_dir) if spec.log_dir else None
         self.redis_url = spec.redis_url
@@ -66,7 +67,8 @@ class LocalCluster:
         return self.log_dir / f"{role}.log"
 
     def _spawn(self, role: str, args: list[str]) -> None:
-        log = open(self.log_path(role), "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        self._args[role] = args
+        log = open(self.log_path(role), "ab")  # noqa: SIM115 - owned by the child for its lifetime
         cmd = [sys.executable, "-m", "llmserve", role, *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -110,6 +112,17 @@ class LocalCluster:
         raise ClusterStartError(
             f"the scheduler was not ready after {self.spec.start_timeout_s}s:\n{self.tail('scheduler')}\n{self.tail('worker')}"
         )
+
+    def kill(self, role: str) -> None:
+        """SIGKILLs one service (fault tests): no clean shutdown, no final commit."""
+        proc = self._procs[role]
+        proc.kill()
+        proc.wait()
+
+    def restart(self, role: str) -> None:
+        """Starts a killed service again with the same command line and waits until the API is ready."""
+        self._spawn(role, self._args[role])
+        self._wait_ready()
 
     def tail(self, role: str, lines: int = 40) -> str:
         """The last lines of a process's log."""

@@ -111,10 +111,24 @@ class EngineLoop:
         for request_id in pickup.aborts:
             self._processor.abort(request_id, commit)
 
+    async def _restore(self, commit: StepCommit) -> None:
+        """Continues what an earlier owner of the worker left: requests it picked up, their outputs.
+
+        The worker is reset on takeover, so every restored sequence is recomputed from its
+        prompt and committed outputs, and the block tables the old owner stored are dropped.
+        """
+        restored = await self._store.load_picked_up(self.worker_id)
+        for request in restored:
+            self._processor.restore(request)
+            commit.dropped_block_tables.extend(request.record.seq_ids)
+        if restored:
+            log.info("worker %s: continuing %d request(s) of the previous owner", self.worker_id, len(restored))
+
     async def run(self, stop: asyncio.Event) -> None:
         """Runs until `stop` is set."""
-        await self._take_ownership()
         pending = StepCommit(self.worker_id)
+        await self._restore(pending)
+        await self._take_ownership()
         pickup = Pickup([], [])
         while not stop.is_set():
             self._ingest(pickup, pending)

@@ -27,6 +27,11 @@ def aborts(worker_id: str) -> str:
     return f"{PREFIX}:w:{worker_id}:aborts"
 
 
+def live(worker_id: str) -> str:
+    """Set: ids of the worker's requests from admission until their final output is committed."""
+    return f"{PREFIX}:w:{worker_id}:live"
+
+
 def waiting(worker_id: str) -> str:
     """List: request ids in the waiting queue, in order."""
     return f"{PREFIX}:w:{worker_id}:waiting"

@@ -13,7 +13,7 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.detokenizer import IncrementalDetokenizer, check_stop, streamable_text_length
-from scheduler_service.store import StepCommit
+from scheduler_service.store import RestoredRequest, StepCommit
 from shared.sampling_proto import sampling_from_proto
 
 _FINISH_REASONS = {
@@ -55,15 +55,30 @@ class OutputProcessor:
 
     def add(self, record: state_pb2.AdmittedRequest) -> None:
         """Queues an admitted request in the scheduler."""
+        self.restore(RestoredRequest(record, {}))
+
+    def restore(self, restored: RestoredRequest) -> None:
+        """Queues a request with the outputs already committed for it (after a change of owner).
+
+        Its sequences are recomputed from prompt + committed outputs; the detokenizers replay
+        those outputs so the stream continues exactly after the text clients were sent.
+        """
+        record = restored.record
         prompt = list(record.prompt_token_ids)
-        seqs = [Sequence(seq_id=seq_id, prompt_token_ids=prompt) for seq_id in record.seq_ids]
+        params = sampling_from_proto(record.sampling)
+        seqs = [
+            Sequence(seq_id=seq_id, prompt_token_ids=prompt, output_token_ids=restored.outputs.get(seq_id, []))
+            for seq_id in record.seq_ids
+        ]
         group = SequenceGroup(
-            request_id=record.request_id, seqs=seqs,
-            sampling_params=sampling_from_proto(record.sampling), arrival_time=record.arrival_time,
+            request_id=record.request_id, seqs=seqs, sampling_params=params, arrival_time=record.arrival_time,
         )
         state = _RequestState(group)
         for index, seq in enumerate(seqs):
-            state.seqs[seq.seq_id] = _SeqOutput(index, IncrementalDetokenizer(self._tokenizer, prompt))
+            detokenizer = IncrementalDetokenizer(self._tokenizer, prompt)
+            detokenizer.step(seq.output_token_ids)
+            sent = streamable_text_length(detokenizer.output_text, params.stop, finished=False)
+            state.seqs[seq.seq_id] = _SeqOutput(index, detokenizer, sent)
         self._scheduler.add_request(group)
         self._requests[record.request_id] = state
 

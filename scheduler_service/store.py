@@ -66,6 +66,15 @@ class StepCommit:
 
 
 @dataclass
+class RestoredRequest:
+    """A request an earlier owner of the worker picked up, with the outputs it committed."""
+
+    record: state_pb2.AdmittedRequest
+    # seq_id -> committed output tokens
+    outputs: dict[int, list[int]]
+
+
+@dataclass
 class Pickup:
     """Work the engine loop picked up with a commit."""
 
@@ -117,6 +126,7 @@ class RedisStore:
             # A finished request's stream outlives its record; a reused id must not replay it.
             pipe.delete(keys.output_stream(req.request_id))
             pipe.hset(key, mapping={"worker": req.worker_id, "state": "queued"})
+            pipe.sadd(keys.live(req.worker_id), req.request_id)
             pipe.rpush(keys.inbox(req.worker_id), req.SerializeToString())
             await pipe.execute()
 
@@ -169,6 +179,7 @@ class RedisStore:
             for request_id in c.finished_requests:
                 pipe.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
                 pipe.delete(keys.request(request_id))
+                pipe.srem(keys.live(w), request_id)
             for key, snapshot in ((keys.waiting(w), c.waiting), (keys.running(w), c.running)):
                 if snapshot is not None:
                     pipe.delete(key)
@@ -186,6 +197,32 @@ class RedisStore:
             admitted=[state_pb2.AdmittedRequest.FromString(v) for v in admitted_raw or []],
             aborts=[v.decode() for v in aborts_raw or []],
         )
+
+    async def load_picked_up(self, worker_id: str) -> list[RestoredRequest]:
+        """Live requests of the worker that left its inbox: what a new owner must continue, FCFS.
+
+        Requests still in the inbox are not returned; the new owner picks them up as usual.
+        """
+        live = {m.decode() for m in await self._r.smembers(keys.live(worker_id))}
+        queued = {state_pb2.AdmittedRequest.FromString(v).request_id
+                  for v in await self._r.lrange(keys.inbox(worker_id), 0, -1)}
+        ids = sorted(live - queued)
+        async with self._r.pipeline(transaction=False) as pipe:
+            for request_id in ids:
+                pipe.hget(keys.request(request_id), "request")
+            raw_records = await pipe.execute()
+        records = [state_pb2.AdmittedRequest.FromString(r) for r in raw_records if r is not None]
+        async with self._r.pipeline(transaction=False) as pipe:
+            for record in records:
+                for seq_id in record.seq_ids:
+                    pipe.lrange(keys.seq_tokens(seq_id), 0, -1)
+            token_lists = iter(await pipe.execute())
+        restored = [
+            RestoredRequest(record, {seq_id: [int(t) for t in next(token_lists)] for seq_id in record.seq_ids})
+            for record in records
+        ]
+        restored.sort(key=lambda r: r.record.arrival_time)
+        return restored
 
     # -- clients -----------------------------------------------------------------------------
 
