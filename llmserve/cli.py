@@ -57,7 +57,11 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: max(max_model_len, 2048))")
+                   help="token budget of one step (default: max(max_model_len, 2048); 512 with chunked prefill)")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prompts into chunks that share each step's budget with running decodes")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of prompts that share a prefix with earlier requests")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -150,24 +154,29 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     config = SchedulerServiceConfig(
         tokenizer=_resolve_model(args.model), redis_url=args.redis_url, workers=args.worker,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     asyncio.run(serve(config, args.host, args.port))
     return 0
 
 
 def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
+    """Re-creates the command-line flags `up` forwards to one service."""
     out: list[str] = []
     for name in names:
         value = getattr(args, name.replace("-", "_"))
-        if value is not None:
+        if value is True:
+            out.append(f"--{name}")
+        elif value is not None and value is not False:
             out += [f"--{name}", str(value)]
     return out
 
 
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "num-gpu-blocks-override", "swap-space",
                 "seed", "num-threads", "max-model-len", "log-level"]
-_SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "max-model-len", "log-level"]
+_SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
+                   "max-model-len", "log-level"]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

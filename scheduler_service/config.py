@@ -13,7 +13,9 @@ class SchedulerServiceConfig:
     redis_url: the state store.
     workers: worker addresses (host:port); each gets one engine loop.
     max_num_batched_tokens: token budget per step; None = max(max_model_len, 2048) as in vLLM
-      without chunked prefill (a prompt must fit in one step).
+      without chunked prefill (a prompt must fit in one step), 512 with it.
+    enable_chunked_prefill: decodes and prompt chunks share each step's token budget.
+    enable_prefix_caching: full KV blocks are shared between requests with the same prefix.
     """
 
     tokenizer: str
@@ -22,6 +24,8 @@ class SchedulerServiceConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int = 0
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
     worker_connect_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceGroup
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
-from scheduler_service.store import Pickup, RedisStore, StepCommit
+from scheduler_service.store import CacheStats, Pickup, RedisStore, StepCommit
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,14 @@ class EngineLoop:
         self.steps = 0
         self._last_waiting: list[str] | None = None
         self._last_running: list[str] | None = None
-        self._last_blocks: tuple[int, int] | None = None
+        self._last_stats: CacheStats | None = None
 
     async def _take_ownership(self) -> None:
         epoch = await self._store.next_epoch(self.worker_id)
         await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=30)
         self._planner.reset(epoch)
+        # The worker's KV is gone: cached prefix blocks no longer hold what their hashes say.
+        self._scheduler.reset_prefix_cache()
         log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
 
     def _snapshot(self, commit: StepCommit) -> None:
@@ -67,9 +69,10 @@ class EngineLoop:
         commit.waiting = waiting if waiting != self._last_waiting else None
         commit.running = running if running != self._last_running else None
         self._last_waiting, self._last_running = waiting, running
-        blocks = (bm.num_free_gpu_blocks, bm.num_gpu_blocks)
-        commit.blocks = blocks if blocks != self._last_blocks else None
-        self._last_blocks = blocks
+        prefix = bm.prefix_cache_stats
+        stats = CacheStats(bm.num_free_gpu_blocks, bm.num_gpu_blocks, prefix.queries, prefix.hits)
+        commit.cache_stats = stats if stats != self._last_stats else None
+        self._last_stats = stats
 
     def _plan(self, commit: StepCommit) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
         # Sequences that finished since the last plan: the worker may drop them.
@@ -99,10 +102,10 @@ class EngineLoop:
         num_tokens = group.seqs[0].num_tokens
         cfg = self._scheduler.scheduler_config
         cache = self._scheduler.cache_config
+        budget = "" if cfg.enable_chunked_prefill else f", one step's token budget {cfg.max_num_batched_tokens}"
         return (
-            f"the request needs {num_tokens} tokens in one step, more than this worker can ever schedule "
-            f"(max_model_len {cfg.max_model_len}, token budget {cfg.max_num_batched_tokens}, "
-            f"KV cache {cache.num_gpu_blocks * cache.block_size} tokens)"
+            f"the request needs {num_tokens} tokens of KV cache, more than this worker can ever hold "
+            f"(max_model_len {cfg.max_model_len}{budget}, KV cache {cache.num_gpu_blocks * cache.block_size} tokens)"
         )
 
     def _ingest(self, pickup: Pickup, commit: StepCommit) -> None:

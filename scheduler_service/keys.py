@@ -43,7 +43,7 @@ def running(worker_id: str) -> str:
 
 
 def stats(worker_id: str) -> str:
-    """Hash: the worker's KV blocks (total / free, as last committed) and its preemption count."""
+    """Hash: the worker's KV blocks (total / free, as last committed), preemption and prefix-cache counts."""
     return f"{PREFIX}:w:{worker_id}:stats"
 
 

@@ -41,10 +41,17 @@ async def describe_worker(stub: worker_pb2_grpc.WorkerStub, address: str, timeou
 
 def _scheduler_for(config: SchedulerServiceConfig, desc: worker_pb2.WorkerDescription) -> Scheduler:
     max_len = min(config.max_model_len or desc.max_model_len, desc.max_model_len)
-    budget = config.max_num_batched_tokens or max(max_len, 2048)
+    # vLLM's defaults: without chunking a whole prompt must fit one step; with it, small steps keep decodes flowing.
+    default_budget = 512 if config.enable_chunked_prefill else max(max_len, 2048)
     return Scheduler(
-        SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_len),
-        CacheConfig(block_size=desc.block_size, num_gpu_blocks=desc.num_gpu_blocks),
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens or default_budget,
+            max_model_len=max_len, enable_chunked_prefill=config.enable_chunked_prefill,
+        ),
+        CacheConfig(
+            block_size=desc.block_size, num_gpu_blocks=desc.num_gpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        ),
     )
 
 

@@ -34,6 +34,23 @@ class DuplicateRequestError(AlreadyExistsError):
     """A live request already uses this request id."""
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """The KV cache as the engine loop last saw it."""
+
+    free_blocks: int
+    total_blocks: int
+    # Prefix-cache lookups, counted in blocks (cumulative).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def as_hash(self) -> dict[str, int]:
+        return {
+            "free": self.free_blocks, "total": self.total_blocks,
+            "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
+        }
+
+
 @dataclass
 class StepCommit:
     """Everything one engine-loop step changes in Redis."""
@@ -55,14 +72,14 @@ class StepCommit:
     # Queue snapshots; None when unchanged.
     waiting: list[str] | None = None
     running: list[str] | None = None
-    # (free, total) KV blocks; None when unchanged.
-    blocks: tuple[int, int] | None = None
+    # None when unchanged since the last commit.
+    cache_stats: CacheStats | None = None
     num_preemptions: int = 0
 
     def is_empty(self) -> bool:
         return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
                     or self.finished_requests or self.waiting is not None or self.running is not None
-                    or self.blocks is not None or self.num_preemptions)
+                    or self.cache_stats is not None or self.num_preemptions)
 
 
 @dataclass
@@ -185,8 +202,8 @@ class RedisStore:
                     pipe.delete(key)
                     if snapshot:
                         pipe.rpush(key, *snapshot)
-            if c.blocks is not None:
-                pipe.hset(keys.stats(w), mapping={"free": c.blocks[0], "total": c.blocks[1]})
+            if c.cache_stats is not None:
+                pipe.hset(keys.stats(w), mapping=c.cache_stats.as_hash())
             if c.num_preemptions:
                 pipe.hincrby(keys.stats(w), "preemptions", c.num_preemptions)
             pipe.lpop(keys.inbox(w), INBOX_BATCH)

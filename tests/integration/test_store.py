@@ -15,6 +15,7 @@ from scheduler_service import keys
 from scheduler_service.store import (
     INBOX_BATCH,
     OUTPUT_TTL_SECONDS,
+    CacheStats,
     DuplicateRequestError,
     Pickup,
     RedisStore,
@@ -173,7 +174,7 @@ def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) 
                 new_blocks={1: [0, 1], 2: [2]},
                 waiting=["c", "d"],
                 running=["a", "b"],
-                blocks=(13, 16),
+                cache_stats=CacheStats(13, 16),
                 num_preemptions=2,
             )
         )
@@ -183,24 +184,24 @@ def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) 
         assert plain.lrange(keys.seq_blocks(2), 0, -1) == ["2"]
         assert plain.lrange(keys.waiting(W), 0, -1) == ["c", "d"]
         assert plain.lrange(keys.running(W), 0, -1) == ["a", "b"]
-        assert plain.hgetall(keys.stats(W)) == {"free": "13", "total": "16", "preemptions": "2"}
+        assert plain.hgetall(keys.stats(W)) == {"free": "13", "total": "16", "prefix_cache_queries": "0", "prefix_cache_hits": "0", "preemptions": "2"}
 
         # Appends; unchanged snapshots (None) are left alone; an empty snapshot clears the list.
         await store.commit(
-            StepCommit(W, new_tokens={1: [11, 12]}, new_blocks={1: [3]}, waiting=[], blocks=(12, 16), num_preemptions=1)
+            StepCommit(W, new_tokens={1: [11, 12]}, new_blocks={1: [3]}, waiting=[], cache_stats=CacheStats(12, 16, 4, 1), num_preemptions=1)
         )
         assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10", "11", "12"]
         assert plain.lrange(keys.seq_blocks(1), 0, -1) == ["0", "1", "3"]
         assert plain.exists(keys.waiting(W)) == 0
         assert plain.lrange(keys.running(W), 0, -1) == ["a", "b"]
-        assert plain.hgetall(keys.stats(W)) == {"free": "12", "total": "16", "preemptions": "3"}
+        assert plain.hgetall(keys.stats(W)) == {"free": "12", "total": "16", "prefix_cache_queries": "4", "prefix_cache_hits": "1", "preemptions": "3"}
 
         # A new snapshot replaces the old list entirely.
         await store.commit(StepCommit(W, running=["b"]))
         assert plain.lrange(keys.running(W), 0, -1) == ["b"]
         # Nothing else was touched by that commit.
         assert plain.lrange(keys.seq_tokens(2), 0, -1) == ["20"]
-        assert plain.hgetall(keys.stats(W)) == {"free": "12", "total": "16", "preemptions": "3"}
+        assert plain.hgetall(keys.stats(W)) == {"free": "12", "total": "16", "prefix_cache_queries": "4", "prefix_cache_hits": "1", "preemptions": "3"}
 
     run(url, body)
 
