@@ -49,21 +49,30 @@ class GenerationClient:
         self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=timeout)
 
     def generate(self, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> Completion:
-        """Collects the whole stream (sequence 0) into one Completion."""
-        out = Completion()
+        """Collects the whole stream into one Completion (the first sequence's, when n > 1)."""
+        return self.generate_n(request, timeout)[0]
+
+    def generate_n(self, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> list[Completion]:
+        """Collects the whole stream into one Completion per sequence, in index order."""
+        outs: dict[int, Completion] = {}
+        error, usage = "", None
         for msg in self.stream(request, timeout):
             for delta in msg.outputs:
+                out = outs.setdefault(delta.index, Completion())
                 out.text += delta.text
                 out.token_ids.extend(delta.token_ids)
                 if delta.finish_reason:
                     out.finish_reason = common_pb2.FinishReason.Name(delta.finish_reason)
                     out.stop_reason = delta.stop_reason
-            if msg.error:
-                out.error = msg.error
+            error = msg.error or error
             if msg.HasField("usage"):
-                out.prompt_tokens = msg.usage.prompt_tokens
-                out.completion_tokens = msg.usage.completion_tokens
-        return out
+                usage = msg.usage
+        completions = [outs[i] for i in sorted(outs)] or [Completion()]
+        for out in completions:
+            out.error = error
+            if usage is not None:
+                out.prompt_tokens, out.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        return completions
 
 
 def make_request(

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protos import worker_pb2
+from protos import common_pb2, worker_pb2
 from scheduler_service.core.scheduler_output import SchedulerOutput
+from scheduler_service.core.sequence import Sequence, SequenceGroup
+from shared.sampling_params import seed_for_sequence
 from shared.sampling_proto import sampling_to_proto
 
 
@@ -30,6 +32,15 @@ class BuiltPlan:
     @property
     def num_sequences(self) -> int:
         return len(self.plan.new_sequences) + len(self.plan.cached_sequences)
+
+
+def _sequence_sampling(group: SequenceGroup, seq: Sequence) -> common_pb2.SamplingParams:
+    """The group's sampling parameters, with a seed of the sequence's own when the request is seeded."""
+    msg = sampling_to_proto(group.sampling_params)
+    if msg.HasField("seed") and len(group.seqs) > 1:
+        index = next(i for i, s in enumerate(group.seqs) if s is seq)
+        msg.seed = seed_for_sequence(msg.seed, index)
+    return msg
 
 
 class Planner:
@@ -75,7 +86,7 @@ class Planner:
                     seq_id=seq.seq_id,
                     prompt_token_ids=seq.prompt_token_ids,
                     output_token_ids=seq.output_token_ids,
-                    sampling=sampling_to_proto(item.group.sampling_params),
+                    sampling=_sequence_sampling(item.group, seq),
                     block_table=table,
                     num_computed_tokens=seq.num_computed_tokens,
                     num_new_tokens=item.num_new_tokens,

@@ -25,6 +25,7 @@ class SamplingParams:
     stop: strings that end generation; they are not included in the output text.
     stop_token_ids: token ids that end generation (besides EOS).
     ignore_eos: keep generating after EOS (benchmarks).
+    n: number of sequences generated for the prompt (parallel sampling).
     """
 
     max_tokens: int | None = 16
@@ -35,8 +36,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         # Written as a range check so that NaN (every comparison False) and inf are rejected too.
@@ -52,8 +56,22 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}.")
         if self.top_k == -1:
             self.top_k = 0
+        if self.n > 1 and self.greedy:
+            # n greedy sequences would all be identical.
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
     @property
     def greedy(self) -> bool:
         """True when the request decodes greedily (temperature ~ 0)."""
         return self.temperature < _GREEDY_EPS
+
+
+def seed_for_sequence(seed: int, index: int) -> int:
+    """The seed of the request's `index`-th sequence: independent streams, the first keeps `seed`."""
+    if index == 0:
+        return seed
+    # splitmix64-style mixing keeps the streams of nearby seeds and indices unrelated.
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

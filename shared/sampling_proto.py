@@ -21,6 +21,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        n=msg.n or 1,
     )
 
 
@@ -34,6 +35,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        n=params.n,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -8,6 +8,7 @@ while the outputs must still match transformers token for token.
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -187,4 +188,23 @@ def test_seeded_sampling_survives_preemption(cluster: LocalCluster) -> None:
     results = generate_all(cluster.address, [*crowd[:7], make_request(**seeded), *crowd[7:]])
     assert results[7].token_ids == alone.token_ids
     assert redis_state(cluster)["preemptions"] > before
+    assert_all_blocks_free(cluster)
+
+
+def test_parallel_sampling_with_a_seed_is_reproducible(cluster: LocalCluster) -> None:
+    """n = 3 sequences per request: distinct, each reproducible, and every block freed afterwards."""
+    req = dict(prompt_token_ids=list(range(500, 537)), max_tokens=20, temperature=1.0, top_k=100, ignore_eos=True,
+               n=3, seed=77)
+    with GenerationClient(cluster.address) as client:
+        first = client.generate_n(make_request(**req))
+    crowd = [make_request(prompt_token_ids=p, max_tokens=20, ignore_eos=True, temperature=0.0) for p in _prompts(6, 40000)]
+    with GenerationClient(cluster.address) as client, ThreadPoolExecutor(max_workers=8) as pool:
+        again = pool.submit(client.generate_n, make_request(**req))
+        for f in [pool.submit(client.generate, r) for r in crowd]:
+            f.result()
+        second = again.result()
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    assert len({tuple(c.token_ids) for c in first}) == 3
+    assert all(len(c.token_ids) == 20 and c.finish_reason == "FINISH_REASON_LENGTH" for c in first)
+    assert first[0].completion_tokens == 60
     assert_all_blocks_free(cluster)

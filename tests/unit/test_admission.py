@@ -207,3 +207,18 @@ def test_request_id_not_printable(admission: Admission) -> None:
 
 def test_nan_temperature_is_rejected(admission: Admission) -> None:
     rejects(admission, make_request("hi", temperature=math.nan), "temperature")
+
+
+def test_parallel_sampling_needs_temperature(admission: Admission) -> None:
+    rejects(admission, make_request("hi", n=3, temperature=0.0), "n must be 1 when using greedy sampling, got 3")
+    admitted = admission.admit(make_request("hi", n=3, temperature=0.7, seed=4))
+    assert admitted.sampling.n == 3 and admitted.sampling.seed == 4
+
+
+def test_sequence_seeds_are_distinct_and_the_first_is_the_request_seed() -> None:
+    from shared.sampling_params import seed_for_sequence
+
+    seeds = [seed_for_sequence(1234, i) for i in range(8)]
+    assert seeds[0] == 1234 and len(set(seeds)) == 8
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert seeds == [seed_for_sequence(1234, i) for i in range(8)]
