@@ -159,12 +159,17 @@ class EngineLoop:
             await self._store.commit(pending)
 
     async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit) -> None:
-        """The worker's cache can no longer be trusted: fail what ran, reset, go on."""
+        """The worker's cache can no longer be trusted: recompute what ran, reset, go on.
+
+        The failed step's results never arrived, so the scheduler's state is the one before
+        that step, and its committed outputs are what clients have seen: recomputing from
+        there loses and repeats nothing.
+        """
         log.error("worker %s failed a step: %s %s", self.worker_id, exc.code(), exc.details())
         message = f"the worker failed while running this request: {exc.code().name}: {exc.details()}"
         # Every running group (the step's ones included) had KV on the worker; waiting ones are re-sent in full.
         for group in list(self._scheduler.running):
-            self._processor.fail(group, commit, message)
+            self._processor.requeue(group, commit, message)
         while True:
             try:
                 await self._take_ownership()

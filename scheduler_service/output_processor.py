@@ -35,8 +35,15 @@ class _SeqOutput:
 
 @dataclass
 class _RequestState:
+    record: state_pb2.AdmittedRequest
     group: SequenceGroup
     seqs: dict[int, _SeqOutput] = field(default_factory=dict)
+    # Steps of this request that a worker failed; past MAX_WORKER_FAILURES it ends with an error.
+    worker_failures: int = 0
+
+
+# A request that keeps failing its worker is likely the cause: stop retrying it.
+MAX_WORKER_FAILURES = 2
 
 
 class OutputProcessor:
@@ -73,7 +80,7 @@ class OutputProcessor:
         group = SequenceGroup(
             request_id=record.request_id, seqs=seqs, sampling_params=params, arrival_time=record.arrival_time,
         )
-        state = _RequestState(group)
+        state = _RequestState(record, group)
         for index, seq in enumerate(seqs):
             detokenizer = IncrementalDetokenizer(self._tokenizer, prompt)
             detokenizer.step(seq.output_token_ids)
@@ -87,6 +94,27 @@ class OutputProcessor:
         group = self._scheduler.abort_request(request_id)
         if group is not None:
             self._finish_request(group, commit, error="")
+
+    def requeue(self, group: SequenceGroup, commit: StepCommit, message: str) -> None:
+        """The worker lost the group's KV (it failed or restarted): recompute it from prompt + outputs.
+
+        Its client sees nothing of this. A request that was running at every one of several
+        worker failures ends with `message` instead, so one poisonous request cannot stall the rest.
+        """
+        state = self._requests.get(group.request_id)
+        if state is None:
+            return
+        state.worker_failures += 1
+        # Groups with finished sequences cannot be re-admitted as a whole (n > 1 after some finished).
+        if state.worker_failures > MAX_WORKER_FAILURES or any(s.is_finished for s in group.seqs):
+            self.fail(group, commit, message)
+            return
+        outputs = {seq.seq_id: list(seq.output_token_ids) for seq in group.seqs}
+        self._scheduler.abort_request(group.request_id)
+        del self._requests[group.request_id]
+        self.restore(RestoredRequest(state.record, outputs))
+        self._requests[group.request_id].worker_failures = state.worker_failures
+        commit.dropped_block_tables.extend(outputs)
 
     def fail(self, group: SequenceGroup, commit: StepCommit, message: str) -> None:
         """Ends a request with an error its client sees (FINISH_REASON_ERROR)."""
