@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+from collections import Counter
+from dataclasses import dataclass
 
 from scheduler_service.core.block_allocator import BlockAllocator, NoFreeBlocksError
 from scheduler_service.core.config import CacheConfig
@@ -25,12 +27,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class _TablePlan:
+    """One block table allocate() would create: its size and its prefix-cache hits."""
+
+    seq: Sequence
+    num_blocks: int
+    hashes: list[BlockHash]
+    hits: list[int]
+
+
 class BlockManager:
     """Owns the block tables of all sequences that hold KV cache.
 
     block_tables[seq_id][i] is the physical block holding tokens
     [i * block_size, (i + 1) * block_size) of that sequence. Tables may share
-    blocks (reference counted); writing into a shared block goes through
+    blocks (reference counted): fork() gives a sequence a copy of another's
+    table (parallel sampling), and writing into a shared block goes through
     copy-on-write in append_slot.
 
     With prefix caching, allocate() reuses the cached blocks of the longest
@@ -80,92 +93,126 @@ class BlockManager:
         return _cdiv(num_tokens, self.block_size)
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the group's first WAITING sequence fits in the cache.
+        """Whether the group's WAITING sequences fit in the cache.
 
-        All its tokens count, outputs included: a recomputed sequence
-        re-prefills prompt + outputs. The watermark keeps a few blocks free so
-        running sequences can still decode after the admission.
+        Counted, for a group that forks on admission (several sequences, no
+        output yet; see SequenceGroup.forks_on_admission): the parent's table
+        (blocks for the prompt) plus one block per other sequence, the block
+        each will need when, after the fork, its first decode copies the
+        shared last block on write (the parent, appending last, writes in
+        place). Counting them now keeps admission from promising the cache
+        to others that the fork step needs; they are allocated at that step.
+        Counted for any other group: one table per WAITING sequence, sized
+        for all its tokens (outputs included: a recomputed sequence
+        re-prefills prompt + outputs), nothing shared.
 
-        Prefix-cache hits on blocks another table already uses cost nothing;
-        hits revived from the evictor cost a free block each (evictable blocks
-        are counted as free). NEVER ignores hits: they may be evicted later.
+        The watermark keeps a few blocks free so running sequences can still
+        decode after the admission. Prefix-cache hits on blocks another table
+        already uses cost nothing; hits revived from the evictor cost a free
+        block each, once however many tables take them (evictable blocks are
+        counted as free). NEVER ignores hits: they may be evicted later.
         """
-        seq = self._first_waiting_seq(group)
-        needed = self.num_blocks_for_tokens(seq.num_tokens)
+        plans, num_cow_blocks = self._admission_plans(group)
+        needed = sum(plan.num_blocks for plan in plans) + num_cow_blocks
         if needed > self.num_gpu_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        _, hits = self._match_prefix(seq)
-        cost = needed - self._num_in_use(hits)
+        cost = self._admission_cost(plans) + num_cow_blocks
         if self.gpu_allocator.num_free_blocks - cost < self.watermark_blocks:
             return AllocStatus.LATER
         return AllocStatus.OK
 
     def allocate(self, group: SequenceGroup) -> None:
-        """Allocate the block table of the group's waiting sequences.
+        """Allocate block tables for the group's WAITING sequences.
 
-        The table is sized for the first waiting sequence and shared (ref
-        counted) by every waiting sequence of the group, which is only valid
-        while they hold the same tokens; copy-on-write splits them later.
+        A group that forks on admission gets a table for its parent (the
+        first WAITING sequence) only; the others stay without one until
+        fork(). Any other group gets a table for each WAITING sequence, none
+        shared (except blocks hit in the prefix cache).
 
-        With prefix caching the table starts with the cached blocks of the
+        With prefix caching each table starts with the cached blocks of the
         longest matching prefix (never the block holding the last token, so
         every sequence computes at least one token into a block of its own)
-        and each waiting sequence's num_computed_tokens is set to the tokens
-        they hold.
+        and the sequence's num_computed_tokens is set to the tokens they hold.
         """
-        waiting = group.get_seqs(SequenceStatus.WAITING)
-        first = self._first_waiting_seq(group)
-        token_ids = first.all_token_ids
-        for seq in waiting:
-            if seq.seq_id in self.block_tables:
-                raise ValueError(f"seq {seq.seq_id} already has a block table.")
-            if seq.all_token_ids != token_ids:
-                raise ValueError(
-                    f"waiting seqs of request {group.request_id!r} hold different tokens; "
-                    "they cannot share one prefill."
-                )
-        needed = self.num_blocks_for_tokens(first.num_tokens)
-        hashes, hits = self._match_prefix(first)
-        cost = needed - self._num_in_use(hits)
+        plans, _ = self._admission_plans(group)
+        for plan in plans:
+            if plan.seq.seq_id in self.block_tables:
+                raise ValueError(f"seq {plan.seq.seq_id} already has a block table.")
+        cost = self._admission_cost(plans)
         # Check up front so a failure never leaves half a table allocated.
         if cost > self.gpu_allocator.num_free_blocks:
             raise NoFreeBlocksError(
                 f"request {group.request_id!r} needs {cost} blocks, "
                 f"{self.gpu_allocator.num_free_blocks} free."
             )
-        table: list[int] = []
         if self._cache is not None:
             self._cache.tick()
-            # Hits first: allocating fresh blocks may evict, and must not
-            # evict a block this very table is about to reuse.
-            for block_id in hits:
-                self._cache.acquire(block_id)
-            table.extend(hits)
-            self.prefix_cache_stats.queries += self._max_hit_blocks(first)
-            self.prefix_cache_stats.hits += len(hits)
-            for seq in waiting:
+            # Hits first, every table's: allocating fresh blocks may evict, and
+            # must not evict a block one of these tables is about to reuse.
+            for plan in plans:
+                for block_id in plan.hits:
+                    self._cache.acquire(block_id)
+        for plan in plans:
+            table = list(plan.hits)
+            table.extend(self.gpu_allocator.allocate() for _ in range(plan.num_blocks - len(plan.hits)))
+            self.block_tables[plan.seq.seq_id] = table
+            if self._cache is not None:
+                self.prefix_cache_stats.queries += self._max_hit_blocks(plan.seq)
+                self.prefix_cache_stats.hits += len(plan.hits)
                 # The truth for a fresh table: only the reused blocks hold KV.
-                seq.num_computed_tokens = len(hits) * self.block_size
-                self._block_hashes[seq.seq_id] = list(hashes)
-        table.extend(self.gpu_allocator.allocate() for _ in range(needed - len(hits)))
-        self.block_tables[first.seq_id] = table
-        for seq in waiting:
-            if seq is first:
-                continue
-            for block_id in table:
-                self.gpu_allocator.incref(block_id)
-            self.block_tables[seq.seq_id] = list(table)
+                plan.seq.num_computed_tokens = len(plan.hits) * self.block_size
+                self._block_hashes[plan.seq.seq_id] = list(plan.hashes)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give child a copy of parent's block table, sharing every block.
+
+        Each block's reference count goes up by one; a later write into a
+        shared block copies it first (append_slot's copy-on-write). The
+        child's num_computed_tokens becomes the parent's (their KV is in those
+        blocks), so the child must hold the parent's computed tokens. With
+        prefix caching the child also takes over which of those blocks were
+        already considered for registration. Needs no free block.
+        """
+        table = self._table(parent)
+        if child.seq_id in self.block_tables:
+            raise ValueError(f"seq {child.seq_id} already has a block table.")
+        num_computed = parent.num_computed_tokens
+        if child.num_tokens < num_computed or child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]:
+            raise ValueError(
+                f"seq {child.seq_id} does not hold the {num_computed} tokens computed for seq "
+                f"{parent.seq_id}; it cannot share their KV."
+            )
+        for block_id in table:
+            self.gpu_allocator.incref(block_id)
+        self.block_tables[child.seq_id] = list(table)
+        hashes = self._block_hashes.get(parent.seq_id)
+        if hashes is not None:
+            self._block_hashes[child.seq_id] = list(hashes)
+        child.num_computed_tokens = num_computed
 
     # -- growth ------------------------------------------------------------
 
     def can_append_slot(self, group: SequenceGroup) -> bool:
         """Whether every RUNNING sequence of the group can get its next slot.
 
-        Counts one block per sequence that grows past its table or must
-        copy-on-write a shared last block. Sequences sharing the same block
-        are each counted, so this may over-estimate (never under-estimate).
+        Counts one block per sequence that grows past its table, and the
+        copies-on-write of shared last blocks: k sequences of the group
+        writing into one block make k copies, or k - 1 when no table outside
+        the group holds it (the last of them to append writes in place).
         """
-        needed = sum(self._num_new_blocks_for_append(seq) for seq in group.get_seqs(SequenceStatus.RUNNING))
+        needed = 0
+        sharers: Counter[int] = Counter()
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            table = self._table(seq)
+            missing = self.num_blocks_for_tokens(seq.num_tokens) - len(table)
+            if missing > 0:
+                needed += missing
+                continue
+            block_id = table[(seq.num_tokens - 1) // self.block_size]
+            if self.gpu_allocator.get_ref_count(block_id) > 1:
+                sharers[block_id] += 1
+        for block_id, count in sharers.items():
+            needed += count - 1 if self.gpu_allocator.get_ref_count(block_id) == count else count
         return needed <= self.gpu_allocator.num_free_blocks
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
@@ -292,11 +339,27 @@ class BlockManager:
             raise ValueError(f"seq {seq.seq_id} has no block table.")
         return table
 
-    def _first_waiting_seq(self, group: SequenceGroup) -> Sequence:
+    def _admission_plans(self, group: SequenceGroup) -> tuple[list[_TablePlan], int]:
+        """The tables allocate() would create, and the copy-on-write blocks the fork will need."""
         waiting = group.get_seqs(SequenceStatus.WAITING)
         if not waiting:
             raise ValueError(f"request {group.request_id!r} has no WAITING sequence.")
-        return waiting[0]
+        if group.forks_on_admission():
+            # forks_on_admission: every unfinished sequence is WAITING here.
+            seqs, num_cow_blocks = waiting[:1], len(waiting) - 1
+        else:
+            seqs, num_cow_blocks = waiting, 0
+        plans = []
+        for seq in seqs:
+            hashes, hits = self._match_prefix(seq)
+            plans.append(_TablePlan(seq, self.num_blocks_for_tokens(seq.num_tokens), hashes, hits))
+        return plans, num_cow_blocks
+
+    def _admission_cost(self, plans: list[_TablePlan]) -> int:
+        """Free blocks the tables take: fresh ones, plus hits revived from the evictor (once each)."""
+        fresh = sum(plan.num_blocks - len(plan.hits) for plan in plans)
+        revived = {block_id for plan in plans for block_id in plan.hits}
+        return fresh + sum(1 for block_id in revived if self.gpu_allocator.get_ref_count(block_id) == 0)
 
     def _tick(self) -> None:
         if self._cache is not None:
@@ -325,9 +388,6 @@ class BlockManager:
             hashes.append(parent)
             hits.append(block_id)
         return hashes, hits
-
-    def _num_in_use(self, block_ids: list[int]) -> int:
-        return sum(1 for block_id in block_ids if self.gpu_allocator.get_ref_count(block_id) > 0)
 
     def _num_new_blocks_for_append(self, seq: Sequence) -> int:
         table = self._table(seq)

@@ -3,6 +3,24 @@
 Optionally (vLLM semantics) with chunked prefill, where decodes, prompt chunks
 and new prompts share each step's token budget, and with prefix caching,
 where admitted prompts skip the tokens whose KV blocks are cached.
+
+Parallel sampling (a group of n sequences with one prompt) computes the prompt
+once by forking before the last prompt token:
+- admission gives only the parent (the group's first unfinished sequence) a
+  block table; the other sequences stay WAITING without one (pending fork);
+- the parent prefills prompt_len - 1 tokens (chunks are capped there) and
+  samples nothing;
+- in the first schedule() that finds those tokens computed and schedules the
+  group (at admission already when prompt_len is 1 or prefix-cache hits
+  cover them), the scheduler forks: each other sequence gets a copy of the
+  parent's table (every block shared, ref counted) and its
+  num_computed_tokens, and becomes RUNNING. All n sequences are scheduled in that same step as 1-token decodes
+  of the last prompt token, each sampling its own first token: the children
+  append first and copy the shared last block on write (blocks_to_copy), the
+  parent appends last and writes into it in place. A group whose n decodes
+  do not fit a step (token budget) waits unforked, like any decode.
+The worker sees nothing new: a child is a sequence it has never seen, sent
+in full with num_computed_tokens = prompt_len - 1.
 """
 
 from __future__ import annotations
@@ -25,6 +43,10 @@ class Scheduler:
     Engine loop contract: schedule() -> run the step -> update_after_step()
     -> check stops and finish_sequence(). Calling schedule() again without
     update_after_step() re-plans the same tokens (nothing is lost).
+
+    max_num_seqs counts sequences, not groups: every unfinished sequence of a
+    running group, pending-fork ones included; a group is admitted only when
+    all its sequences fit. The token budget counts each sequence's tokens.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
@@ -87,7 +109,8 @@ class Scheduler:
     def finish_sequence(self, group: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
         """Mark seq finished with status and free its blocks.
 
-        When the whole group is finished it leaves the scheduler.
+        Blocks shared with siblings (forked) stay theirs: only the reference
+        is dropped. When the whole group is finished it leaves the scheduler.
         """
         if not status.is_finished:
             raise ValueError(f"status must be a FINISHED_* status, got {status.name}.")
@@ -95,6 +118,13 @@ class Scheduler:
             raise ValueError(f"seq {seq.seq_id} is not an active sequence of request {group.request_id!r}.")
         if seq.is_finished:
             raise ValueError(f"seq {seq.seq_id} is already finished ({seq.status.name}).")
+        pending = group.pending_fork_seqs()
+        if pending and seq.status is SequenceStatus.RUNNING:
+            # The parent of a group that has not forked yet: its first pending
+            # sibling takes over its table and its prefill.
+            heir = pending[0]
+            self.block_manager.fork(seq, heir)
+            heir.status = SequenceStatus.RUNNING
         seq.status = status
         self.block_manager.free(seq)
         if group.is_finished():
@@ -172,7 +202,9 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule decodes in FCFS order, preempting from the back. Returns the budget left.
 
-        With chunked prefill, groups still in prefill are set aside and get
+        A group whose parent has computed all but its last prompt token forks
+        here, once its n decodes fit the step, and they are scheduled at once.
+        With chunked prefill, sequences still in prefill are set aside and get
         their next chunk after every decode (see _schedule_prefill_chunks).
         """
         running = self.running
@@ -182,79 +214,137 @@ class Scheduler:
         num_seqs = 0
         while queue:
             group = queue.popleft()
-            seqs = group.get_seqs(SequenceStatus.RUNNING)
-            if chunked and any(seq.num_uncomputed_tokens > 1 for seq in seqs):
+            items = self._tokens_to_compute(group)
+            # Without chunking everything left is computed at once (a prefill
+            # only shows up here when a step is re-planned).
+            decodes = [(seq, n) for seq, n, is_decode in items if is_decode or not chunked]
+            if decodes:
+                num_new = sum(n for _, n in decodes)
+                if num_seqs + len(decodes) > self.scheduler_config.max_num_seqs or num_new > budget:
+                    # Out of room this step: the rest keep their blocks and wait a step.
+                    break
+                # A fork shares blocks only: its copies-on-write are the slots reserved next.
+                self._fork_if_ready(group)
+                if not self._reserve_slots(group, queue, out):
+                    continue
+                self._add_decodes(out, group, decodes)
+                num_seqs += len(decodes)
+                budget -= num_new
+            if len(decodes) < len(items):
                 # Its blocks were allocated at admission: it needs budget, no slot.
                 in_prefill.append(group)
-                continue
-            num_new = sum(seq.num_uncomputed_tokens for seq in seqs)
-            if num_seqs + len(seqs) > self.scheduler_config.max_num_seqs or num_new > budget:
-                # Out of room this step: the rest keep their blocks and wait a step.
-                break
-            while not self.block_manager.can_append_slot(group):
-                if queue:
-                    self._preempt(queue.pop(), out)
-                else:
-                    self._preempt(group, out)
-                    break
-            else:
-                for seq in seqs:
-                    cow = self.block_manager.append_slot(seq)
-                    if cow is not None:
-                        out.blocks_to_copy.append(cow)
-                    out.scheduled.append(ScheduledSequence(group, seq, seq.num_uncomputed_tokens))
-                num_seqs += len(seqs)
-                budget -= num_new
         if in_prefill:
             budget = self._schedule_prefill_chunks(out, in_prefill, budget, num_seqs)
         # Victims were the latest arrivals; everything else keeps its FCFS place.
         self.running = [g for g in running if not any(g is p for p in out.preempted)]
         return budget
 
+    def _reserve_slots(self, group: SequenceGroup, queue: deque[SequenceGroup], out: SchedulerOutput) -> bool:
+        """Preempt from the back of queue until group's decodes get their slots; False if group itself went."""
+        while not self.block_manager.can_append_slot(group):
+            if not queue:
+                self._preempt(group, out)
+                return False
+            self._preempt(queue.pop(), out)
+        return True
+
+    def _add_decodes(self, out: SchedulerOutput, group: SequenceGroup, items: list[tuple[Sequence, int]]) -> None:
+        """Give each sequence its next slot (copy-on-write included) and schedule it.
+
+        The children append before the parent (the first sequence), so right
+        after a fork each child copies the shared last block and the parent,
+        last, writes into it in place: the worker already has its table.
+        """
+        for seq, _ in items[1:] + items[:1]:
+            cow = self.block_manager.append_slot(seq)
+            if cow is not None:
+                out.blocks_to_copy.append(cow)
+        for seq, num_new in items:
+            out.scheduled.append(ScheduledSequence(group, seq, num_new))
+
     def _schedule_prefill_chunks(
         self, out: SchedulerOutput, groups: list[SequenceGroup], budget: int, num_seqs: int
     ) -> int:
-        """Give running groups still in prefill their next chunk, FCFS. Returns the budget left."""
+        """Give running sequences still in prefill their next chunk, FCFS. Returns the budget left."""
         for group in groups:
-            seqs = group.get_seqs(SequenceStatus.RUNNING)
-            chunk = self._chunk_size([seq.num_uncomputed_tokens for seq in seqs], budget)
-            if chunk == 0 or num_seqs + len(seqs) > self.scheduler_config.max_num_seqs:
+            prefills = [(seq, n) for seq, n, is_decode in self._tokens_to_compute(group) if not is_decode]
+            chunk = self._chunk_size([n for _, n in prefills], budget)
+            if chunk == 0 or num_seqs + len(prefills) > self.scheduler_config.max_num_seqs:
                 break
-            for seq in seqs:
-                num_new = min(seq.num_uncomputed_tokens, chunk)
+            for seq, n in prefills:
+                num_new = min(n, chunk)
                 out.scheduled.append(ScheduledSequence(group, seq, num_new))
                 budget -= num_new
-            num_seqs += len(seqs)
+            num_seqs += len(prefills)
         return budget
 
     @staticmethod
     def _chunk_size(num_uncomputed: list[int], budget: int) -> int:
-        """Tokens per sequence of a group's next chunk (one entry per sequence); 0 when the budget is out.
+        """Most tokens per sequence of a group's next chunk (one entry per sequence); 0 when the budget is out.
 
-        The group's sequences prefill the same tokens side by side, so the
-        budget is split evenly between them.
+        The group's sequences prefill side by side: each computes min(its
+        tokens, chunk), with the largest chunk that fits the budget, so the
+        budget is split evenly between the sequences that still need it.
         """
-        return min(max(num_uncomputed), budget // len(num_uncomputed))
+        needs = sorted(num_uncomputed)
+        for i, need in enumerate(needs):
+            left = len(needs) - i
+            if need * left > budget:
+                return budget // left
+            budget -= need  # sequence i gets all it needs, the others at least as much
+        return needs[-1]
+
+    def _tokens_to_compute(self, group: SequenceGroup) -> list[tuple[Sequence, int, bool]]:
+        """(seq, tokens it may compute now, whether that is a 1-token decode) per sequence to run.
+
+        That is every RUNNING sequence, except in a group that has not forked:
+        its parent stops before the last prompt token (a capped prefill never
+        samples, so it is never a decode, even for its last token), and once
+        it got there, every unfinished sequence of the group, parent first,
+        decodes that last token (the pending ones after _fork_if_ready).
+        """
+        pending = group.pending_fork_seqs()
+        if pending:
+            (parent,) = group.get_seqs(SequenceStatus.RUNNING)
+            to_fork = len(parent.prompt_token_ids) - 1 - parent.num_computed_tokens
+            if to_fork > 0:
+                return [(parent, to_fork, False)]
+            return [(seq, 1, True) for seq in [parent, *pending]]
+        return [
+            (seq, seq.num_uncomputed_tokens, seq.num_uncomputed_tokens == 1)
+            for seq in group.get_seqs(SequenceStatus.RUNNING)
+        ]
+
+    def _fork_if_ready(self, group: SequenceGroup) -> bool:
+        """Fork the pending sequences from a parent that computed all but its last prompt token.
+
+        They get the parent's table (blocks shared) and num_computed_tokens
+        and become RUNNING; True when that happened.
+        """
+        pending = group.pending_fork_seqs()
+        if not pending:
+            return False
+        (parent,) = group.get_seqs(SequenceStatus.RUNNING)
+        if parent.num_computed_tokens < len(parent.prompt_token_ids) - 1:
+            return False
+        for child in pending:
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting groups in FCFS order until one does not fit."""
         config = self.scheduler_config
         chunked = config.enable_chunked_prefill
-        num_running_seqs = sum(len(g.get_seqs(SequenceStatus.RUNNING)) for g in self.running)
+        # Pending-fork sequences count: they run as soon as their group forks.
+        num_running_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
         while self.waiting:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
+            forks = group.forks_on_admission()
             # These can never run; drop them instead of letting them block the
-            # queue forever. Without chunking a prompt must fit one step's
-            # budget whole (cache hits are not counted on: they may be evicted
-            # by the time a preempted sequence comes back); with chunking each
-            # sequence needs at least one token of it.
-            too_big_for_budget = (
-                len(seqs) > config.max_num_batched_tokens
-                if chunked
-                else sum(seq.num_uncomputed_tokens for seq in seqs) > config.max_num_batched_tokens
-            )
-            if seqs[0].num_tokens > config.max_model_len or too_big_for_budget or len(seqs) > config.max_num_seqs:
+            # queue forever.
+            if self._can_never_run(seqs, forks):
                 self._ignore(group, out)
                 continue
             status = self.block_manager.can_allocate(group)
@@ -268,7 +358,7 @@ class Scheduler:
                 break
             # Only the tokens to compute count against the budget, not the
             # ones allocate() will take from the prefix cache.
-            num_new = self._num_uncomputed_after_allocation(seqs)
+            num_new = self._admission_tokens(seqs, forks)
             if chunked:
                 chunk = self._chunk_size(num_new, budget)
                 if chunk == 0:
@@ -279,25 +369,66 @@ class Scheduler:
                 chunk = max(num_new)
             self.waiting.popleft()
             self.block_manager.allocate(group)
-            for seq in seqs:
+            for seq in seqs[:1] if forks else seqs:
                 seq.status = SequenceStatus.RUNNING
-                scheduled = ScheduledSequence(group, seq, min(seq.num_uncomputed_tokens, chunk))
-                out.scheduled.append(scheduled)
-                budget -= scheduled.num_new_tokens
+            num_scheduled = len(out.scheduled)
+            items = self._tokens_to_compute(group)
+            if self._fork_if_ready(group):
+                # Nothing to prefill before the last prompt token: n decodes right away.
+                self._add_decodes(out, group, [(seq, n) for seq, n, _ in items])
+            else:
+                for seq, n, _ in items:
+                    out.scheduled.append(ScheduledSequence(group, seq, min(n, chunk)))
+            budget -= sum(s.num_new_tokens for s in out.scheduled[num_scheduled:])
             self.running.append(group)
             num_running_seqs += len(seqs)
 
-    def _num_uncomputed_after_allocation(self, seqs: list[Sequence]) -> list[int]:
-        """Per waiting sequence, the tokens left to compute once allocate() ran."""
-        if not self.cache_config.enable_prefix_caching:
-            return [seq.num_uncomputed_tokens for seq in seqs]
-        # allocate() sets num_computed_tokens to the cached prefix, the same
-        # for every waiting sequence of the group (they hold the same tokens).
-        num_cached = self.block_manager.get_num_cached_tokens(seqs[0])
-        return [seq.num_tokens - num_cached for seq in seqs]
+    def _can_never_run(self, seqs: list[Sequence], forks: bool) -> bool:
+        """True for waiting sequences that no step could ever admit.
+
+        Without chunking, what admission computes must fit one step's budget
+        whole: the parent's prefill and then the n forked decodes, or every
+        sequence's full prefill (cache hits are not counted on: they may be
+        evicted by the time a preempted sequence comes back). With chunking
+        each sequence needs at least one token of a step.
+        """
+        config = self.scheduler_config
+        if max(seq.num_tokens for seq in seqs) > config.max_model_len or len(seqs) > config.max_num_seqs:
+            return True
+        if config.enable_chunked_prefill:
+            step_tokens = len(seqs)
+        elif forks:
+            step_tokens = max(len(seqs[0].prompt_token_ids) - 1, len(seqs))
+        else:
+            step_tokens = sum(seq.num_uncomputed_tokens for seq in seqs)
+        return step_tokens > config.max_num_batched_tokens
+
+    def _admission_tokens(self, seqs: list[Sequence], forks: bool) -> list[int]:
+        """Tokens each sequence admitted now would compute (one entry per scheduled sequence).
+
+        A forking group schedules its parent's prefill up to the last prompt
+        token or, when nothing is left before it, its n decodes (1 each).
+        """
+
+        def num_computed(seq: Sequence) -> int:
+            # allocate() sets num_computed_tokens to the cached prefix.
+            if self.cache_config.enable_prefix_caching:
+                return self.block_manager.get_num_cached_tokens(seq)
+            return seq.num_computed_tokens
+
+        if forks:
+            parent = seqs[0]
+            to_fork = len(parent.prompt_token_ids) - 1 - num_computed(parent)
+            return [to_fork] if to_fork > 0 else [1] * len(seqs)
+        return [seq.num_tokens - num_computed(seq) for seq in seqs]
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Preempt by recompute: drop the KV, keep the tokens, wait at the front."""
+        """Preempt by recompute: drop the KV, keep the tokens, wait at the front.
+
+        Every RUNNING sequence of the group is freed and reset (pending-fork
+        ones hold nothing). Once forked sequences have outputs they differ, so
+        readmission prefills each one separately (see BlockManager.allocate).
+        """
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             self.block_manager.free(seq)
             seq.reset_for_recompute()

@@ -57,7 +57,8 @@ class SchedulerOutput:
     preempted: groups whose KV was dropped (recompute); they are WAITING again.
     ignored: groups that can never run (too long); already FINISHED_IGNORED
         and forgotten by the scheduler, the engine must report them.
-    blocks_to_copy: (src, dst) copy-on-write pairs to apply before the step.
+    blocks_to_copy: (src, dst) copy-on-write pairs to apply before the step
+        (the first decodes after a parallel-sampling fork).
     blocks_to_swap_in / blocks_to_swap_out: reserved for swap preemption.
     num_batched_tokens: sum of num_new_tokens over scheduled.
     """

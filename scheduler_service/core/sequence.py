@@ -110,8 +110,12 @@ class Sequence:
 class SequenceGroup:
     """One request: its sequences share the prompt and the sampling params.
 
-    There is one sequence today (n=1); parallel sampling and beam search will
-    add more, which is why block bookkeeping is per sequence.
+    Parallel sampling (n > 1) puts n sequences with the same prompt in one
+    group. The scheduler computes the prompt once: while no sequence has
+    output yet, only the first unfinished one (the parent) is admitted and
+    prefills all but the last prompt token; the others stay WAITING, without
+    KV blocks ("pending fork"), until the scheduler forks them from the
+    parent (they share its blocks and diverge by copy-on-write).
     arrival_time is carried for metrics only: priority is the order in which
     groups were added to the scheduler.
     """
@@ -129,6 +133,8 @@ class SequenceGroup:
         seq_ids = [seq.seq_id for seq in self.seqs]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seqs must have distinct seq_ids, got {seq_ids}.")
+        if any(seq.prompt_token_ids != self.seqs[0].prompt_token_ids for seq in self.seqs):
+            raise ValueError(f"seqs of request {self.request_id!r} must share one prompt.")
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         """Sequences with the given status (all when status is None)."""
@@ -143,3 +149,25 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         """True when every sequence has finished."""
         return all(seq.is_finished for seq in self.seqs)
+
+    def pending_fork_seqs(self) -> list[Sequence]:
+        """Sequences waiting to be forked from the group's prefilling parent.
+
+        A group is RUNNING and WAITING at once only in that state: its parent
+        (the one RUNNING sequence) computes the prompt for everyone and the
+        WAITING ones, holding no KV blocks, fork from it once it has computed
+        all but the last prompt token. Empty for any other group.
+        """
+        if not any(seq.status is SequenceStatus.RUNNING for seq in self.seqs):
+            return []
+        return self.get_seqs(SequenceStatus.WAITING)
+
+    def forks_on_admission(self) -> bool:
+        """True when admission prefills one parent and forks the other sequences from it.
+
+        That is when several sequences are unfinished and none has output yet
+        (they all hold just the prompt). Once outputs exist (a group preempted
+        after its fork) the sequences differ, and each is prefilled on its own.
+        """
+        unfinished = self.unfinished_seqs()
+        return len(unfinished) > 1 and not any(seq.output_token_ids for seq in unfinished)

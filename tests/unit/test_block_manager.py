@@ -164,26 +164,106 @@ def test_allocate_errors() -> None:
         bm.get_block_table(Sequence(5, [1]))
 
 
-def test_allocate_shares_table_between_waiting_seqs_of_a_group() -> None:
+def test_allocate_gives_only_the_parent_of_a_forking_group_a_table() -> None:
     bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
     group = SequenceGroup("g", [Sequence(0, [1, 2, 3, 4, 5]), Sequence(1, [1, 2, 3, 4, 5])], SamplingParams(), 0.0)
+    assert group.forks_on_admission()
     assert bm.can_allocate(group) is AllocStatus.OK
     bm.allocate(group)
     assert bm.get_block_table(group.seqs[0]) == [0, 1]
-    assert bm.get_block_table(group.seqs[1]) == [0, 1]
-    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [2, 2]
+    assert not bm.has_block_table(group.seqs[1])  # pending fork: no blocks yet
+    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [1, 1]
     assert bm.get_num_used_blocks() == 2
     bm.free(group.seqs[0])
-    assert bm.get_num_used_blocks() == 2
-    bm.free(group.seqs[1])
     assert bm.get_num_used_blocks() == 0
 
 
-def test_allocate_rejects_diverged_waiting_seqs() -> None:
-    bm = BlockManager(block_size=4, num_gpu_blocks=8)
-    group = SequenceGroup("g", [Sequence(0, [1, 2]), Sequence(1, [1, 2], [3])], SamplingParams(), 0.0)
-    with pytest.raises(ValueError, match="hold different tokens"):
+def test_can_allocate_counts_one_copy_on_write_block_per_child() -> None:
+    # 5 prompt tokens: 2 blocks for the parent, plus 1 per child for the fork's copy-on-write.
+    def group_of(n: int) -> SequenceGroup:
+        return SequenceGroup("g", [Sequence(i, [1, 2, 3, 4, 5]) for i in range(n)], SamplingParams(), 0.0)
+
+    assert BlockManager(block_size=4, num_gpu_blocks=4, watermark=0.0).can_allocate(group_of(3)) is AllocStatus.OK
+    assert BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0).can_allocate(group_of(3)) is AllocStatus.NEVER
+    assert BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0).can_allocate(group_of(2)) is AllocStatus.OK
+    bm = BlockManager(block_size=4, num_gpu_blocks=5, watermark=0.0)
+    bm.allocate(make_group("other", 9, 4))  # 1 block: 4 left
+    assert bm.can_allocate(group_of(3)) is AllocStatus.OK
+    bm.allocate(make_group("more", 8, 1))  # 3 left < 2 + 2
+    assert bm.can_allocate(group_of(3)) is AllocStatus.LATER
+    # Finished sequences need nothing; one unfinished sequence does not fork.
+    group = group_of(3)
+    group.seqs[1].status = group.seqs[2].status = SequenceStatus.FINISHED_ABORTED
+    assert not group.forks_on_admission()
+    bm.allocate(make_group("last", 7, 1))  # 2 left
+    assert bm.can_allocate(group) is AllocStatus.OK
+
+
+def test_allocate_gives_diverged_seqs_their_own_tables() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    # As after a recompute preemption of a forked group: different outputs, nothing shared.
+    group = SequenceGroup(
+        "g",
+        [Sequence(0, [1, 2, 3], [7, 8]), Sequence(1, [1, 2, 3], [9]), Sequence(2, [1, 2, 3], [6], status=SequenceStatus.FINISHED_STOPPED)],
+        SamplingParams(),
+        0.0,
+    )
+    assert not group.forks_on_admission()
+    assert BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0).can_allocate(group) is AllocStatus.OK
+    assert BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0).can_allocate(group) is AllocStatus.NEVER
+    bm.allocate(group)
+    assert bm.get_block_table(group.seqs[0]) == [0, 1]
+    assert bm.get_block_table(group.seqs[1]) == [2]
+    assert not bm.has_block_table(group.seqs[2])
+    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1, 2)] == [1, 1, 1]
+    # One sequence with output is enough to diverge: the one without prefills its prompt alone.
+    mixed = SequenceGroup("m", [Sequence(3, [1, 2, 3]), Sequence(4, [1, 2, 3], [5])], SamplingParams(), 0.0)
+    assert not mixed.forks_on_admission()
+    bm.allocate(mixed)
+    assert (bm.get_block_table(mixed.seqs[0]), bm.get_block_table(mixed.seqs[1])) == ([3], [4])
+
+
+def test_allocate_diverged_failure_allocates_nothing() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0)
+    group = SequenceGroup("g", [Sequence(0, [1, 2, 3], [7, 8]), Sequence(1, [1, 2, 3], [9, 9])], SamplingParams(), 0.0)
+    bm.allocate(make_group("a", 5, 1))
+    with pytest.raises(NoFreeBlocksError, match="request 'g' needs 4 blocks, 2 free"):
         bm.allocate(group)
+    assert bm.num_free_gpu_blocks == 2 and not bm.has_block_table(group.seqs[0])
+
+
+def test_group_seqs_must_share_the_prompt() -> None:
+    with pytest.raises(ValueError, match="seqs of request 'g' must share one prompt"):
+        SequenceGroup("g", [Sequence(0, [1, 2]), Sequence(1, [1, 3])], SamplingParams(), 0.0)
+
+
+# -- BlockManager: fork --------------------------------------------------------
+
+
+def test_fork_shares_every_block_and_the_computed_tokens() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    group = SequenceGroup("g", [Sequence(0, list(range(1, 7))), Sequence(1, list(range(1, 7)))], SamplingParams(), 0.0)
+    bm.allocate(group)
+    parent, child = group.seqs
+    parent.num_computed_tokens = 5
+    bm.fork(parent, child)
+    assert bm.get_block_table(child) == bm.get_block_table(parent) == [0, 1]
+    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [2, 2]
+    assert child.num_computed_tokens == 5
+    assert bm.num_free_gpu_blocks == 6  # a fork takes no block
+    with pytest.raises(ValueError, match="seq 1 already has a block table"):
+        bm.fork(parent, child)
+    with pytest.raises(ValueError, match="seq 7 has no block table"):
+        bm.fork(Sequence(7, [1]), Sequence(8, [1]))
+    stranger = Sequence(9, [1, 2, 3, 4, 0, 6])
+    with pytest.raises(ValueError, match="seq 9 does not hold the 5 tokens computed for seq 0"):
+        bm.fork(parent, stranger)
+    assert not bm.has_block_table(stranger) and bm.gpu_allocator.get_ref_count(0) == 2
+    with pytest.raises(ValueError, match="seq 10 does not hold the 5 tokens"):
+        bm.fork(parent, Sequence(10, [1, 2, 3]))
+    bm.free(parent)
+    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [1, 1]
+    bm.free(child)
     assert bm.num_free_gpu_blocks == 8
 
 
@@ -223,14 +303,6 @@ def test_append_slot_allocates_only_at_block_boundary() -> None:
     assert bm.get_block_table(seq) == [0, 1, 2]
 
 
-def _share_table(bm: BlockManager, parent: Sequence, child: Sequence) -> None:
-    """What fork() will do: the child shares every block of the parent."""
-    table = bm.get_block_table(parent)
-    for block_id in table:
-        bm.gpu_allocator.incref(block_id)
-    bm.block_tables[child.seq_id] = table
-
-
 def test_append_slot_copy_on_write_of_shared_last_block() -> None:
     bm = BlockManager(block_size=4, num_gpu_blocks=6, watermark=0.0)
     group = make_group("a", 0, 6)
@@ -239,7 +311,7 @@ def test_append_slot_copy_on_write_of_shared_last_block() -> None:
     child = Sequence(1, list(parent.prompt_token_ids), status=SequenceStatus.RUNNING)
     group.seqs.append(child)
     _running(group)
-    _share_table(bm, parent, child)
+    bm.fork(parent, child)
     grow(parent)
     grow(child)  # both write slot 6, inside shared block 1
     assert bm.can_append_slot(group)
@@ -255,21 +327,32 @@ def test_append_slot_copy_on_write_of_shared_last_block() -> None:
     assert bm.num_free_gpu_blocks == 6
 
 
-def test_can_append_slot_counts_copy_on_write() -> None:
-    bm = BlockManager(block_size=4, num_gpu_blocks=2, watermark=0.0)
+def test_can_append_slot_counts_copy_on_write_exactly() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=3, watermark=0.0)
     group = make_group("a", 0, 2)
     bm.allocate(group)
     parent = group.seqs[0]
-    child = Sequence(1, [1, 2], status=SequenceStatus.RUNNING)
-    group.seqs.append(child)
+    children = [Sequence(i, [1, 2], status=SequenceStatus.RUNNING) for i in (1, 2)]
+    group.seqs.extend(children)
     _running(group)
-    _share_table(bm, parent, child)
-    grow(parent)
-    grow(child)
-    # Conservative: both seqs are counted although the second COW is not needed.
+    for child in children:
+        bm.fork(parent, child)
+    bm.allocate(make_group("b", 5, 4))  # 1 block left
+    for seq in group.seqs:
+        grow(seq)
+    # 3 sequences write into block 0: 2 copies (the last one writes in place), 1 free block.
     assert not bm.can_append_slot(group)
-    child.status = SequenceStatus.FINISHED_STOPPED
-    assert bm.can_append_slot(group)
+    children[1].status = SequenceStatus.FINISHED_STOPPED
+    bm.free(children[1])
+    assert bm.can_append_slot(group)  # 2 writers, 1 copy
+    # A table outside the group holding the block: nobody may write in place.
+    outsider = Sequence(9, [1, 2])
+    bm.fork(parent, outsider)
+    assert not bm.can_append_slot(group)
+    bm.free(outsider)
+    assert bm.append_slot(children[0]) == (0, 2)
+    assert bm.append_slot(parent) is None
+    assert bm.num_free_gpu_blocks == 0
 
 
 def test_append_slot_without_table_is_an_error() -> None:

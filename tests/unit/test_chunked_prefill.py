@@ -79,8 +79,10 @@ def test_decodes_then_running_prefills_then_new_prompts() -> None:
 
 def test_decodes_go_first_even_before_earlier_prefills() -> None:
     sched = chunked_scheduler(max_num_batched_tokens=9)
-    # Two sequences prefilling together split the budget evenly: 4 each.
-    pair = SequenceGroup("pair", [Sequence(0, list(range(1, 13))), Sequence(1, list(range(1, 13)))], SamplingParams(), 0)
+    # Two sequences prefilling together split the budget evenly: 4 each. (Diverged
+    # ones, as after a recompute preemption: a fresh pair would fork instead.)
+    prompt = list(range(1, 12))
+    pair = SequenceGroup("pair", [Sequence(0, prompt, [50]), Sequence(1, prompt, [60])], SamplingParams(), 0)
     sched.add_request(pair)
     sched.add_request(make_group("late", 2, 1))
     assert plan(step(sched)) == [("pair", 4), ("pair", 4), ("late", 1)]

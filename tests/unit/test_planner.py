@@ -7,7 +7,7 @@ import pytest
 from protos import worker_pb2
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.scheduler_output import SchedulerOutput
+from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.planner import BuiltPlan, Planner
 from shared.sampling_params import SamplingParams
@@ -262,34 +262,48 @@ def test_reset_forgets_everything_and_adopts_the_new_epoch() -> None:
     assert built.new_blocks == {1: [0, 1]}
 
 
-def _shared_prefix_group() -> tuple[Scheduler, SequenceGroup, Planner, BuiltPlan]:
-    """Two sequences of one group share the prompt's (not yet full) block; the first decode copies on write."""
+def _forked_group() -> tuple[Scheduler, SequenceGroup, Planner, BuiltPlan]:
+    """Two sequences of one group: the parent prefills all but the last prompt token, then the child
+    forks from it and copies the shared (not yet full) block on write; the parent writes in place."""
     sched = make_scheduler()
     group = SequenceGroup("p", [Sequence(1, [1, 2, 3]), Sequence(2, [1, 2, 3])], SamplingParams(), 0.0)
     sched.add_request(group)
     planner = Planner(epoch=1)
     out = sched.schedule()
     first = build(planner, sched, out)
-    assert first.new_blocks == {1: [0], 2: [0]}
-    sched.update_after_step(out, {1: 7, 2: 8})
+    assert first.new_blocks == {1: [0]}
+    sched.update_after_step(out, {})
     out = sched.schedule()
     assert out.blocks_to_copy == [(0, 1)]
-    assert sched.get_block_table(group.seqs[0]) == [1]
-    assert sched.get_block_table(group.seqs[1]) == [0]
+    assert sched.get_block_table(group.seqs[0]) == [0]
+    assert sched.get_block_table(group.seqs[1]) == [1]
     return sched, group, planner, build(planner, sched, out)
 
 
 def test_copy_on_write_pairs_are_forwarded() -> None:
-    _, _, _, built = _shared_prefix_group()
+    _, _, _, built = _forked_group()
     assert [(p.src, p.dst) for p in built.plan.copy] == [(0, 1)]
-    assert deltas(built) == {1: ([], 1), 2: ([], 1)}
+    # The parent goes as a delta; the child is new to the worker and goes in full.
+    assert deltas(built) == {1: ([], 1)}
+    (child,) = built.plan.new_sequences
+    assert (child.seq_id, list(child.block_table), child.num_computed_tokens, child.num_new_tokens) == (2, [1], 2, 1)
+    assert built.new_blocks == {2: [1]} and built.replaced_blocks == {}
 
 
 def test_copy_on_write_replacement_is_announced_in_the_delta() -> None:
-    _, _, _, built = _shared_prefix_group()
-    by_id = {d.seq_id: d for d in built.plan.cached_sequences}
-    assert dict(by_id[1].replaced_blocks) == {0: 1}
-    assert dict(by_id[2].replaced_blocks) == {}
+    # The fork never replaces a block the worker already has, but a cached sequence whose
+    # last sent block is copied on write must have the new id announced.
+    group = SequenceGroup("p", [Sequence(1, [1, 2, 3])], SamplingParams(), 0.0)
+    seq = group.seqs[0]
+    planner = Planner(epoch=1)
+    planner.build(SchedulerOutput(scheduled=[ScheduledSequence(group, seq, 3)]), {1: [0]})
+    seq.num_computed_tokens = 3
+    seq.append_token(7)
+    out = SchedulerOutput(scheduled=[ScheduledSequence(group, seq, 1)], blocks_to_copy=[(0, 4)])
+    built = planner.build(out, {1: [4]})
+    (delta,) = built.plan.cached_sequences
+    assert dict(delta.replaced_blocks) == {0: 4}
+    assert built.replaced_blocks == {1: {0: 4}}
 
 
 def test_swap_pairs_are_forwarded_in_order() -> None:

@@ -298,14 +298,37 @@ def test_can_allocate_counts_hits_on_blocks_in_use_as_free() -> None:
     assert bm.num_free_gpu_blocks == 0
 
 
-def test_group_with_several_waiting_seqs_shares_hits() -> None:
+def test_forking_group_hits_once_and_children_inherit_the_hits() -> None:
     bm = caching_bm(num_gpu_blocks=8)
     computed_group(bm, "a", 0, list(range(1, 10)))
     group = SequenceGroup("g", [Sequence(1, list(range(1, 10))), Sequence(2, list(range(1, 10)))], SamplingParams(), 0)
     bm.allocate(group)
-    assert bm.get_block_table(group.seqs[0]) == bm.get_block_table(group.seqs[1]) == [0, 1, 3]
+    parent, child = group.seqs
+    assert bm.get_block_table(parent) == [0, 1, 3]
+    assert not bm.has_block_table(child)
+    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert [s.num_computed_tokens for s in group.seqs] == [8, 0]
+    assert bm.prefix_cache_stats == PrefixCacheStats(queries=4, hits=2)  # a: 2 queried; g: the parent only
+    bm.fork(parent, child)
+    assert bm.get_block_table(child) == [0, 1, 3]
     assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1, 2, 3)] == [3, 3, 1, 2]
+    assert child.num_computed_tokens == 8
+
+
+def test_diverged_group_tables_hit_and_revive_shared_blocks_once() -> None:
+    bm = caching_bm(num_gpu_blocks=6)
+    a = computed_group(bm, "a", 0, list(range(1, 10)))  # blocks 0, 1 hashed, 2 not
+    bm.free(a.seqs[0])  # 0 and 1 evictable
+    prompt = list(range(1, 9))
+    group = SequenceGroup("g", [Sequence(1, prompt, [9, 5]), Sequence(2, prompt, [7])], SamplingParams(), 0)
+    # 3 + 3 blocks, 2 hits each on the same 2 evictable blocks: 2 fresh + 2 revived.
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    assert bm.get_block_table(group.seqs[0]) == [0, 1, 2]
+    assert bm.get_block_table(group.seqs[1]) == [0, 1, 3]
+    assert [bm.gpu_allocator.get_ref_count(b) for b in range(4)] == [2, 2, 1, 1]
     assert [s.num_computed_tokens for s in group.seqs] == [8, 8]
+    assert bm.num_free_gpu_blocks == 2
 
 
 def test_recompute_preemption_hits_its_own_old_blocks() -> None:
@@ -374,9 +397,10 @@ class PrefixCachingMachine(SchedulerMachine):
         prefix_len=st.integers(0, 16),
         suffix=st.lists(st.integers(0, 2), max_size=5),
         max_tokens=st.integers(1, 24),
+        n=st.integers(1, 3),
     )
-    def add_shared(self, prefix: int, prefix_len: int, suffix: list[int], max_tokens: int) -> None:
-        self.add_prompt(PREFIXES[prefix][:prefix_len] + suffix or [1], max_tokens)
+    def add_shared(self, prefix: int, prefix_len: int, suffix: list[int], max_tokens: int, n: int) -> None:
+        self.add_prompt(PREFIXES[prefix][:prefix_len] + suffix or [1], max_tokens, n)
 
     @rule(data=st.data(), extra=st.integers(0, 2))
     def add_copy_of_running(self, data: st.DataObject, extra: int) -> None:
@@ -385,7 +409,7 @@ class PrefixCachingMachine(SchedulerMachine):
         running = [s for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)]
         if running:
             seq = data.draw(st.sampled_from(running))
-            self.add_prompt(seq.all_token_ids + [TOKEN] * extra, data.draw(st.integers(1, 8)))
+            self.add_prompt(seq.all_token_ids + [TOKEN] * extra, data.draw(st.integers(1, 8)), data.draw(st.integers(1, 2)))
 
     @invariant()
     def prefix_cache_is_consistent(self) -> None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
+from scheduler_service.core.prefix_caching_allocator import PrefixCachingBlockAllocator
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -399,14 +400,25 @@ def test_drain_to_completion_frees_everything() -> None:
 # -- property test ---------------------------------------------------------------
 
 
+def make_parallel_group(request_id: str, first_seq_id: int, prompt: list[int], n: int, arrival_time: float = 0.0) -> SequenceGroup:
+    """A request with n sequences (parallel sampling), seq ids first_seq_id.. first_seq_id + n - 1."""
+    seqs = [Sequence(first_seq_id + i, prompt) for i in range(n)]
+    return SequenceGroup(request_id, seqs, SamplingParams(), arrival_time)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / schedule / update / finish / abort; blocks never leak.
 
-    Subclasses switch chunked prefill and prefix caching on. A shadow of the
-    worker's KV cache (block -> slot -> token) is written by every step, so
-    every computed token of a running sequence can be checked to sit in its
-    table's blocks: a wrong prefix-cache hit or a write into a shared block
-    shows up as a mismatch.
+    Requests have 1 to 3 sequences (parallel sampling: fork before the last
+    prompt token, copy-on-write). Subclasses switch chunked prefill and prefix
+    caching on. A shadow of the worker's KV cache (block -> slot -> token) is
+    written by every step (copies first, as the worker does), so every
+    computed token of a running sequence can be checked to sit in its table's
+    blocks: forked children see the parent's tokens through the shared blocks,
+    and a wrong prefix-cache hit, a missed copy or a write into a shared block
+    shows up as a mismatch. Sampled tokens differ per sequence so that forked
+    sequences really diverge; blocks back in the plain free list lose their
+    shadow contents.
     """
 
     chunked_prefill = False
@@ -430,45 +442,88 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_tokens: dict[int, int] = {}
         self.groups: list[SequenceGroup] = []
         self.kv: dict[int, dict[int, int]] = {}
+        # request_id -> prompt tokens before the last one computed so far, over
+        # all its sequences; checked to stay within one prompt's worth for
+        # groups never preempted (the prompt is computed once, by the parent).
+        self.prompt_work: Counter[str] = Counter()
+        self.recomputed: set[str] = set()
 
-    def add_prompt(self, prompt: list[int], max_tokens: int) -> None:
-        group = make_group_of(f"r{self.next_id}", self.next_id, prompt, arrival_time=float(self.next_id))
-        self.max_tokens[self.next_id] = max_tokens
-        self.next_id += 1
+    def add_prompt(self, prompt: list[int], max_tokens: int, n: int = 1) -> None:
+        group = make_parallel_group(f"r{self.next_id}", self.next_id, prompt, n, arrival_time=float(self.next_id))
+        for seq in group.seqs:
+            self.max_tokens[seq.seq_id] = max_tokens
+        self.next_id += n
         self.sched.add_request(group)
         self.groups.append(group)
 
     # Mostly prompts that fit, some that must be ignored (> 16-token budget
     # without chunking, > 24-token model length); long outputs create the cache
     # pressure that forces preemption.
-    @rule(prompt_len=st.integers(1, 14) | st.integers(1, 30), max_tokens=st.integers(1, 24))
-    def add(self, prompt_len: int, max_tokens: int) -> None:
-        self.add_prompt(list(range(1, prompt_len + 1)), max_tokens)
+    @rule(prompt_len=st.integers(1, 14) | st.integers(1, 30), max_tokens=st.integers(1, 24), n=st.integers(1, 3))
+    def add(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        self.add_prompt(list(range(1, prompt_len + 1)), max_tokens, n)
+
+    def classify_running(self) -> tuple[set[int], set[int]]:
+        """seq_ids that the next step decodes (1 token, sampled) and that it prefills."""
+        decoding: set[int] = set()
+        prefilling: set[int] = set()
+        for group in self.sched.running:
+            running = group.get_seqs(SequenceStatus.RUNNING)
+            pending = group.pending_fork_seqs()
+            if pending:
+                (parent,) = running
+                if parent.num_computed_tokens == len(parent.prompt_token_ids) - 1:
+                    decoding.update(s.seq_id for s in running + pending)  # forks into n decodes
+                else:
+                    prefilling.add(parent.seq_id)
+                continue
+            for seq in running:
+                (decoding if seq.num_uncomputed_tokens == 1 else prefilling).add(seq.seq_id)
+        return decoding, prefilling
 
     @precondition(lambda self: self.pending is None)
     @rule()
     def schedule(self) -> None:
         running_before = list(self.sched.running)
-        decoding = {s.seq_id for g in running_before for s in g.get_seqs(SequenceStatus.RUNNING)
-                    if s.num_uncomputed_tokens == 1}
-        prefilling = {s.seq_id for g in running_before for s in g.get_seqs(SequenceStatus.RUNNING)} - decoding
+        pending_before = {s.seq_id for g in running_before for s in g.pending_fork_seqs()}
+        decoding, prefilling = self.classify_running()
         out = self.sched.schedule()
         config = self.sched.scheduler_config
+        alloc = self.sched.block_manager.gpu_allocator
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len(out.scheduled) <= config.max_num_seqs
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+        # What the worker sees when the step runs: the copies are applied first.
+        kv = dict(self.kv)
+        for src, dst in out.blocks_to_copy:
+            kv[dst] = dict(kv.get(src, {}))
         for s in out.scheduled:
+            prompt_len = len(s.seq.prompt_token_ids)
+            # The parent of a group that has not forked stops before its last prompt token.
+            capped = bool(s.group.pending_fork_seqs())
+            if capped:
+                assert s.num_computed_tokens + s.num_new_tokens <= prompt_len - 1 and not s.samples
             if not self.chunked_prefill:
-                assert s.samples  # without chunking every scheduled seq samples
-            elif not s.samples:
-                # A chunk is cut short only by the budget, which it then used up.
-                assert out.num_batched_tokens == config.max_num_batched_tokens
+                assert s.samples or capped  # without chunking every other scheduled seq samples
+            elif not s.samples and not capped:
+                # A chunk is cut short only by the budget, which it then used up (up
+                # to the remainder of splitting it evenly between a group's sequences).
+                assert config.max_num_batched_tokens - out.num_batched_tokens < len(s.group.seqs)
+            if s.seq.seq_id in pending_before:
+                # The fork step: every child computes the last prompt token and samples.
+                assert (s.num_computed_tokens, s.num_new_tokens, s.samples) == (prompt_len - 1, 1, True)
+                event("forked")
             table = self.sched.get_block_table(s.seq)
             assert len(table) * 4 >= s.num_computed_tokens + s.num_new_tokens
-            self.check_computed_kv(s.seq)
+            # Never write into a block another table holds (copy-on-write came first).
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
+                assert alloc.get_ref_count(table[pos // 4]) == 1, (s.seq.seq_id, pos)
+            self.check_computed_kv(s.seq, kv)
             if s.seq.seq_id not in decoding and s.seq.seq_id not in prefilling and s.num_computed_tokens:
                 event("admitted with a prefix-cache hit")
+            start, end = s.num_computed_tokens, min(s.num_computed_tokens + s.num_new_tokens, prompt_len - 1)
+            self.prompt_work[s.group.request_id] += max(0, end - start)
         # Decodes first, then running prefills, then admissions; a budget of 16
         # covers 4 decodes, so no running decode is ever left out.
         ranks = [0 if s.seq.seq_id in decoding else 1 if s.seq.seq_id in prefilling else 2 for s in out.scheduled]
@@ -478,9 +533,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert decoding & still_running <= {s.seq.seq_id for s in out.scheduled}
         for name, happened in (
             ("preempted", out.preempted),
+            ("preempted a forked group", [g for g in out.preempted if any(s.output_token_ids for s in g.seqs[1:])]),
             ("ignored", out.ignored),
             ("cow", out.blocks_to_copy),
             ("partial chunk", [s for s in out.scheduled if not s.samples]),
+            ("parallel sampling", [s for s in out.scheduled if len(s.group.seqs) > 1]),
         ):
             if happened:
                 event(name)
@@ -490,10 +547,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert ids(out.preempted) == ids(reversed(running_before[-n:]))
             assert ids(list(self.sched.waiting)[:n]) == ids(running_before[-n:])
             assert not any(s.group in out.preempted for s in out.scheduled)
+            # No admission in a step that preempted.
+            assert all(any(s.group is g for g in running_before) for s in out.scheduled)
             if not self.chunked_prefill:
-                assert not any(s.is_prefill for s in out.scheduled)
+                assert all(s.num_new_tokens == 1 for s in out.scheduled)
+            self.recomputed.update(g.request_id for g in out.preempted)
+        for group in running_before + list(self.sched.running):
+            if group.request_id not in self.recomputed:
+                assert self.prompt_work[group.request_id] <= len(group.seqs[0].prompt_token_ids) - 1
         self.pending = out
         self.pending_tables = {s.seq.seq_id: self.sched.get_block_table(s.seq) for s in out.scheduled}
+
+    @staticmethod
+    def token_for(seq: Sequence) -> int:
+        """A sampled token that differs between the sequences of a group."""
+        return 100 + (seq.seq_id * 7 + seq.num_tokens) % 13
 
     @precondition(lambda self: self.pending is not None)
     @rule()
@@ -507,7 +575,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             table = self.pending_tables[s.seq.seq_id]
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
                 self.kv.setdefault(table[pos // 4], {})[pos % 4] = s.seq.all_token_ids[pos]
-        sampled = {s.seq.seq_id: TOKEN for s in out.scheduled if s.samples and not s.seq.is_finished}
+        sampled = {s.seq.seq_id: self.token_for(s.seq) for s in out.scheduled if s.samples and not s.seq.is_finished}
         self.sched.update_after_step(out, sampled)
         for s in out.scheduled:
             seq = s.seq
@@ -518,9 +586,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def finish_one(self, data: st.DataObject) -> None:
+        # Any unfinished sequence of a running group, a pending-fork one or a
+        # parent still prefilling for its siblings included.
         live = [(g, s) for g in self.sched.running for s in g.unfinished_seqs()]
         if live:
             group, seq = data.draw(st.sampled_from(live))
+            if group.pending_fork_seqs() and seq.status is SequenceStatus.RUNNING:
+                event("finished a parent before its fork")
+                if self.pending is not None:
+                    # The heir takes over the parent's table, but not the in-flight step's progress.
+                    self.recomputed.add(group.request_id)
             self.sched.finish_sequence(group, seq, SequenceStatus.FINISHED_STOPPED)
 
     @rule(data=st.data())
@@ -530,12 +605,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             result = self.sched.abort_request(group.request_id)
             assert result is None or result is group
 
-    def check_computed_kv(self, seq: Sequence) -> None:
-        """Every computed token of seq is in the shadow KV of its table's blocks."""
+    def check_computed_kv(self, seq: Sequence, kv: dict[int, dict[int, int]] | None = None) -> None:
+        """Every computed token of seq is in the shadow KV (self.kv by default) of its table's blocks."""
+        kv = self.kv if kv is None else kv
         table = self.sched.get_block_table(seq)
         tokens = seq.all_token_ids
         for pos in range(seq.num_computed_tokens):
-            assert self.kv.get(table[pos // 4], {}).get(pos % 4) == tokens[pos], (seq.seq_id, pos)
+            assert kv.get(table[pos // 4], {}).get(pos % 4) == tokens[pos], (seq.seq_id, pos)
 
     @invariant()
     def blocks_are_consistent(self) -> None:
@@ -551,10 +627,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(set(free)) == len(free) and not set(free) & set(owners)
         assert bm.num_free_gpu_blocks == len(free) == sum(1 for b in range(bm.num_gpu_blocks) if owners[b] == 0)
         assert bm.num_free_gpu_blocks + bm.get_num_used_blocks() == bm.num_gpu_blocks
+        if self.pending is None:
+            # Plain free blocks hold garbage: forget their shadow (cached, evictable ones keep it).
+            # Not while a step is in flight: its copies may still read a block freed since it was planned.
+            evictable = set(alloc.evictor.block_ids()) if isinstance(alloc, PrefixCachingBlockAllocator) else set()
+            for block_id in set(free) - evictable:
+                self.kv.pop(block_id, None)
         running_seqs = {s.seq_id for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)}
         assert set(bm.block_tables) == running_seqs
-        assert len(running_seqs) <= self.sched.scheduler_config.max_num_seqs
+        # max_num_seqs counts sequences, pending-fork ones included.
+        assert sum(len(g.unfinished_seqs()) for g in self.sched.running) <= self.sched.scheduler_config.max_num_seqs
         for group in self.sched.running:
+            pending = group.pending_fork_seqs()
+            if pending:
+                # Not forked yet: one parent prefilling the prompt (but its last token) for all.
+                (parent,) = group.get_seqs(SequenceStatus.RUNNING)
+                assert not parent.output_token_ids
+                assert parent.num_computed_tokens <= len(parent.prompt_token_ids) - 1
+                assert all(not s.output_token_ids and s.num_computed_tokens == 0 for s in pending)
+            else:
+                assert all(s.status is SequenceStatus.RUNNING for s in group.unfinished_seqs())
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 assert len(bm.block_tables[seq.seq_id]) * 4 >= seq.num_computed_tokens
                 if self.pending is None:
