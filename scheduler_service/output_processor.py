@@ -87,6 +87,9 @@ class OutputProcessor:
             sent = streamable_text_length(detokenizer.output_text, params.stop, finished=False)
             state.seqs[seq.seq_id] = _SeqOutput(index, detokenizer, sent)
         self._scheduler.add_request(group)
+        for seq in seqs:
+            if seq.seq_id in restored.finished:
+                self._scheduler.finish_sequence(group, seq, SequenceStatus[restored.finished[seq.seq_id]])
         self._requests[record.request_id] = state
 
     def abort(self, request_id: str, commit: StepCommit) -> None:
@@ -105,14 +108,14 @@ class OutputProcessor:
         if state is None:
             return
         state.worker_failures += 1
-        # Groups with finished sequences cannot be re-admitted as a whole (n > 1 after some finished).
-        if state.worker_failures > MAX_WORKER_FAILURES or any(s.is_finished for s in group.seqs):
+        if state.worker_failures > MAX_WORKER_FAILURES:
             self.fail(group, commit, message)
             return
         outputs = {seq.seq_id: list(seq.output_token_ids) for seq in group.seqs}
+        finished = {seq.seq_id: seq.status.name for seq in group.seqs if seq.is_finished}
         self._scheduler.abort_request(group.request_id)
         del self._requests[group.request_id]
-        self.restore(RestoredRequest(state.record, outputs))
+        self.restore(RestoredRequest(state.record, outputs, finished))
         self._requests[group.request_id].worker_failures = state.worker_failures
         commit.dropped_block_tables.extend(outputs)
 
@@ -162,8 +165,13 @@ class OutputProcessor:
             if state.group.is_finished():
                 del self._requests[request_id]
                 self._add_final(state.group, msg, commit)
-            else:
-                commit.outputs.append((request_id, msg))
+                continue
+            commit.outputs.append((request_id, msg))
+            # n > 1: a sequence that ended while its siblings go on must stay ended after a restart.
+            done = {s.seq_id: s.status.name for s in state.group.seqs if s.is_finished}
+            ended_now = {sid: status for sid, status in done.items() if sid in sampled}
+            if ended_now:
+                commit.finished_seqs[request_id] = ended_now
 
     def _on_token(self, state: _RequestState, group: SequenceGroup, seq: Sequence, token: int) -> generation_pb2.CompletionDelta:
         out = state.seqs[seq.seq_id]

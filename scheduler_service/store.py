@@ -69,6 +69,8 @@ class StepCommit:
     # (request id, message) to publish to the request's output stream.
     outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
+    # request id -> {seq_id: SequenceStatus name} for sequences finished while their request goes on.
+    finished_seqs: dict[str, dict[int, str]] = field(default_factory=dict)
     # Queue snapshots; None when unchanged.
     waiting: list[str] | None = None
     running: list[str] | None = None
@@ -78,7 +80,7 @@ class StepCommit:
 
     def is_empty(self) -> bool:
         return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
-                    or self.finished_requests or self.waiting is not None or self.running is not None
+                    or self.finished_requests or self.finished_seqs or self.waiting is not None or self.running is not None
                     or self.cache_stats is not None or self.num_preemptions)
 
 
@@ -89,6 +91,8 @@ class RestoredRequest:
     record: state_pb2.AdmittedRequest
     # seq_id -> committed output tokens
     outputs: dict[int, list[int]]
+    # seq_id -> SequenceStatus name, for sequences that finished while their request went on (n > 1)
+    finished: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -193,6 +197,8 @@ class RedisStore:
                 pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
             for request_id, msg in c.outputs:
                 pipe.xadd(keys.output_stream(request_id), {"m": msg.SerializeToString()})
+            for request_id, seqs in c.finished_seqs.items():
+                pipe.hset(keys.request(request_id), mapping={f"finished:{s}": status for s, status in seqs.items()})
             for request_id in c.finished_requests:
                 pipe.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
                 pipe.delete(keys.request(request_id))
@@ -226,17 +232,21 @@ class RedisStore:
         ids = sorted(live - queued)
         async with self._r.pipeline(transaction=False) as pipe:
             for request_id in ids:
-                pipe.hget(keys.request(request_id), "request")
-            raw_records = await pipe.execute()
-        records = [state_pb2.AdmittedRequest.FromString(r) for r in raw_records if r is not None]
+                pipe.hgetall(keys.request(request_id))
+            hashes = [h for h in await pipe.execute() if h.get(b"request")]
+        records = [state_pb2.AdmittedRequest.FromString(h[b"request"]) for h in hashes]
         async with self._r.pipeline(transaction=False) as pipe:
             for record in records:
                 for seq_id in record.seq_ids:
                     pipe.lrange(keys.seq_tokens(seq_id), 0, -1)
             token_lists = iter(await pipe.execute())
         restored = [
-            RestoredRequest(record, {seq_id: [int(t) for t in next(token_lists)] for seq_id in record.seq_ids})
-            for record in records
+            RestoredRequest(
+                record,
+                {seq_id: [int(t) for t in next(token_lists)] for seq_id in record.seq_ids},
+                {int(k[len(b"finished:"):]): v.decode() for k, v in h.items() if k.startswith(b"finished:")},
+            )
+            for record, h in zip(records, hashes)
         ]
         restored.sort(key=lambda r: r.record.arrival_time)
         return restored

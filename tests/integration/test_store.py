@@ -387,3 +387,25 @@ def test_reusing_a_finished_request_id_does_not_replay_old_outputs(url: str, pla
         assert got == [response("again", "new", [2])]
 
     run(url, body)
+
+
+def test_load_picked_up_returns_live_requests_with_outputs_and_finished_sequences(url: str, plain) -> None:
+    async def body(store: RedisStore) -> None:
+        first = record("a", seq_ids=[1, 2])
+        first.arrival_time = 5.0
+        second = record("b", seq_ids=[3])
+        second.arrival_time = 2.0
+        for r in (first, second):
+            await store.admit(r)
+        pickup = await store.commit(StepCommit(W, new_tokens={1: [7, 8], 2: [9], 3: [5]},
+                                               finished_seqs={"a": {2: "FINISHED_STOPPED"}}))
+        assert len(pickup.admitted) == 2
+        # Admitted after the engine's last pickup: still in the inbox, so not the new owner's to restore.
+        await store.admit(record("still-queued", seq_ids=[4]))
+        restored = await store.load_picked_up(W)
+        assert [r.record.request_id for r in restored] == ["b", "a"]  # FCFS by arrival
+        assert restored[0].outputs == {3: [5]} and restored[0].finished == {}
+        assert restored[1].outputs == {1: [7, 8], 2: [9]} and restored[1].finished == {2: "FINISHED_STOPPED"}
+        assert restored[1].record == first
+
+    run(url, body)
