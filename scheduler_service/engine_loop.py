@@ -19,7 +19,7 @@ import grpc
 from protos import worker_pb2, worker_pb2_grpc
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
-from scheduler_service.core.sequence import SequenceGroup
+from scheduler_service.core.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
 from scheduler_service.store import CacheStats, Pickup, RedisStore, StepCommit
@@ -80,6 +80,12 @@ class EngineLoop:
             self._planner.forget(seq_id)
         out = self._scheduler.schedule()
         commit.num_preemptions += len(out.preempted)
+        commit.num_swaps += sum(1 for g in out.preempted if any(s.status is SequenceStatus.SWAPPED for s in g.seqs))
+        for group in out.swap_failed:
+            self._processor.fail(
+                group, commit,
+                "the request was preempted and the worker's CPU swap space is full; retry, or raise --swap-space",
+            )
         for group in out.preempted:
             for seq in group.seqs:
                 self._planner.forget(seq.seq_id)

@@ -49,7 +49,7 @@ def _scheduler_for(config: SchedulerServiceConfig, desc: worker_pb2.WorkerDescri
             max_model_len=max_len, enable_chunked_prefill=config.enable_chunked_prefill,
         ),
         CacheConfig(
-            block_size=desc.block_size, num_gpu_blocks=desc.num_gpu_blocks,
+            block_size=desc.block_size, num_gpu_blocks=desc.num_gpu_blocks, num_cpu_blocks=desc.num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
         ),
     )

@@ -77,6 +77,8 @@ class StepCommit:
     # None when unchanged since the last commit.
     cache_stats: CacheStats | None = None
     num_preemptions: int = 0
+    # Of those, preemptions by swapping out (the rest recompute).
+    num_swaps: int = 0
 
     def is_empty(self) -> bool:
         return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
@@ -212,6 +214,8 @@ class RedisStore:
                 pipe.hset(keys.stats(w), mapping=c.cache_stats.as_hash())
             if c.num_preemptions:
                 pipe.hincrby(keys.stats(w), "preemptions", c.num_preemptions)
+            if c.num_swaps:
+                pipe.hincrby(keys.stats(w), "swaps", c.num_swaps)
             pipe.lpop(keys.inbox(w), INBOX_BATCH)
             pipe.lpop(keys.aborts(w), INBOX_BATCH)
             results = await pipe.execute()

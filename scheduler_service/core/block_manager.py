@@ -50,10 +50,21 @@ class BlockManager:
     matching prefix and mark_computed() registers blocks once their KV is
     written; unreferenced cached blocks count as free (they are evicted on
     demand).
+
+    Swap preemption (num_cpu_blocks > 0): swap_out() moves a group's running
+    sequences to CPU blocks (cpu_block_tables, a plain ref-counted allocator
+    without prefix caching), swap_in() moves them back into fresh device
+    blocks. Swapped-in blocks are never registered in the prefix cache again
+    (the sequences lose their hash bookkeeping on swap-out).
     """
 
     def __init__(
-        self, block_size: int, num_gpu_blocks: int, watermark: float = 0.01, enable_prefix_caching: bool = False
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+        num_cpu_blocks: int = 0,
     ) -> None:
         # CacheConfig carries the validation rules; reuse them.
         config = CacheConfig(
@@ -61,6 +72,7 @@ class BlockManager:
             num_gpu_blocks=num_gpu_blocks,
             watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
         )
         self.block_size = config.block_size
         self.num_gpu_blocks = config.num_gpu_blocks
@@ -75,6 +87,12 @@ class BlockManager:
         else:
             self.gpu_allocator = BlockAllocator(config.num_gpu_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.num_cpu_blocks = config.num_cpu_blocks
+        self.cpu_allocator: BlockAllocator | None = (
+            BlockAllocator(config.num_cpu_blocks) if config.num_cpu_blocks else None
+        )
+        # seq_id -> CPU block ids of a swapped-out sequence, in token order.
+        self.cpu_block_tables: dict[int, list[int]] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         # seq_id -> chained hashes of the leading blocks of its table already
         # considered for registration, so each step hashes only new blocks.
@@ -84,7 +102,13 @@ class BlockManager:
     @classmethod
     def from_config(cls, config: CacheConfig) -> BlockManager:
         """Build from a validated CacheConfig."""
-        return cls(config.block_size, config.num_gpu_blocks, config.watermark, config.enable_prefix_caching)
+        return cls(
+            config.block_size,
+            config.num_gpu_blocks,
+            config.watermark,
+            config.enable_prefix_caching,
+            config.num_cpu_blocks,
+        )
 
     # -- admission ---------------------------------------------------------
 
@@ -295,6 +319,121 @@ class BlockManager:
         self._cache.reset()
         self._block_hashes.clear()
 
+    # -- swapping ------------------------------------------------------------
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        """Whether the CPU pool has a block for each distinct device block of the group's RUNNING sequences."""
+        needed = len(self._distinct(self.block_tables, group.get_seqs(SequenceStatus.RUNNING)))
+        return needed <= self.num_free_cpu_blocks
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's RUNNING sequences to CPU blocks; returns (device, cpu) pairs.
+
+        Each distinct device block gets one CPU block whose ref count is the
+        number of the group's tables holding it; the group's references to
+        the device block are dropped (blocks other tables also hold, e.g.
+        prefix-cache hits of other groups, stay theirs: they are copied).
+        Sequence statuses are left to the caller.
+        """
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        counts = self._distinct(self.block_tables, seqs)
+        if len(counts) > self.num_free_cpu_blocks:
+            raise NoFreeBlocksError(
+                f"request {group.request_id!r} needs {len(counts)} CPU blocks, {self.num_free_cpu_blocks} free."
+            )
+        mapping = self._move(counts, self._cpu())
+        self._tick()
+        for seq in seqs:
+            table = self.block_tables.pop(seq.seq_id)
+            self._block_hashes.pop(seq.seq_id, None)
+            self.cpu_block_tables[seq.seq_id] = [mapping[b] for b in table]
+            for block_id in table:
+                self.gpu_allocator.free(block_id)
+        return list(mapping.items())
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        """Whether the group's SWAPPED sequences fit back on the device.
+
+        Counts a device block per distinct CPU block plus one per sequence for
+        its next token's slot (a new block or a copy-on-write), and keeps the
+        watermark free like admission. NEVER when that exceeds what an empty
+        cache offers.
+        """
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        needed = len(self._distinct(self.cpu_block_tables, seqs)) + len(seqs)
+        if needed > self.num_gpu_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.num_free_blocks - needed < self.watermark_blocks:
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's SWAPPED sequences back to fresh device blocks; returns (cpu, device) pairs.
+
+        Frees the CPU blocks. The device blocks are unhashed (never reused by
+        the prefix cache). Sequence statuses are left to the caller.
+        """
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        counts = self._distinct(self.cpu_block_tables, seqs)
+        if len(counts) > self.gpu_allocator.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"request {group.request_id!r} needs {len(counts)} blocks, "
+                f"{self.gpu_allocator.num_free_blocks} free."
+            )
+        self._tick()
+        mapping = self._move(counts, self.gpu_allocator)
+        cpu = self._cpu()
+        for seq in seqs:
+            table = self.cpu_block_tables.pop(seq.seq_id)
+            self.block_tables[seq.seq_id] = [mapping[b] for b in table]
+            for block_id in table:
+                cpu.free(block_id)
+        return list(mapping.items())
+
+    def get_cpu_block_table(self, seq: Sequence) -> list[int]:
+        """A copy of a swapped-out sequence's CPU block ids, in token order."""
+        table = self.cpu_block_tables.get(seq.seq_id)
+        if table is None:
+            raise ValueError(f"seq {seq.seq_id} is not swapped out.")
+        return list(table)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        """CPU blocks not referenced by any swapped-out table."""
+        return 0 if self.cpu_allocator is None else self.cpu_allocator.num_free_blocks
+
+    def get_num_used_cpu_blocks(self) -> int:
+        """CPU blocks referenced by at least one swapped-out table."""
+        return self.num_cpu_blocks - self.num_free_cpu_blocks
+
+    @staticmethod
+    def _distinct(tables: dict[int, list[int]], seqs: list[Sequence]) -> dict[int, int]:
+        """Distinct blocks of the sequences' tables (first-appearance order) -> how many of them hold it."""
+        counts: dict[int, int] = {}
+        for seq in seqs:
+            table = tables.get(seq.seq_id)
+            if table is None:
+                raise ValueError(f"seq {seq.seq_id} has no block table here.")
+            for block_id in table:
+                counts[block_id] = counts.get(block_id, 0) + 1
+        return counts
+
+    @staticmethod
+    def _move(counts: dict[int, int], dst: BlockAllocator) -> dict[int, int]:
+        """A block of dst per source block, ref counted like the source's holders."""
+        mapping: dict[int, int] = {}
+        for block_id, count in counts.items():
+            new = dst.allocate()
+            for _ in range(count - 1):
+                dst.incref(new)
+            mapping[block_id] = new
+        return mapping
+
+    def _cpu(self) -> BlockAllocator:
+        if self.cpu_allocator is None:
+            raise NoFreeBlocksError("no CPU swap space (num_cpu_blocks is 0).")
+        return self.cpu_allocator
+
     # -- release and queries -------------------------------------------------
 
     def free(self, seq: Sequence) -> None:
@@ -303,7 +442,13 @@ class BlockManager:
         A no-op for sequences without a table, so aborting a waiting or
         already-freed sequence is safe. With prefix caching, hashed blocks
         that lose their last owner go to the evictor instead of the free list.
+        A swapped-out sequence releases its CPU blocks.
         """
+        cpu_table = self.cpu_block_tables.pop(seq.seq_id, None)
+        if cpu_table is not None:
+            cpu = self._cpu()
+            for block_id in cpu_table:
+                cpu.free(block_id)
         table = self.block_tables.pop(seq.seq_id, None)
         self._block_hashes.pop(seq.seq_id, None)
         if table is None:

@@ -59,12 +59,15 @@ class CacheConfig:
     enable_prefix_caching: reuse the KV blocks of full, already computed
         blocks whose token prefix matches (content-addressed by a chained
         hash); unreferenced cached blocks stay resident until evicted (LRU).
+    num_cpu_blocks: host (CPU) KV blocks for swap preemption; 0 disables
+        swapping (a group that would be swapped out then fails instead).
     """
 
     num_gpu_blocks: int
     block_size: int = 16
     watermark: float = 0.01
     enable_prefix_caching: bool = False
+    num_cpu_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
@@ -79,6 +82,12 @@ class CacheConfig:
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
         _require_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if (
+            not isinstance(self.num_cpu_blocks, int)
+            or isinstance(self.num_cpu_blocks, bool)
+            or self.num_cpu_blocks < 0
+        ):
+            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}.")
 
     @property
     def watermark_blocks(self) -> int:

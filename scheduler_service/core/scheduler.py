@@ -21,6 +21,23 @@ once by forking before the last prompt token:
   do not fit a step (token budget) waits unforked, like any decode.
 The worker sees nothing new: a child is a sequence it has never seen, sent
 in full with num_computed_tokens = prompt_len - 1.
+
+Preemption (vLLM v0 semantics), when a decode finds no free KV slot, takes
+the latest-arrived running group:
+- RECOMPUTE for a group with a single RUNNING sequence, or one whose RUNNING
+  sequences are not all decoding (a pending-fork parent, a chunked re-prefill):
+  its blocks are freed and it waits at the front of the waiting queue;
+- SWAP, when a CPU swap space is configured (CacheConfig.num_cpu_blocks >
+  0; with 0 every preemption is a recompute), for a group with several
+  RUNNING sequences, all decoding (forked, n > 1): its blocks move to CPU blocks (blocks_to_swap_out), its sequences
+  become SWAPPED and the group joins the swapped queue (FCFS). Both kinds are
+  reported in SchedulerOutput.preempted. With no room in the CPU swap space
+  the group fails instead: FINISHED_IGNORED, freed, in swap_failed.
+A later step that preempts nothing swaps groups back in (FCFS, while they
+fit with the watermark, the token budget and max_num_seqs) and schedules
+them in that same step as 1-token decodes with num_computed_tokens kept.
+A step never swaps both out and in, and nothing is admitted from the
+waiting queue while any group is swapped out.
 """
 
 from __future__ import annotations
@@ -55,6 +72,7 @@ class Scheduler:
         self.block_manager = BlockManager.from_config(cache_config)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
         self._requests: dict[str, SequenceGroup] = {}
         self._seq_ids: set[int] = set()
 
@@ -92,7 +110,7 @@ class Scheduler:
         self.waiting.append(group)
 
     def abort_request(self, request_id: str) -> SequenceGroup | None:
-        """Abort a request: free its blocks and drop it. None if unknown or done.
+        """Abort a request: free its blocks (CPU ones too) and drop it. None if unknown or done.
 
         Safe between schedule() and update_after_step(): aborted sequences of
         the in-flight step are skipped by the update.
@@ -131,12 +149,12 @@ class Scheduler:
             self._remove(group)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.waiting or self.running)
+        """True while any request is waiting, running or swapped out."""
+        return bool(self.waiting or self.running or self.swapped)
 
     def get_num_unfinished_requests(self) -> int:
-        """Number of waiting plus running requests."""
-        return len(self.waiting) + len(self.running)
+        """Number of waiting, running and swapped-out requests."""
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         """Physical block ids of a scheduled sequence (for the step plan)."""
@@ -153,8 +171,10 @@ class Scheduler:
 
         Never exceeds max_num_batched_tokens tokens or max_num_seqs running
         sequences. When a decode cannot get a KV slot the latest-arrived
-        running group is preempted by recompute; no prompt is admitted in a
-        step that preempted (the cache is under pressure).
+        running group is preempted (recompute or swap, see the module doc);
+        no group is swapped in or admitted in a step that preempted (the
+        cache is under pressure). Otherwise swapped groups come back first,
+        and prompts are admitted only when nothing is swapped out.
 
         With chunked prefill the budget goes, in this order, to the decodes
         (one token each), to the next chunk of running sequences still in
@@ -164,8 +184,10 @@ class Scheduler:
         """
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        if not out.preempted and not out.swap_failed:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
@@ -236,7 +258,35 @@ class Scheduler:
         if in_prefill:
             budget = self._schedule_prefill_chunks(out, in_prefill, budget, num_seqs)
         # Victims were the latest arrivals; everything else keeps its FCFS place.
-        self.running = [g for g in running if not any(g is p for p in out.preempted)]
+        gone = out.preempted + out.swap_failed
+        self.running = [g for g in running if not any(g is p for p in gone)]
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        """Swap groups back in, FCFS, as 1-token decodes in this step. Returns the budget left."""
+        num_running_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
+        while self.swapped:
+            group = self.swapped[0]
+            status = self.block_manager.can_swap_in(group)
+            if status is AllocStatus.NEVER:
+                self._ignore(group, out)
+                continue
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if (
+                status is AllocStatus.LATER
+                or num_running_seqs + len(seqs) > self.scheduler_config.max_num_seqs
+                or len(seqs) > budget
+            ):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            # Each sequence computes its last token (swapped only when all were decoding).
+            self._add_decodes(out, group, [(seq, 1) for seq in seqs])
+            budget -= len(seqs)
+            num_running_seqs += len(seqs)
+            self.running.append(group)
         return budget
 
     def _reserve_slots(self, group: SequenceGroup, queue: deque[SequenceGroup], out: SchedulerOutput) -> bool:
@@ -423,12 +473,34 @@ class Scheduler:
         return [seq.num_tokens - num_computed(seq) for seq in seqs]
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Preempt by recompute: drop the KV, keep the tokens, wait at the front.
+        """Preempt by swap (several sequences, all decoding) or else by recompute.
 
-        Every RUNNING sequence of the group is freed and reset (pending-fork
-        ones hold nothing). Once forked sequences have outputs they differ, so
+        Swap (only with a CPU pool): the RUNNING sequences' blocks move to CPU, they become SWAPPED
+        and the group goes to the front of the swapped queue; without room in
+        the CPU pool the group fails (FINISHED_IGNORED, out.swap_failed).
+
+        Recompute: drop the KV, keep the tokens, wait at the front. Every
+        RUNNING sequence of the group is freed and reset (pending-fork ones
+        hold nothing). Once forked sequences have outputs they differ, so
         readmission prefills each one separately (see BlockManager.allocate).
         """
+        running = group.get_seqs(SequenceStatus.RUNNING)
+        swap = self.block_manager.num_cpu_blocks > 0 and len(running) > 1
+        if swap and all(seq.num_uncomputed_tokens == 1 for seq in running):
+            if not self.block_manager.can_swap_out(group):
+                for seq in group.unfinished_seqs():
+                    seq.status = SequenceStatus.FINISHED_IGNORED
+                    self.block_manager.free(seq)
+                self._remove(group)
+                out.swap_failed.append(group)
+                return
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
+            for seq in running:
+                seq.status = SequenceStatus.SWAPPED
+            # The caller (_schedule_running) rebuilds self.running without it.
+            self.swapped.appendleft(group)
+            out.preempted.append(group)
+            return
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             self.block_manager.free(seq)
             seq.reset_for_recompute()
@@ -449,5 +521,7 @@ class Scheduler:
             self.running.remove(group)
         elif group in self.waiting:
             self.waiting.remove(group)
+        elif group in self.swapped:
+            self.swapped.remove(group)
         del self._requests[group.request_id]
         self._seq_ids.difference_update(seq.seq_id for seq in group.seqs)

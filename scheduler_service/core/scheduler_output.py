@@ -54,18 +54,32 @@ class SchedulerOutput:
     """The plan of one step.
 
     scheduled: sequences to compute, prefills and decodes mixed, FCFS order.
-    preempted: groups whose KV was dropped (recompute); they are WAITING again.
+    preempted: groups whose sequences the worker must forget (drop its
+        per-sequence state and cached block table). Recompute ones are WAITING
+        again and come back with num_computed_tokens 0; swapped ones (status
+        SWAPPED, their blocks in blocks_to_swap_out) come back, in a later
+        step, with their KV moved back (blocks_to_swap_in), a completely new
+        block table and num_computed_tokens kept: the engine re-sends them in
+        full, like sequences it has never seen.
     ignored: groups that can never run (too long); already FINISHED_IGNORED
         and forgotten by the scheduler, the engine must report them.
-    blocks_to_copy: (src, dst) copy-on-write pairs to apply before the step
-        (the first decodes after a parallel-sampling fork).
-    blocks_to_swap_in / blocks_to_swap_out: reserved for swap preemption.
+    swap_failed: groups that had to be preempted by swap but found no room in
+        the CPU swap space; already FINISHED_IGNORED, freed and forgotten by
+        the scheduler. The engine must end them with an error ("out of CPU
+        swap space") and make the worker forget their sequences.
+    blocks_to_swap_out: (device block, cpu block) pairs, copy device -> host.
+    blocks_to_swap_in: (cpu block, device block) pairs, copy host -> device.
+    blocks_to_copy: (src, dst) device copy-on-write pairs (the first decodes
+        after a parallel-sampling fork or after a swap-in).
+    The worker applies them before the forward pass in this order: swap_out,
+        swap_in, copy. A step never has both swap_out and swap_in pairs.
     num_batched_tokens: sum of num_new_tokens over scheduled.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)
+    swap_failed: list[SequenceGroup] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
@@ -75,7 +89,7 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """True when the workers have nothing to do this step.
 
-        ignored and preempted groups may still need the engine's attention.
+        ignored, swap_failed and preempted groups may still need the engine's attention.
         """
         return not (
             self.scheduled or self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy

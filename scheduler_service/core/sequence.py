@@ -9,10 +9,15 @@ from shared.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    """Lifecycle of a sequence. WAITING covers both new and preempted ones."""
+    """Lifecycle of a sequence.
+
+    WAITING covers new sequences and ones preempted by recompute; SWAPPED ones
+    were preempted by swapping their KV blocks out to CPU memory (not finished).
+    """
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, stop token or stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
     FINISHED_ABORTED = enum.auto()  # client cancelled
@@ -21,7 +26,7 @@ class SequenceStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         """True for every FINISHED_* status."""
-        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED)
 
 
 def _validate_token_ids(name: str, token_ids: list[int]) -> None:
@@ -143,7 +148,7 @@ class SequenceGroup:
         return [seq for seq in self.seqs if seq.status is status]
 
     def unfinished_seqs(self) -> list[Sequence]:
-        """Sequences that are still WAITING or RUNNING."""
+        """Sequences that are still WAITING, RUNNING or SWAPPED."""
         return [seq for seq in self.seqs if not seq.is_finished]
 
     def is_finished(self) -> bool:

@@ -208,3 +208,34 @@ def test_parallel_sampling_with_a_seed_is_reproducible(cluster: LocalCluster) ->
     assert all(len(c.token_ids) == 20 and c.finish_reason == "FINISH_REASON_LENGTH" for c in first)
     assert first[0].completion_tokens == 60
     assert_all_blocks_free(cluster)
+
+
+@pytest.fixture(scope="module")
+def swap_cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
+    """A cache of 40 blocks plus a CPU swap pool, so forked groups are swapped out under load."""
+    spec = ClusterSpec(
+        model=str(tiny_llama_dir),
+        worker_args=["--num-gpu-blocks-override", "40", "--swap-space", "0.005", "--max-model-len", "256",
+                     "--num-threads", "1"],
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def test_swap_and_recompute_preemption_keep_outputs_identical(swap_cluster: LocalCluster) -> None:
+    """Seeded n = 2 requests give the same tokens alone and under a load that swaps and recomputes."""
+    reqs = [make_request(prompt_token_ids=list(range(700 + 9 * i, 740 + 9 * i)), max_tokens=48, temperature=0.9,
+                         ignore_eos=True, n=2, seed=50 + i) for i in range(6)]
+    with GenerationClient(swap_cluster.address) as client:
+        alone = [client.generate_n(r) for r in reqs[:3]]
+        singles = [make_request(prompt_token_ids=p[:60], max_tokens=48, ignore_eos=True, temperature=0.0)
+                   for p in _prompts(4, 40000, seed=4)]
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            crowd = [pool.submit(client.generate_n, r) for r in reqs] + [pool.submit(client.generate, r) for r in singles]
+            results = [f.result() for f in crowd]
+    for solo, loaded in zip(alone, results[:3]):
+        assert [c.token_ids for c in solo] == [c.token_ids for c in loaded]
+    state = redis_state(swap_cluster)
+    print(f"preemptions: {state['preemptions']} (of which swaps: {state['swaps']})")
+    assert state["swaps"] > 0 and state["preemptions"] > state["swaps"], state
+    assert_all_blocks_free(swap_cluster)

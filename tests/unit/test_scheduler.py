@@ -28,6 +28,7 @@ def make_scheduler(
     watermark: float = 0.0,
     enable_chunked_prefill: bool = False,
     enable_prefix_caching: bool = False,
+    num_cpu_blocks: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -41,6 +42,7 @@ def make_scheduler(
             num_gpu_blocks=num_gpu_blocks,
             watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
         ),
     )
 
@@ -419,10 +421,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     shows up as a mismatch. Sampled tokens differ per sequence so that forked
     sequences really diverge; blocks back in the plain free list lose their
     shadow contents.
+
+    A small CPU pool makes forked groups swap out (and sometimes fail for
+    lack of CPU room) under pressure: a second shadow (CPU block -> slot ->
+    token) follows the swap pairs in the worker's order (swap_out, swap_in,
+    copy), so a swapped sequence's computed tokens are checked in its CPU
+    blocks and, once back, in its new device blocks.
     """
 
     chunked_prefill = False
     prefix_caching = False
+    num_cpu_blocks = 6
 
     def __init__(self) -> None:
         super().__init__()
@@ -435,6 +444,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             watermark=0.1,
             enable_chunked_prefill=self.chunked_prefill,
             enable_prefix_caching=self.prefix_caching,
+            num_cpu_blocks=self.num_cpu_blocks,
         )
         self.next_id = 0
         self.pending: SchedulerOutput | None = None
@@ -442,6 +452,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_tokens: dict[int, int] = {}
         self.groups: list[SequenceGroup] = []
         self.kv: dict[int, dict[int, int]] = {}
+        self.cpu_kv: dict[int, dict[int, int]] = {}
         # request_id -> prompt tokens before the last one computed so far, over
         # all its sequences; checked to stay within one prompt's worth for
         # groups never preempted (the prompt is computed once, by the parent).
@@ -485,6 +496,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def schedule(self) -> None:
         running_before = list(self.sched.running)
+        swapped_before = list(self.sched.swapped)
         pending_before = {s.seq_id for g in running_before for s in g.pending_fork_seqs()}
         decoding, prefilling = self.classify_running()
         out = self.sched.schedule()
@@ -494,10 +506,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len(out.scheduled) <= config.max_num_seqs
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
-        # What the worker sees when the step runs: the copies are applied first.
-        kv = dict(self.kv)
-        for src, dst in out.blocks_to_copy:
-            kv[dst] = dict(kv.get(src, {}))
+        # What the worker sees when the step runs: swaps and copies are applied first.
+        kv, cpu_kv = dict(self.kv), dict(self.cpu_kv)
+        self.apply_block_ops(out, kv, cpu_kv)
+        # Never both swap directions in one step, no swap-in in a step that preempted.
+        assert not (out.blocks_to_swap_out and out.blocks_to_swap_in)
+        if out.preempted or out.swap_failed:
+            assert not out.blocks_to_swap_in
+        swapped_in = [g for g in swapped_before if any(g is r for r in self.sched.running)]
+        assert bool(swapped_in) == bool(out.blocks_to_swap_in)
+        for g in swapped_in:
+            # Resumed as 1-token decodes of every sequence, computed tokens kept.
+            items = [s for s in out.scheduled if s.group is g]
+            assert {s.seq.seq_id for s in items} == {s.seq_id for s in g.get_seqs(SequenceStatus.RUNNING)}
+            assert len(items) > 1 and all(s.num_new_tokens == 1 and s.samples for s in items)
+        for s in out.scheduled:
+            if not any(s.group is g for g in running_before + swapped_in):
+                # An admission: only once nothing is swapped out (swapped in or ignored as NEVER).
+                assert not self.sched.swapped
+                assert all(any(g is x for x in swapped_in + out.ignored) for g in swapped_before)
         for s in out.scheduled:
             prompt_len = len(s.seq.prompt_token_ids)
             # The parent of a group that has not forked stops before its last prompt token.
@@ -538,20 +565,33 @@ class SchedulerMachine(RuleBasedStateMachine):
             ("cow", out.blocks_to_copy),
             ("partial chunk", [s for s in out.scheduled if not s.samples]),
             ("parallel sampling", [s for s in out.scheduled if len(s.group.seqs) > 1]),
+            ("swapped out", out.blocks_to_swap_out),
+            ("swapped in", out.blocks_to_swap_in),
+            ("swap failed", out.swap_failed),
         ):
             if happened:
                 event(name)
-        if out.preempted:
+        victims = out.preempted + out.swap_failed
+        if victims:
             # Victims are taken from the back of the running list.
-            n = len(out.preempted)
-            assert ids(out.preempted) == ids(reversed(running_before[-n:]))
-            assert ids(list(self.sched.waiting)[:n]) == ids(running_before[-n:])
-            assert not any(s.group in out.preempted for s in out.scheduled)
+            n = len(victims)
+            assert sorted(ids(victims)) == sorted(ids(running_before[-n:]))
+            swapped_now = [g for g in running_before[-n:] if any(g is w for w in self.sched.swapped)]
+            recomputed = [g for g in running_before[-n:] if any(g is w for w in self.sched.waiting)]
+            assert len(swapped_now) + len(recomputed) == len(out.preempted)
+            assert ids(list(self.sched.waiting)[: len(recomputed)]) == ids(recomputed)
+            assert ids(list(self.sched.swapped)[: len(swapped_now)]) == ids(swapped_now)
+            for g in swapped_now:
+                # Swapped only forked groups, all decoding.
+                assert len(g.get_seqs(SequenceStatus.SWAPPED)) > 1
+            for g in out.swap_failed:
+                assert g.is_finished() and all(s.status is not SequenceStatus.SWAPPED for s in g.seqs)
+            assert not any(s.group in victims for s in out.scheduled)
             # No admission in a step that preempted.
             assert all(any(s.group is g for g in running_before) for s in out.scheduled)
             if not self.chunked_prefill:
                 assert all(s.num_new_tokens == 1 for s in out.scheduled)
-            self.recomputed.update(g.request_id for g in out.preempted)
+            self.recomputed.update(g.request_id for g in recomputed)
         for group in running_before + list(self.sched.running):
             if group.request_id not in self.recomputed:
                 assert self.prompt_work[group.request_id] <= len(group.seqs[0].prompt_token_ids) - 1
@@ -567,10 +607,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def update(self) -> None:
         out, self.pending = self.pending, None
-        # The worker: copies first, then the KV of every scheduled token, even
-        # for sequences aborted since (it ran the step anyway).
-        for src, dst in out.blocks_to_copy:
-            self.kv[dst] = dict(self.kv.get(src, {}))
+        # The worker: swaps and copies first, then the KV of every scheduled
+        # token, even for sequences aborted since (it ran the step anyway).
+        self.apply_block_ops(out, self.kv, self.cpu_kv)
         for s in out.scheduled:
             table = self.pending_tables[s.seq.seq_id]
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
@@ -605,10 +644,28 @@ class SchedulerMachine(RuleBasedStateMachine):
             result = self.sched.abort_request(group.request_id)
             assert result is None or result is group
 
+    @staticmethod
+    def apply_block_ops(
+        out: SchedulerOutput, kv: dict[int, dict[int, int]], cpu_kv: dict[int, dict[int, int]]
+    ) -> None:
+        """The worker's order: swap_out (device -> cpu), swap_in (cpu -> device), then copies."""
+        for dev, cpu in out.blocks_to_swap_out:
+            cpu_kv[cpu] = dict(kv.get(dev, {}))
+        for cpu, dev in out.blocks_to_swap_in:
+            kv[dev] = dict(cpu_kv.get(cpu, {}))
+        for src, dst in out.blocks_to_copy:
+            kv[dst] = dict(kv.get(src, {}))
+
     def check_computed_kv(self, seq: Sequence, kv: dict[int, dict[int, int]] | None = None) -> None:
-        """Every computed token of seq is in the shadow KV (self.kv by default) of its table's blocks."""
-        kv = self.kv if kv is None else kv
-        table = self.sched.get_block_table(seq)
+        """Every computed token of seq is in the shadow KV (self.kv by default) of its table's blocks.
+
+        A swapped-out sequence is checked in the CPU shadow of its CPU table.
+        """
+        if seq.status is SequenceStatus.SWAPPED:
+            kv, table = self.cpu_kv, self.sched.block_manager.get_cpu_block_table(seq)
+        else:
+            kv = self.kv if kv is None else kv
+            table = self.sched.get_block_table(seq)
         tokens = seq.all_token_ids
         for pos in range(seq.num_computed_tokens):
             assert kv.get(table[pos // 4], {}).get(pos % 4) == tokens[pos], (seq.seq_id, pos)
@@ -635,6 +692,26 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.kv.pop(block_id, None)
         running_seqs = {s.seq_id for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)}
         assert set(bm.block_tables) == running_seqs
+        # The CPU pool: same accounting, tables of exactly the swapped sequences.
+        cpu = bm.cpu_allocator
+        assert cpu is not None and bm.num_cpu_blocks == self.num_cpu_blocks
+        cpu_owners = Counter(b for t in bm.cpu_block_tables.values() for b in t)
+        for block_id in range(bm.num_cpu_blocks):
+            assert cpu.get_ref_count(block_id) == cpu_owners[block_id]
+        cpu_free = cpu.free_block_ids()
+        assert len(set(cpu_free)) == len(cpu_free) and not set(cpu_free) & set(cpu_owners)
+        assert bm.num_free_cpu_blocks == len(cpu_free) == bm.num_cpu_blocks - len(cpu_owners)
+        assert bm.num_free_cpu_blocks + bm.get_num_used_cpu_blocks() == bm.num_cpu_blocks
+        if self.pending is None:
+            for block_id in cpu_free:
+                self.cpu_kv.pop(block_id, None)
+        swapped_seqs = {s.seq_id for g in self.sched.swapped for s in g.get_seqs(SequenceStatus.SWAPPED)}
+        assert set(bm.cpu_block_tables) == swapped_seqs
+        for group in self.sched.swapped:
+            assert all(s.status is SequenceStatus.SWAPPED for s in group.unfinished_seqs())
+            if self.pending is None:
+                for seq in group.unfinished_seqs():
+                    self.check_computed_kv(seq)
         # max_num_seqs counts sequences, pending-fork ones included.
         assert sum(len(g.unfinished_seqs()) for g in self.sched.running) <= self.sched.scheduler_config.max_num_seqs
         for group in self.sched.running:
@@ -667,6 +744,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.block_manager.num_free_gpu_blocks == 10
         assert self.sched.block_manager.get_num_used_blocks() == 0
         assert self.sched.block_manager.block_tables == {}
+        assert self.sched.block_manager.cpu_block_tables == {}
+        assert self.sched.block_manager.num_free_cpu_blocks == self.num_cpu_blocks
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
