@@ -173,8 +173,9 @@ class EngineLoop:
         """
         log.error("worker %s failed a step: %s %s", self.worker_id, exc.code(), exc.details())
         message = f"the worker failed while running this request: {exc.code().name}: {exc.details()}"
-        # Every running group (the step's ones included) had KV on the worker; waiting ones are re-sent in full.
-        for group in list(self._scheduler.running):
+        # Running groups (the step's ones included) had KV on the worker, swapped ones in its CPU pool:
+        # both are gone with it. Waiting ones hold no KV and are sent in full anyway.
+        for group in [*self._scheduler.running, *self._scheduler.swapped]:
             self._processor.requeue(group, commit, message)
         while True:
             try:
