@@ -51,6 +51,7 @@ class EngineLoop:
         self.steps = 0
         self._last_waiting: list[str] | None = None
         self._last_running: list[str] | None = None
+        self._last_swapped: list[str] | None = None
         self._last_stats: CacheStats | None = None
 
     async def _take_ownership(self) -> None:
@@ -66,9 +67,11 @@ class EngineLoop:
         bm = self._scheduler.block_manager
         waiting = [g.request_id for g in self._scheduler.waiting]
         running = [g.request_id for g in self._scheduler.running]
+        swapped = [g.request_id for g in self._scheduler.swapped]
         commit.waiting = waiting if waiting != self._last_waiting else None
         commit.running = running if running != self._last_running else None
-        self._last_waiting, self._last_running = waiting, running
+        commit.swapped = swapped if swapped != self._last_swapped else None
+        self._last_waiting, self._last_running, self._last_swapped = waiting, running, swapped
         prefix = bm.prefix_cache_stats
         stats = CacheStats(bm.num_free_gpu_blocks, bm.num_gpu_blocks, prefix.queries, prefix.hits)
         commit.cache_stats = stats if stats != self._last_stats else None

@@ -37,6 +37,11 @@ def waiting(worker_id: str) -> str:
     return f"{PREFIX}:w:{worker_id}:waiting"
 
 
+def swapped(worker_id: str) -> str:
+    """List: request ids swapped out to the worker's CPU pool, in order."""
+    return f"{PREFIX}:w:{worker_id}:swapped"
+
+
 def running(worker_id: str) -> str:
     """List: request ids in the running queue, in order."""
     return f"{PREFIX}:w:{worker_id}:running"

@@ -74,6 +74,7 @@ class StepCommit:
     # Queue snapshots; None when unchanged.
     waiting: list[str] | None = None
     running: list[str] | None = None
+    swapped: list[str] | None = None
     # None when unchanged since the last commit.
     cache_stats: CacheStats | None = None
     num_preemptions: int = 0
@@ -82,7 +83,7 @@ class StepCommit:
 
     def is_empty(self) -> bool:
         return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
-                    or self.finished_requests or self.finished_seqs or self.waiting is not None or self.running is not None
+                    or self.finished_requests or self.finished_seqs or self.waiting is not None or self.running is not None or self.swapped is not None
                     or self.cache_stats is not None or self.num_preemptions)
 
 
@@ -205,7 +206,8 @@ class RedisStore:
                 pipe.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
                 pipe.delete(keys.request(request_id))
                 pipe.srem(keys.live(w), request_id)
-            for key, snapshot in ((keys.waiting(w), c.waiting), (keys.running(w), c.running)):
+            snapshots = ((keys.waiting(w), c.waiting), (keys.running(w), c.running), (keys.swapped(w), c.swapped))
+            for key, snapshot in snapshots:
                 if snapshot is not None:
                     pipe.delete(key)
                     if snapshot:

@@ -28,6 +28,7 @@ def redis_state(cluster: LocalCluster) -> dict[str, object]:
         "request_keys": sorted(k.decode() for k in client.scan_iter(f"{keys.PREFIX}:req:*")),
         "waiting": client.llen(keys.waiting(w)),
         "running": client.llen(keys.running(w)),
+        "swapped": client.llen(keys.swapped(w)),
         "inbox": client.llen(keys.inbox(w)),
         "blocks": blocks,
         "preemptions": stats.get("preemptions", 0),
@@ -47,7 +48,7 @@ def wait_until_idle(cluster: LocalCluster, timeout_s: float = 20.0) -> tuple[dic
         desc = describe_worker(cluster)
         blocks = state["blocks"]
         idle = (
-            not state["seq_keys"] and not state["request_keys"] and not state["waiting"] and not state["running"]
+            not state["seq_keys"] and not state["request_keys"] and not state["waiting"] and not state["running"] and not state["swapped"]
             and isinstance(blocks, dict) and blocks.get("free") == blocks.get("total")
             and desc.num_cached_sequences == 0 and desc.num_used_blocks == 0
         )
@@ -60,7 +61,7 @@ def assert_all_blocks_free(cluster: LocalCluster) -> None:
     state, desc = wait_until_idle(cluster)
     assert state["seq_keys"] == [], state
     assert state["request_keys"] == [], state
-    assert state["waiting"] == 0 and state["running"] == 0 and state["inbox"] == 0, state
+    assert state["waiting"] == 0 and state["running"] == 0 and state["swapped"] == 0 and state["inbox"] == 0, state
     assert state["blocks"] == {"free": desc.num_gpu_blocks, "total": desc.num_gpu_blocks}, state
     assert desc.num_cached_sequences == 0, desc
     assert desc.num_used_blocks == 0, desc

@@ -174,6 +174,7 @@ def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) 
                 new_blocks={1: [0, 1], 2: [2]},
                 waiting=["c", "d"],
                 running=["a", "b"],
+                swapped=["e"],
                 cache_stats=CacheStats(13, 16),
                 num_preemptions=2,
             )
@@ -184,6 +185,7 @@ def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) 
         assert plain.lrange(keys.seq_blocks(2), 0, -1) == ["2"]
         assert plain.lrange(keys.waiting(W), 0, -1) == ["c", "d"]
         assert plain.lrange(keys.running(W), 0, -1) == ["a", "b"]
+        assert plain.lrange(keys.swapped(W), 0, -1) == ["e"]
         assert plain.hgetall(keys.stats(W)) == {"free": "13", "total": "16", "prefix_cache_queries": "0", "prefix_cache_hits": "0", "preemptions": "2"}
 
         # Appends; unchanged snapshots (None) are left alone; an empty snapshot clears the list.
