@@ -1,0 +1,48 @@
+"""The command line: flags, environment-variable defaults, what `up` forwards to each service."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.cli import _SCHEDULER_PASS, _WORKER_PASS, _passthrough, build_parser
+
+
+def test_every_command_is_there() -> None:
+    parser = build_parser()
+    for command in ("up", "demo", "worker", "scheduler", "generate", "prepare-model"):
+        assert parser.parse_args([command] + (["--redis-url", "redis://x"] if command == "scheduler" else []))
+
+
+def test_flags_use_vllm_names() -> None:
+    args = build_parser().parse_args([
+        "scheduler", "--redis-url", "redis://r:6379/0", "--worker", "w0:1", "--worker", "w1:1",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "256",
+        "--enable-chunked-prefill", "--enable-prefix-caching",
+    ])
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == (8, 128, 256)
+    assert args.worker == ["w0:1", "w1:1"] and args.enable_chunked_prefill and args.enable_prefix_caching
+
+
+def test_environment_variables_give_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVE_REDIS_URL", "redis://env:6379/0")
+    monkeypatch.setenv("LLMSERVE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("LLMSERVE_WORKER", "a:1,b:2")
+    monkeypatch.setenv("LLMSERVE_ENABLE_PREFIX_CACHING", "true")
+    args = build_parser().parse_args(["scheduler"])
+    assert args.redis_url == "redis://env:6379/0" and args.max_num_seqs == 7
+    assert args.worker == ["a:1", "b:2"] and args.enable_prefix_caching is True
+    assert build_parser().parse_args(["scheduler", "--max-num-seqs", "3"]).max_num_seqs == 3
+
+
+def test_up_forwards_each_flag_to_its_service() -> None:
+    args = build_parser().parse_args([
+        "up", "--num-gpu-blocks-override", "64", "--swap-space", "0.5", "--enable-chunked-prefill",
+        "--max-num-seqs", "4", "--max-model-len", "512",
+    ])
+    worker = _passthrough(args, _WORKER_PASS)
+    scheduler = _passthrough(args, _SCHEDULER_PASS)
+    assert worker[worker.index("--num-gpu-blocks-override") + 1] == "64"
+    assert worker[worker.index("--swap-space") + 1] == "0.5"
+    assert "--enable-chunked-prefill" in scheduler and "--enable-prefix-caching" not in scheduler
+    assert scheduler[scheduler.index("--max-num-seqs") + 1] == "4"
+    assert "--max-model-len" in worker and "--max-model-len" in scheduler
