@@ -31,6 +31,9 @@ class _SeqOutput:
     index: int
     detokenizer: IncrementalDetokenizer
     sent_chars: int = 0
+    # Sum of the sampled tokens' logprobs: ranks the sequences when best_of > n.
+    cumulative_logprob: float = 0.0
+    stop_reason: str = ""
 
 
 @dataclass
@@ -85,7 +88,8 @@ class OutputProcessor:
             detokenizer = IncrementalDetokenizer(self._tokenizer, prompt)
             detokenizer.step(seq.output_token_ids)
             sent = streamable_text_length(detokenizer.output_text, params.stop, finished=False)
-            state.seqs[seq.seq_id] = _SeqOutput(index, detokenizer, sent)
+            cumulative = restored.cumulative_logprobs.get(seq.seq_id, 0.0)
+            state.seqs[seq.seq_id] = _SeqOutput(index, detokenizer, sent, cumulative)
         self._scheduler.add_request(group)
         for seq in seqs:
             if seq.seq_id in restored.finished:
@@ -126,17 +130,19 @@ class OutputProcessor:
         self._finish_request(group, commit, error=message)
 
     def _finish_request(self, group: SequenceGroup, commit: StepCommit, error: str) -> None:
-        state = self._requests.pop(group.request_id, None)
+        self._requests.pop(group.request_id, None)
         msg = generation_pb2.GenerateResponse(request_id=group.request_id, error=error)
-        for seq in group.seqs:
-            index = state.seqs[seq.seq_id].index if state else 0
+        # Clients know indices 0..n-1 only (with best_of > n the extra sequences are never shown).
+        for index, seq in enumerate(group.seqs[: group.sampling_params.n]):
             reason = common_pb2.FINISH_REASON_ERROR if error else _FINISH_REASONS[seq.status]
             msg.outputs.add(index=index, finish_reason=reason)
-        self._add_final(group, msg, commit)
+        self._add_final(group, msg, commit, group.seqs[: group.sampling_params.n])
 
-    def _add_final(self, group: SequenceGroup, msg: generation_pb2.GenerateResponse, commit: StepCommit) -> None:
+    def _add_final(
+        self, group: SequenceGroup, msg: generation_pb2.GenerateResponse, commit: StepCommit, returned: list[Sequence]
+    ) -> None:
         msg.usage.prompt_tokens = len(group.seqs[0].prompt_token_ids)
-        msg.usage.completion_tokens = sum(len(s.output_token_ids) for s in group.seqs)
+        msg.usage.completion_tokens = sum(len(s.output_token_ids) for s in returned)
         commit.outputs.append((group.request_id, msg))
         commit.finished_requests.append(group.request_id)
         commit.dropped_seqs.extend(s.seq_id for s in group.seqs)
@@ -146,8 +152,9 @@ class OutputProcessor:
     def process(self, out: SchedulerOutput, result: worker_pb2.StepResult, commit: StepCommit) -> None:
         """Applies a step's sampled tokens and emits deltas for every request that advanced."""
         sampled = {s.seq_id: s.token_id for s in result.sampled}
+        logprobs = {s.seq_id: s.logprob for s in result.sampled}
         self._scheduler.update_after_step(out, sampled)
-        messages: dict[str, generation_pb2.GenerateResponse] = {}
+        deltas: dict[str, list[generation_pb2.CompletionDelta]] = {}
         for item in out.scheduled:
             seq, group = item.seq, item.group
             token = sampled.get(seq.seq_id)
@@ -155,23 +162,43 @@ class OutputProcessor:
             if token is None or state is None or seq.is_finished:
                 continue
             commit.new_tokens[seq.seq_id] = [token]
-            delta = self._on_token(state, group, seq, token)
-            msg = messages.get(group.request_id)
-            if msg is None:
-                msg = messages[group.request_id] = generation_pb2.GenerateResponse(request_id=group.request_id)
-            msg.outputs.append(delta)
-        for request_id, msg in messages.items():
+            state.seqs[seq.seq_id].cumulative_logprob += logprobs[seq.seq_id]
+            deltas.setdefault(group.request_id, []).append(self._on_token(state, group, seq, token))
+        for request_id, new in deltas.items():
             state = self._requests[request_id]
-            if state.group.is_finished():
+            group = state.group
+            streams = group.sampling_params.streams_outputs
+            msg = generation_pb2.GenerateResponse(request_id=request_id, outputs=new if streams else [])
+            if group.is_finished():
                 del self._requests[request_id]
-                self._add_final(state.group, msg, commit)
+                returned = group.seqs if streams else self._best(state, msg)
+                self._add_final(group, msg, commit, returned)
                 continue
-            commit.outputs.append((request_id, msg))
+            if streams:
+                commit.outputs.append((request_id, msg))
+            else:
+                # Kept in Redis so that a new owner ranks the sequences on their whole history.
+                commit.cumulative_logprobs[request_id] = {
+                    s.seq_id: state.seqs[s.seq_id].cumulative_logprob for s in group.seqs if s.seq_id in sampled
+                }
             # n > 1: a sequence that ended while its siblings go on must stay ended after a restart.
             done = {s.seq_id: s.status.name for s in state.group.seqs if s.is_finished}
             ended_now = {sid: status for sid, status in done.items() if sid in sampled}
             if ended_now:
                 commit.finished_seqs[request_id] = ended_now
+
+    def _best(self, state: _RequestState, msg: generation_pb2.GenerateResponse) -> list[Sequence]:
+        """best_of > n: the n most likely sequences, whole, as the request's only outputs."""
+        group = state.group
+        ranked = sorted(group.seqs, key=lambda s: state.seqs[s.seq_id].cumulative_logprob, reverse=True)
+        best = ranked[: group.sampling_params.n]
+        for index, seq in enumerate(best):
+            out = state.seqs[seq.seq_id]
+            msg.outputs.add(
+                index=index, text=out.detokenizer.output_text, token_ids=seq.output_token_ids,
+                finish_reason=_FINISH_REASONS[seq.status], stop_reason=out.stop_reason,
+            )
+        return best
 
     def _on_token(self, state: _RequestState, group: SequenceGroup, seq: Sequence, token: int) -> generation_pb2.CompletionDelta:
         out = state.seqs[seq.seq_id]
@@ -192,5 +219,5 @@ class OutputProcessor:
             self._scheduler.finish_sequence(group, seq, decision.status)
             delta.finish_reason = _FINISH_REASONS[decision.status]
             if decision.reason is not None:
-                delta.stop_reason = str(decision.reason)
+                delta.stop_reason = out.stop_reason = str(decision.reason)
         return delta

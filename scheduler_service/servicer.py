@@ -36,7 +36,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             # Tokenizing can take milliseconds for long prompts: keep it off the event loop.
             admitted = await asyncio.to_thread(self._admission.admit, request)
-            seq_ids = await self._store.reserve_seq_ids(admitted.sampling.n)
+            seq_ids = await self._store.reserve_seq_ids(admitted.sampling.num_sequences)
             worker_id = self._router.pick(admitted.request_id)
             await self._store.admit(to_record(admitted, seq_ids, worker_id, time.time()))
         except RedisError as exc:

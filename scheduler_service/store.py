@@ -71,6 +71,8 @@ class StepCommit:
     finished_requests: list[str] = field(default_factory=list)
     # request id -> {seq_id: SequenceStatus name} for sequences finished while their request goes on.
     finished_seqs: dict[str, dict[int, str]] = field(default_factory=dict)
+    # request id -> {seq_id: cumulative logprob} for requests that pick their best_of at the end.
+    cumulative_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # Queue snapshots; None when unchanged.
     waiting: list[str] | None = None
     running: list[str] | None = None
@@ -83,7 +85,7 @@ class StepCommit:
 
     def is_empty(self) -> bool:
         return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
-                    or self.finished_requests or self.finished_seqs or self.waiting is not None or self.running is not None or self.swapped is not None
+                    or self.finished_requests or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
                     or self.cache_stats is not None or self.num_preemptions)
 
 
@@ -96,6 +98,8 @@ class RestoredRequest:
     outputs: dict[int, list[int]]
     # seq_id -> SequenceStatus name, for sequences that finished while their request went on (n > 1)
     finished: dict[int, str] = field(default_factory=dict)
+    # seq_id -> cumulative logprob of its outputs (requests with best_of > n)
+    cumulative_logprobs: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -200,6 +204,8 @@ class RedisStore:
                 pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
             for request_id, msg in c.outputs:
                 pipe.xadd(keys.output_stream(request_id), {"m": msg.SerializeToString()})
+            for request_id, cumulative in c.cumulative_logprobs.items():
+                pipe.hset(keys.request(request_id), mapping={f"cum:{s}": repr(v) for s, v in cumulative.items()})
             for request_id, seqs in c.finished_seqs.items():
                 pipe.hset(keys.request(request_id), mapping={f"finished:{s}": status for s, status in seqs.items()})
             for request_id in c.finished_requests:
@@ -251,6 +257,7 @@ class RedisStore:
                 record,
                 {seq_id: [int(t) for t in next(token_lists)] for seq_id in record.seq_ids},
                 {int(k[len(b"finished:"):]): v.decode() for k, v in h.items() if k.startswith(b"finished:")},
+                {int(k[len(b"cum:"):]): float(v) for k, v in h.items() if k.startswith(b"cum:")},
             )
             for record, h in zip(records, hashes)
         ]

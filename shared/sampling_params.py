@@ -25,7 +25,8 @@ class SamplingParams:
     stop: strings that end generation; they are not included in the output text.
     stop_token_ids: token ids that end generation (besides EOS).
     ignore_eos: keep generating after EOS (benchmarks).
-    n: number of sequences generated for the prompt (parallel sampling).
+    n: number of sequences returned for the prompt (parallel sampling).
+    best_of: sequences generated, of which the n most likely (cumulative logprob) are returned; None = n.
     """
 
     max_tokens: int | None = 16
@@ -37,10 +38,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         # Written as a range check so that NaN (every comparison False) and inf are rejected too.
@@ -56,9 +62,19 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}.")
         if self.top_k == -1:
             self.top_k = 0
-        if self.n > 1 and self.greedy:
-            # n greedy sequences would all be identical.
-            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        if self.best_of > 1 and self.greedy:
+            # Several greedy sequences would all be identical.
+            raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for the request (best_of, which is at least n)."""
+        return self.best_of or self.n
+
+    @property
+    def streams_outputs(self) -> bool:
+        """Whether deltas stream as they are generated (not when the best n are chosen at the end)."""
+        return self.num_sequences == self.n
 
     @property
     def greedy(self) -> bool:

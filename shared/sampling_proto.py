@@ -22,6 +22,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         n=msg.n or 1,
+        best_of=msg.best_of or None,
     )
 
 
@@ -36,6 +37,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         n=params.n,
+        best_of=params.best_of or 0,
     )
     if params.seed is not None:
         msg.seed = params.seed

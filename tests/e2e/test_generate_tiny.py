@@ -239,3 +239,27 @@ def test_swap_and_recompute_preemption_keep_outputs_identical(swap_cluster: Loca
     print(f"preemptions: {state['preemptions']} (of which swaps: {state['swaps']})")
     assert state["swaps"] > 0 and state["preemptions"] > state["swaps"], state
     assert_all_blocks_free(swap_cluster)
+
+
+def test_best_of_returns_the_n_most_likely_sequences(cluster: LocalCluster, reference: HFReference) -> None:
+    """best_of = 4, n = 2 returns the two of the four sampled sequences that transformers finds most likely."""
+    import torch
+
+    prompt = list(range(900, 930))
+    base = dict(prompt_token_ids=prompt, max_tokens=12, temperature=1.0, ignore_eos=True, seed=99)
+    with GenerationClient(cluster.address) as client:
+        all_four = client.generate_n(make_request(**base, n=4))
+        best_two = client.generate_n(make_request(**base, n=2, best_of=4))
+    assert len(all_four) == 4 and len(best_two) == 2
+
+    def score(tokens: list[int]) -> float:
+        with torch.inference_mode():
+            logits = reference.model(torch.tensor([prompt + tokens])).logits[0].float()
+        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        return float(logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].sum())
+
+    ranked = sorted(all_four, key=lambda c: score(c.token_ids), reverse=True)
+    assert [c.token_ids for c in best_two] == [c.token_ids for c in ranked[:2]]
+    assert all(c.text and c.finish_reason == "FINISH_REASON_LENGTH" for c in best_two)
+    assert best_two[0].completion_tokens == 24
+    assert_all_blocks_free(cluster)

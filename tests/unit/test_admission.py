@@ -210,7 +210,7 @@ def test_nan_temperature_is_rejected(admission: Admission) -> None:
 
 
 def test_parallel_sampling_needs_temperature(admission: Admission) -> None:
-    rejects(admission, make_request("hi", n=3, temperature=0.0), "n must be 1 when using greedy sampling, got 3")
+    rejects(admission, make_request("hi", n=3, temperature=0.0), "best_of must be 1 when using greedy sampling, got 3")
     admitted = admission.admit(make_request("hi", n=3, temperature=0.7, seed=4))
     assert admitted.sampling.n == 3 and admitted.sampling.seed == 4
 
@@ -222,3 +222,11 @@ def test_sequence_seeds_are_distinct_and_the_first_is_the_request_seed() -> None
     assert seeds[0] == 1234 and len(set(seeds)) == 8
     assert all(0 <= s < 2**63 for s in seeds)
     assert seeds == [seed_for_sequence(1234, i) for i in range(8)]
+
+
+def test_best_of_must_cover_n(admission: Admission) -> None:
+    rejects(admission, make_request("hi", n=3, best_of=2, temperature=0.7),
+            "best_of must be greater than or equal to n, got n=3 and best_of=2")
+    admitted = admission.admit(make_request("hi", n=2, best_of=5, temperature=0.7))
+    assert (admitted.sampling.n, admitted.sampling.best_of, admitted.sampling.num_sequences) == (2, 5, 5)
+    assert not admitted.sampling.streams_outputs
