@@ -34,7 +34,7 @@ _TOPICS = [
 
 
 def _prompts(tokenizer: object) -> list[list[int]]:
-    """Chat prompts and long plain-text prompts, 5 to ~300 tokens."""
+    """Chat prompts and long plain-text prompts, 5 to 300 tokens."""
     prompts: list[list[int]] = [tokenizer("Hello, my name is").input_ids]  # type: ignore[operator]
     for topic in _TOPICS:
         text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
@@ -45,7 +45,7 @@ def _prompts(tokenizer: object) -> list[list[int]]:
         "The history of computing is a story of abstraction. Early machines were programmed by wiring "
         "panels; later, stored programs let the same hardware run many tasks. "
     )
-    for repeats in (1, 2, 3, 5, 7, 9, 11):
+    for repeats in (1, 2, 3, 4, 6, 8, 9):
         prompts.append(tokenizer(paragraph * repeats + "In summary,").input_ids)  # type: ignore[operator]
     return prompts
 
@@ -61,7 +61,7 @@ def test_concurrent_greedy_matches_transformers(cluster: LocalCluster, default_m
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     prompts = _prompts(tokenizer)
     lengths = sorted(len(p) for p in prompts)
-    assert len(prompts) == 16 and lengths[0] <= 8 and lengths[-1] >= 250, lengths
+    assert len(prompts) == 16 and lengths[0] == 5 and 250 <= lengths[-1] <= 300, lengths
     requests = [make_request(prompt_token_ids=p, max_tokens=MAX_NEW, temperature=0.0) for p in prompts]
     results = generate_all(cluster.address, requests)
     reference = HFReference(str(default_model_dir))
