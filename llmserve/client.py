@@ -22,6 +22,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    # Per generated token, when the request asked for logprobs.
+    logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)
 
 
 class GenerationClient:
@@ -61,6 +63,7 @@ class GenerationClient:
                 out = outs.setdefault(delta.index, Completion())
                 out.text += delta.text
                 out.token_ids.extend(delta.token_ids)
+                out.logprobs.extend(delta.logprobs)
                 if delta.finish_reason:
                     out.finish_reason = common_pb2.FinishReason.Name(delta.finish_reason)
                     out.stop_reason = delta.stop_reason

@@ -152,7 +152,7 @@ class OutputProcessor:
     def process(self, out: SchedulerOutput, result: worker_pb2.StepResult, commit: StepCommit) -> None:
         """Applies a step's sampled tokens and emits deltas for every request that advanced."""
         sampled = {s.seq_id: s.token_id for s in result.sampled}
-        logprobs = {s.seq_id: s.logprob for s in result.sampled}
+        by_seq = {s.seq_id: s for s in result.sampled}
         self._scheduler.update_after_step(out, sampled)
         deltas: dict[str, list[generation_pb2.CompletionDelta]] = {}
         for item in out.scheduled:
@@ -162,8 +162,11 @@ class OutputProcessor:
             if token is None or state is None or seq.is_finished:
                 continue
             commit.new_tokens[seq.seq_id] = [token]
-            state.seqs[seq.seq_id].cumulative_logprob += logprobs[seq.seq_id]
-            deltas.setdefault(group.request_id, []).append(self._on_token(state, group, seq, token))
+            state.seqs[seq.seq_id].cumulative_logprob += by_seq[seq.seq_id].logprob
+            delta = self._on_token(state, group, seq, token)
+            if group.sampling_params.logprobs is not None:
+                delta.logprobs.add(logprob=by_seq[seq.seq_id].logprob, top=by_seq[seq.seq_id].top_logprobs)
+            deltas.setdefault(group.request_id, []).append(delta)
         for request_id, new in deltas.items():
             state = self._requests[request_id]
             group = state.group

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 # Temperatures below this are treated as greedy, as in vLLM: dividing logits by
 # a tiny temperature overflows and the result is argmax anyway.
 _GREEDY_EPS = 1e-5
+# Top log-probabilities returned per token at most (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -27,6 +29,7 @@ class SamplingParams:
     ignore_eos: keep generating after EOS (benchmarks).
     n: number of sequences returned for the prompt (parallel sampling).
     best_of: sequences generated, of which the n most likely (cumulative logprob) are returned; None = n.
+    logprobs: number of most likely tokens whose log-probabilities come with each generated token.
     """
 
     max_tokens: int | None = 16
@@ -39,10 +42,13 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     best_of: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
         if self.best_of is None:
             self.best_of = self.n
         if self.best_of < self.n:

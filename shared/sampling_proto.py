@@ -23,6 +23,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         n=msg.n or 1,
         best_of=msg.best_of or None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -39,6 +40,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         n=params.n,
         best_of=params.best_of or 0,
     )
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     if params.seed is not None:
         msg.seed = params.seed
     return msg

@@ -25,6 +25,7 @@ class SampledTokenData:
     seq_id: int
     token_id: int
     logprob: float
+    top_logprobs: list[tuple[int, float]]
 
 
 @dataclass
@@ -105,8 +106,8 @@ class ModelRunner:
                 [s.sampling for s in inputs.sampling_seqs],
                 [len(s.token_ids) - s.num_prompt_tokens for s in inputs.sampling_seqs],
             )
-            for seq, token, logprob in zip(inputs.sampling_seqs, out.token_ids, out.logprobs):
-                sampled.append(SampledTokenData(seq.seq_id, token, logprob))
+            for seq, token, logprob, top in zip(inputs.sampling_seqs, out.token_ids, out.logprobs, out.top_logprobs):
+                sampled.append(SampledTokenData(seq.seq_id, token, logprob, top))
                 sampled_ids[seq.seq_id] = token
         for seq in inputs.seqs:
             self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))

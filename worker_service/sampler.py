@@ -25,6 +25,8 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[float]
+    # Per row: the most likely (token, logprob) pairs, best first; empty unless the row asked for them.
+    top_logprobs: list[list[tuple[int, float]]]
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -74,4 +76,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
                 noise[j] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(probs.device)
         chosen[rows] = (probs / noise).argmax(dim=-1)
     token_logprobs = logprobs_all.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    return SamplerOutput(token_ids=chosen.tolist(), logprobs=token_logprobs.tolist())
+    return SamplerOutput(chosen.tolist(), token_logprobs.tolist(), _top_logprobs(logprobs_all, params))
+
+
+def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
+    """One batched top-k over the rows that asked, each cut to its own k."""
+    wanted = [p.logprobs or 0 for p in params]
+    k = max(wanted, default=0)
+    if k == 0:
+        return [[] for _ in params]
+    values, indices = logprobs.topk(k, dim=-1)
+    values, indices = values.tolist(), indices.tolist()
+    return [list(zip(indices[i][:w], values[i][:w])) for i, w in enumerate(wanted)]

@@ -8,7 +8,7 @@ import uuid
 
 import grpc
 
-from protos import worker_pb2, worker_pb2_grpc
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.errors import StaleEpochError, abort_with
 from worker_service.model_runner import ModelRunner
 from worker_service.plan import plan_from_proto
@@ -69,7 +69,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise  # unreachable: abort raises
         return worker_pb2.StepResult(
             step_id=out.step_id,
-            sampled=[worker_pb2.SampledToken(seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob) for s in out.sampled],
+            sampled=[
+                worker_pb2.SampledToken(
+                    seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob,
+                    top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs],
+                )
+                for s in out.sampled
+            ],
             execute_seconds=out.execute_seconds,
         )
 

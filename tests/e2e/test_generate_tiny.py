@@ -263,3 +263,21 @@ def test_best_of_returns_the_n_most_likely_sequences(cluster: LocalCluster, refe
     assert all(c.text and c.finish_reason == "FINISH_REASON_LENGTH" for c in best_two)
     assert best_two[0].completion_tokens == 24
     assert_all_blocks_free(cluster)
+
+
+def test_logprobs_match_transformers(cluster: LocalCluster, reference: HFReference) -> None:
+    """Each token's logprob and the top-3 at its position agree with HF's log_softmax within 1e-4."""
+    prompt = list(range(1200, 1241))
+    with GenerationClient(cluster.address) as client:
+        out = client.generate(make_request(prompt_token_ids=prompt, max_tokens=10, temperature=0.0,
+                                           ignore_eos=True, logprobs=3))
+        plain = client.generate(make_request(prompt_token_ids=prompt, max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert plain.logprobs == []
+    ref = reference.greedy(prompt, 10, stop_at_eos=False)
+    assert out.token_ids == ref.token_ids and len(out.logprobs) == 10
+    for position, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        expected = ref.logprobs[position]
+        assert abs(entry.logprob - float(expected[token])) < 1e-4
+        top_values, top_ids = expected.topk(3)
+        assert [t.token_id for t in entry.top] == top_ids.tolist()
+        assert max(abs(t.logprob - float(v)) for t, v in zip(entry.top, top_values)) < 1e-4

@@ -230,3 +230,9 @@ def test_best_of_must_cover_n(admission: Admission) -> None:
     admitted = admission.admit(make_request("hi", n=2, best_of=5, temperature=0.7))
     assert (admitted.sampling.n, admitted.sampling.best_of, admitted.sampling.num_sequences) == (2, 5, 5)
     assert not admitted.sampling.streams_outputs
+
+
+def test_logprobs_range(admission: Admission) -> None:
+    rejects(admission, make_request("hi", logprobs=21), "logprobs must be in [0, 20], got 21")
+    assert admission.admit(make_request("hi", logprobs=0)).sampling.logprobs == 0
+    assert admission.admit(make_request("hi")).sampling.logprobs is None

@@ -272,3 +272,14 @@ def test_seeded_token_depends_only_on_seed_position_and_logits() -> None:
     again = [sample(flat, params, [pos]).token_ids[0] for pos in range(20)]
     assert first == again
     assert len(set(first)) > 5
+
+
+def test_top_logprobs_per_row() -> None:
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0), SamplingParams(logprobs=0)]
+    out = sample(logits, params, [0, 0, 0])
+    expected = torch.log_softmax(LOGITS, dim=-1)
+    values, ids = expected.topk(3)
+    assert [t for t, _ in out.top_logprobs[0]] == ids.tolist()
+    assert [lp for _, lp in out.top_logprobs[0]] == pytest.approx(values.tolist(), abs=1e-6)
+    assert out.top_logprobs[1] == [] and out.top_logprobs[2] == []
