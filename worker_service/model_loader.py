@@ -13,7 +13,7 @@ from worker_service import attention
 log = logging.getLogger(__name__)
 
 # Architectures whose transformers modules run unchanged over the paged attention function.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
