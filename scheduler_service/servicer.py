@@ -8,8 +8,6 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from redis.exceptions import RedisError
-
 from protos import generation_pb2, generation_pb2_grpc
 from scheduler_service.admission import Admission, to_record
 from scheduler_service.router import Router
@@ -39,9 +37,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             seq_ids = await self._store.reserve_seq_ids(admitted.sampling.num_sequences)
             worker_id = self._router.pick(admitted.request_id)
             await self._store.admit(to_record(admitted, seq_ids, worker_id, time.time()))
-        except RedisError as exc:
-            await abort_with(context, UnavailableError(f"the state store is unavailable: {exc}"))
-            return
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
             await abort_with(context, exc)
             return
@@ -57,8 +52,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if msg.HasField("usage"):
                         finished = True
                         break
-        except RedisError as exc:
-            await abort_with(context, UnavailableError(f"the state store is unavailable: {exc}"))
+        except UnavailableError as exc:
+            await abort_with(context, exc)
         finally:
             if not finished:
                 # The client went away (or the stream broke): free the request's blocks.
@@ -70,8 +65,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if worker_id is None:
                 raise NotFoundError(f"no live request has id {request.request_id!r}")
             await self._store.request_abort(worker_id, request.request_id)
-        except RedisError as exc:
-            await abort_with(context, UnavailableError(f"the state store is unavailable: {exc}"))
         except Exception as exc:  # noqa: BLE001
             await abort_with(context, exc)
         return generation_pb2.AbortResponse()
@@ -79,5 +72,5 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _abort_quietly(self, worker_id: str, request_id: str) -> None:
         try:
             await self._store.request_abort(worker_id, request_id)
-        except RedisError:
+        except UnavailableError:
             log.warning("could not queue the abort of %s", request_id)

@@ -9,12 +9,14 @@ their step is committed.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from protos import generation_pb2, state_pb2
 from scheduler_service import keys
@@ -28,6 +30,23 @@ OUTPUT_TTL_SECONDS = 3600
 SOCKET_TIMEOUT_SECONDS = 30.0
 # Requests and aborts picked up per commit.
 INBOX_BATCH = 64
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _unavailable_on_redis_error(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T]]:
+    """Redis failures leave this module as UnavailableError (gRPC UNAVAILABLE), whatever the call."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await method(*args, **kwargs)
+        except (RedisError, OSError) as exc:
+            raise UnavailableError(f"the state store is unavailable: {exc}") from exc
+
+    return wrapper
 
 
 class DuplicateRequestError(AlreadyExistsError):
@@ -131,19 +150,19 @@ class RedisStore:
     async def close(self) -> None:
         await self._r.aclose()
 
+    @_unavailable_on_redis_error
     async def ping(self) -> None:
-        try:
-            await self._r.ping()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise UnavailableError(f"Redis is unreachable: {exc}") from exc
+        await self._r.ping()
 
     # -- admission ---------------------------------------------------------------------------
 
+    @_unavailable_on_redis_error
     async def reserve_seq_ids(self, count: int) -> list[int]:
         """Globally unique sequence ids (shared by every scheduler replica)."""
         last = await self._r.incrby(keys.SEQ_ID_COUNTER, count)
         return list(range(last - count + 1, last + 1))
 
+    @_unavailable_on_redis_error
     async def admit(self, req: state_pb2.AdmittedRequest) -> None:
         """Records the request and queues it for its worker; duplicate live ids are refused."""
         key = keys.request(req.request_id)
@@ -158,20 +177,24 @@ class RedisStore:
             pipe.rpush(keys.inbox(req.worker_id), req.SerializeToString())
             await pipe.execute()
 
+    @_unavailable_on_redis_error
     async def worker_of(self, request_id: str) -> str | None:
         """The worker serving a live request, or None when no live request has this id."""
         worker = await self._r.hget(keys.request(request_id), "worker")
         return worker.decode() if worker is not None else None
 
+    @_unavailable_on_redis_error
     async def request_abort(self, worker_id: str, request_id: str) -> None:
         await self._r.rpush(keys.aborts(worker_id), request_id)
 
     # -- engine loop -------------------------------------------------------------------------
 
+    @_unavailable_on_redis_error
     async def next_epoch(self, worker_id: str) -> int:
         """A new fencing epoch for the worker's engine loop."""
         return int(await self._r.incr(keys.epoch(worker_id)))
 
+    @_unavailable_on_redis_error
     async def wait_for_work(self, worker_id: str, timeout: float) -> Pickup:
         """Blocks until a request or abort arrives for the worker (or the timeout passes)."""
         item = await self._r.blpop([keys.inbox(worker_id), keys.aborts(worker_id)], timeout=timeout)
@@ -187,6 +210,7 @@ class RedisStore:
         else:
             pickup.aborts.append(value.decode())
 
+    @_unavailable_on_redis_error
     async def commit(self, c: StepCommit) -> Pickup:
         """Writes one step in one transaction and picks up new requests and aborts."""
         w = c.worker_id
@@ -233,6 +257,7 @@ class RedisStore:
             aborts=[v.decode() for v in aborts_raw or []],
         )
 
+    @_unavailable_on_redis_error
     async def load_picked_up(self, worker_id: str) -> list[RestoredRequest]:
         """Live requests of the worker that left its inbox: what a new owner must continue, FCFS.
 
@@ -266,6 +291,7 @@ class RedisStore:
 
     # -- clients -----------------------------------------------------------------------------
 
+    @_unavailable_on_redis_error
     async def read_outputs(
         self, request_id: str, last_id: str, block_ms: int
     ) -> list[tuple[str, generation_pb2.GenerateResponse]]:

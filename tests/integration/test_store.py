@@ -359,7 +359,7 @@ def test_ping_on_a_stopped_server_raises_unavailable(redis_server) -> None:
     async def body(store: RedisStore) -> None:
         await store.ping()
         redis_server.stop()
-        with pytest.raises(UnavailableError, match="Redis is unreachable") as info:
+        with pytest.raises(UnavailableError, match="the state store is unavailable") as info:
             await store.ping()
         assert status_for(info.value) == grpc.StatusCode.UNAVAILABLE
         # A store that never connected fails the same way.
