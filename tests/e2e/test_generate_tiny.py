@@ -1,7 +1,7 @@
 """End to end on a tiny random Llama: Redis + worker + scheduler as real processes.
 
-The KV cache is deliberately small (96 blocks of 16 tokens for 16 concurrent
-requests of up to 300 + 24 tokens), so the engine preempts and recomputes
+The KV cache is deliberately small (64 blocks of 16 tokens for 16 concurrent
+requests of up to 300 + 64 tokens), so the engine preempts and recomputes
 while the outputs must still match transformers token for token.
 """
 
@@ -22,8 +22,8 @@ from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
 from tests.e2e.concurrency import generate_all
 from tests.hf_reference import HFReference, compare_greedy
 
-MAX_NEW = 24
-NUM_BLOCKS = 96
+MAX_NEW = 64
+NUM_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
