@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +20,26 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.redis_server import RedisServer, free_port
+
+
+def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None]) -> bool:
+    """Polls the gRPC health service at `address` until SERVING; False on timeout.
+
+    check_alive is called between polls and raises when the process behind the address died.
+    """
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            check_alive()
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    return False
 
 
 @dataclass
@@ -94,24 +115,17 @@ class LocalCluster:
             raise
         return self
 
+    def _check_alive(self) -> None:
+        for role, proc in self._procs.items():
+            if proc.poll() is not None:
+                raise ClusterStartError(f"the {role} exited with code {proc.returncode}:\n{self.tail(role)}")
+
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.spec.start_timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                for role, proc in self._procs.items():
-                    if proc.poll() is not None:
-                        raise ClusterStartError(f"the {role} exited with code {proc.returncode}:\n{self.tail(role)}")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.25)
-        raise ClusterStartError(
-            f"the scheduler was not ready after {self.spec.start_timeout_s}s:\n{self.tail('scheduler')}\n{self.tail('worker')}"
-        )
+        if not wait_serving(self.address, self.spec.start_timeout_s, self._check_alive):
+            raise ClusterStartError(
+                f"the scheduler was not ready after {self.spec.start_timeout_s}s:\n"
+                f"{self.tail('scheduler')}\n{self.tail('worker')}"
+            )
 
     def kill(self, role: str) -> None:
         """SIGKILLs one service (fault tests): no clean shutdown, no final commit."""

@@ -95,8 +95,7 @@ class EngineLoop:
                 commit.dropped_block_tables.append(seq.seq_id)
         for group in out.ignored:
             self._processor.fail(group, commit, self._ignored_message(group))
-        tables = {item.seq.seq_id: self._scheduler.block_manager.get_block_table(item.seq) for item in out.scheduled}
-        built = self._planner.build(out, tables)
+        built = self._planner.build(out, self._scheduler.block_manager.block_tables)
         for seq_id, block_ids in built.new_blocks.items():
             commit.new_blocks.setdefault(seq_id, []).extend(block_ids)
         for seq_id, replaced in built.replaced_blocks.items():
@@ -148,17 +147,18 @@ class EngineLoop:
             if plan is not None:
                 step = asyncio.ensure_future(self._stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_SECONDS))
                 committed = asyncio.ensure_future(self._store.commit(pending))
+                failure: grpc.aio.AioRpcError | None = None
                 try:
                     result = await step
                 except grpc.aio.AioRpcError as exc:
-                    pickup = await committed
-                    pending = StepCommit(self.worker_id)
-                    await self._on_worker_failure(exc, pending)
-                    continue
+                    failure = exc
                 pickup = await committed
                 pending = StepCommit(self.worker_id)
-                self._processor.process(out, result, pending)
-                self.steps += 1
+                if failure is not None:
+                    await self._on_worker_failure(failure, pending)
+                else:
+                    self._processor.process(out, result, pending)
+                    self.steps += 1
             elif not pending.is_empty():
                 pickup = await self._store.commit(pending)
                 pending = StepCommit(self.worker_id)

@@ -185,8 +185,7 @@ class OutputProcessor:
                     s.seq_id: state.seqs[s.seq_id].cumulative_logprob for s in group.seqs if s.seq_id in sampled
                 }
             # n > 1: a sequence that ended while its siblings go on must stay ended after a restart.
-            done = {s.seq_id: s.status.name for s in state.group.seqs if s.is_finished}
-            ended_now = {sid: status for sid, status in done.items() if sid in sampled}
+            ended_now = {s.seq_id: s.status.name for s in group.seqs if s.is_finished and s.seq_id in sampled}
             if ended_now:
                 commit.finished_seqs[request_id] = ended_now
 

@@ -10,6 +10,7 @@ finds every replacement.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from protos import common_pb2, worker_pb2
@@ -64,8 +65,8 @@ class Planner:
         self._sent_blocks.clear()
         self._to_forget.clear()
 
-    def build(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> BuiltPlan:
-        """One plan; `block_tables` maps each scheduled seq_id to its current table."""
+    def build(self, out: SchedulerOutput, block_tables: Mapping[int, list[int]]) -> BuiltPlan:
+        """One plan; `block_tables` maps each scheduled seq_id to its current table (read, never kept)."""
         self._step_id += 1
         plan = worker_pb2.StepPlan(epoch=self.epoch, step_id=self._step_id, finished_seq_ids=self._to_forget)
         self._to_forget = []

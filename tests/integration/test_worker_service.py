@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from llmserve.local_cluster import wait_serving
 from shared.redis_server import free_port
 
 BLOCKS = 32
@@ -28,21 +27,14 @@ def worker(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
              "--port", str(port), "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "256"],
             stdout=out, stderr=subprocess.STDOUT,
         )
+    def check_alive() -> None:
+        if proc.poll() is not None:
+            pytest.fail(f"worker exited: {log.read_text()}")
+
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 120
-        health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"worker exited: {log.read_text()}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"worker not ready: {log.read_text()}")
-            time.sleep(0.2)
+        if not wait_serving(f"127.0.0.1:{port}", 120, check_alive):
+            pytest.fail(f"worker not ready: {log.read_text()}")
         yield worker_pb2_grpc.WorkerStub(channel)
     finally:
         channel.close()
