@@ -400,7 +400,8 @@ def test_load_picked_up_returns_live_requests_with_outputs_and_finished_sequence
         for r in (first, second):
             await store.admit(r)
         pickup = await store.commit(StepCommit(W, new_tokens={1: [7, 8], 2: [9], 3: [5]},
-                                               finished_seqs={"a": {2: "FINISHED_STOPPED"}}))
+                                               finished_seqs={"a": {2: "FINISHED_STOPPED"}},
+                                               cumulative_logprobs={"a": {1: -1.25, 2: -0.5}}))
         assert len(pickup.admitted) == 2
         # Admitted after the engine's last pickup: still in the inbox, so not the new owner's to restore.
         await store.admit(record("still-queued", seq_ids=[4]))
@@ -408,6 +409,7 @@ def test_load_picked_up_returns_live_requests_with_outputs_and_finished_sequence
         assert [r.record.request_id for r in restored] == ["b", "a"]  # FCFS by arrival
         assert restored[0].outputs == {3: [5]} and restored[0].finished == {}
         assert restored[1].outputs == {1: [7, 8], 2: [9]} and restored[1].finished == {2: "FINISHED_STOPPED"}
+        assert restored[1].cumulative_logprobs == {1: -1.25, 2: -0.5} and restored[0].cumulative_logprobs == {}
         assert restored[1].record == first
 
     run(url, body)
