@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0bllmserve.v1\"\xa5\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0bllmserve.v1\"\xa2\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x0c \x01(\x08\x12\x1b\n\x0elength_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x32\n\x0e\x65\x61rly_stopping\x18\x0e \x01(\x0e\x32\x1a.llmserve.v1.EarlyStoppingB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x11\n\x0f_length_penalty\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02*`\n\rEarlyStopping\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=384
-  _globals['_FINISHREASON']._serialized_end=529
+  _globals['_EARLYSTOPPING']._serialized_start=508
+  _globals['_EARLYSTOPPING']._serialized_end=604
+  _globals['_FINISHREASON']._serialized_start=607
+  _globals['_FINISHREASON']._serialized_end=752
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=330
-  _globals['_TOKENLOGPROB']._serialized_start=332
-  _globals['_TOKENLOGPROB']._serialized_end=381
+  _globals['_SAMPLINGPARAMS']._serialized_end=455
+  _globals['_TOKENLOGPROB']._serialized_start=457
+  _globals['_TOKENLOGPROB']._serialized_end=506
 # @@protoc_insertion_point(module_scope)

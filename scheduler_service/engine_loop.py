@@ -81,6 +81,10 @@ class EngineLoop:
         # Sequences that finished since the last plan: the worker may drop them.
         for seq_id in commit.dropped_seqs:
             self._planner.forget(seq_id)
+        # Dropped beams: their ids may come back as new sequences in this very plan.
+        for seq_ids in commit.reset_seqs.values():
+            for seq_id in seq_ids:
+                self._planner.forget(seq_id)
         out = self._scheduler.schedule()
         commit.num_preemptions += len(out.preempted)
         commit.num_swaps += sum(1 for g in out.preempted if any(s.status is SequenceStatus.SWAPPED for s in g.seqs))

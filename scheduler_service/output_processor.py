@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
+from scheduler_service.beam_processor import BeamProcessor, BeamState, PendingFork, restore_beam_ids
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -43,6 +44,13 @@ class _RequestState:
     seqs: dict[int, _SeqOutput] = field(default_factory=dict)
     # Steps of this request that a worker failed; past MAX_WORKER_FAILURES it ends with an error.
     worker_failures: int = 0
+    # Beam search requests only (their sequences have no per-sequence streaming state).
+    beams: BeamState | None = None
+
+    def cumulative_logprobs(self) -> dict[int, float]:
+        if self.beams is not None:
+            return dict(self.beams.cumulative)
+        return {seq_id: out.cumulative_logprob for seq_id, out in self.seqs.items()}
 
 
 # A request that keeps failing its worker is likely the cause: stop retrying it.
@@ -57,6 +65,7 @@ class OutputProcessor:
         self._scheduler = scheduler
         self._eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
         self._requests: dict[str, _RequestState] = {}
+        self._beams = BeamProcessor(scheduler, self._eos_token_id)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -76,15 +85,22 @@ class OutputProcessor:
         record = restored.record
         prompt = list(record.prompt_token_ids)
         params = sampling_from_proto(record.sampling)
+        seq_ids = list(record.seq_ids)
+        if params.use_beam_search:
+            seq_ids = restore_beam_ids(seq_ids, restored.outputs, restored.finished)
         seqs = [
             Sequence(seq_id=seq_id, prompt_token_ids=prompt, output_token_ids=restored.outputs.get(seq_id, []))
-            for seq_id in record.seq_ids
+            for seq_id in seq_ids
         ]
         group = SequenceGroup(
             request_id=record.request_id, seqs=seqs, sampling_params=params, arrival_time=record.arrival_time,
         )
         state = _RequestState(record, group)
-        for index, seq in enumerate(seqs):
+        if params.use_beam_search:
+            state.beams = BeamState(
+                list(record.seq_ids), {s: restored.cumulative_logprobs.get(s, 0.0) for s in seq_ids}
+            )
+        for index, seq in enumerate(seqs if state.beams is None else []):
             detokenizer = IncrementalDetokenizer(self._tokenizer, prompt)
             detokenizer.step(seq.output_token_ids)
             sent = streamable_text_length(detokenizer.output_text, params.stop, finished=False)
@@ -119,7 +135,7 @@ class OutputProcessor:
         finished = {seq.seq_id: seq.status.name for seq in group.seqs if seq.is_finished}
         self._scheduler.abort_request(group.request_id)
         del self._requests[group.request_id]
-        self.restore(RestoredRequest(state.record, outputs, finished))
+        self.restore(RestoredRequest(state.record, outputs, finished, state.cumulative_logprobs()))
         self._requests[group.request_id].worker_failures = state.worker_failures
         commit.dropped_block_tables.extend(outputs)
 
@@ -153,13 +169,16 @@ class OutputProcessor:
         """Applies a step's sampled tokens and emits deltas for every request that advanced."""
         sampled = {s.seq_id: s.token_id for s in result.sampled}
         by_seq = {s.seq_id: s for s in result.sampled}
+        forks = self._beam_steps(out, by_seq, sampled, commit)
         self._scheduler.update_after_step(out, sampled)
+        for fork in forks:
+            self._scheduler.fork_seq(fork.group, fork.parent, fork.child)
         deltas: dict[str, list[generation_pb2.CompletionDelta]] = {}
         for item in out.scheduled:
             seq, group = item.seq, item.group
             token = sampled.get(seq.seq_id)
             state = self._requests.get(group.request_id)
-            if token is None or state is None or seq.is_finished:
+            if token is None or state is None or seq.is_finished or state.beams is not None:
                 continue
             commit.new_tokens[seq.seq_id] = [token]
             state.seqs[seq.seq_id].cumulative_logprob += by_seq[seq.seq_id].logprob
@@ -188,6 +207,33 @@ class OutputProcessor:
             ended_now = {s.seq_id: s.status.name for s in group.seqs if s.is_finished and s.seq_id in sampled}
             if ended_now:
                 commit.finished_seqs[request_id] = ended_now
+
+    def _beam_steps(
+        self, out: SchedulerOutput, by_seq: dict[int, worker_pb2.SampledToken], sampled: dict[int, int],
+        commit: StepCommit,
+    ) -> list[PendingFork]:
+        """Beam-search groups whose beams sampled: pick the next beams, finish the searches that are done."""
+        items_by_request: dict[str, list] = {}
+        for item in out.scheduled:
+            state = self._requests.get(item.group.request_id)
+            if state is not None and state.beams is not None and item.samples and not item.seq.is_finished:
+                items_by_request.setdefault(item.group.request_id, []).append(item)
+        forks: list[PendingFork] = []
+        for request_id, items in items_by_request.items():
+            state = self._requests[request_id]
+            assert state.beams is not None
+            group = state.group
+            candidates = {
+                item.seq.seq_id: [(t.token_id, t.logprob) for t in by_seq[item.seq.seq_id].top_logprobs]
+                for item in items
+            }
+            forks += self._beams.step(group, state.beams, items, candidates, sampled, commit)
+            if group.is_finished():
+                del self._requests[request_id]
+                msg = generation_pb2.GenerateResponse(request_id=request_id)
+                best = self._beams.final_outputs(group, state.beams, self._tokenizer, msg)
+                self._add_final(group, msg, commit, best)
+        return forks
 
     def _best(self, state: _RequestState, msg: generation_pb2.GenerateResponse) -> list[Sequence]:
         """best_of > n: the n most likely sequences, whole, as the request's only outputs."""

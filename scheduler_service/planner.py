@@ -99,6 +99,9 @@ class Planner:
                 delta = plan.cached_sequences.add(
                     seq_id=seq.seq_id, new_block_ids=added, num_new_tokens=item.num_new_tokens
                 )
+                if item.group.sampling_params.use_beam_search and seq.output_token_ids:
+                    # The beam may go on with another candidate than the worker's own sample.
+                    delta.last_token_id = seq.last_token_id
                 if num_sent and table[num_sent - 1] != last_sent:
                     delta.replaced_blocks[num_sent - 1] = table[num_sent - 1]
                     replaced[seq.seq_id] = dict(delta.replaced_blocks)

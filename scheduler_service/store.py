@@ -85,6 +85,9 @@ class StepCommit:
     dropped_block_tables: list[int] = field(default_factory=list)
     # Sequences whose token list is dropped (their request finished).
     dropped_seqs: list[int] = field(default_factory=list)
+    # request id -> seq_ids whose stored tokens, blocks, status and logprob are wiped before this
+    # step's writes (beam search drops beams and reuses their ids).
+    reset_seqs: dict[str, list[int]] = field(default_factory=dict)
     # (request id, message) to publish to the request's output stream.
     outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
@@ -103,7 +106,8 @@ class StepCommit:
     num_swaps: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs or self.outputs
+        return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs
+                    or self.reset_seqs or self.outputs
                     or self.finished_requests or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
                     or self.cache_stats is not None or self.num_preemptions)
 
@@ -215,6 +219,10 @@ class RedisStore:
         """Writes one step in one transaction and picks up new requests and aborts."""
         w = c.worker_id
         async with self._r.pipeline(transaction=True) as pipe:
+            for request_id, seq_ids in c.reset_seqs.items():
+                for seq_id in seq_ids:
+                    pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
+                    pipe.hdel(keys.request(request_id), f"finished:{seq_id}", f"cum:{seq_id}")
             for seq_id, tokens in c.new_tokens.items():
                 pipe.rpush(keys.seq_tokens(seq_id), *tokens)
             for seq_id in c.dropped_block_tables:

@@ -30,6 +30,11 @@ class SamplingParams:
     n: number of sequences returned for the prompt (parallel sampling).
     best_of: sequences generated, of which the n most likely (cumulative logprob) are returned; None = n.
     logprobs: number of most likely tokens whose log-probabilities come with each generated token.
+    use_beam_search: beam search of width best_of (temperature 0); the n best finished beams are returned.
+    length_penalty: beam scores are cumulative logprob / generated_length ** length_penalty.
+    early_stopping: beam search stop rule, as in transformers: True stops once best_of beams finished,
+        False stops when no running beam can beat the finished ones by a heuristic, "never" only
+        when none can in the best case.
     """
 
     max_tokens: int | None = 16
@@ -43,6 +48,9 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     logprobs: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -68,19 +76,69 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}.")
         if self.top_k == -1:
             self.top_k = 0
+        if self.use_beam_search:
+            self._verify_beam_search()
+        else:
+            self._verify_non_beam_search()
+
+    def _verify_beam_search(self) -> None:
+        if self.best_of < 2:
+            raise ValueError(f"best_of must be greater than 1 when using beam search. Got {self.best_of}.")
+        if not self.greedy:
+            raise ValueError("temperature must be 0 when using beam search.")
+        if self.top_p < 1.0:
+            raise ValueError("top_p must be 1 when using beam search.")
+        if self.top_k != 0:
+            raise ValueError("top_k must be -1 when using beam search.")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False, or 'never', got {self.early_stopping}.")
+        if not (-float("inf") < self.length_penalty < float("inf")):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}.")
+        if self.stop:
+            # Candidates would need detokenizing every step; token-level stops are supported.
+            raise ValueError("stop strings are not supported with beam search; use stop_token_ids.")
+
+    def _verify_non_beam_search(self) -> None:
+        if self.early_stopping is not False:
+            raise ValueError("early_stopping is not effective and must be False when not using beam search.")
+        if self.length_penalty != 1.0:
+            raise ValueError(
+                "length_penalty is not effective and must be the default value of 1.0 when not using beam search."
+            )
         if self.best_of > 1 and self.greedy:
             # Several greedy sequences would all be identical.
             raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
 
     @property
     def num_sequences(self) -> int:
-        """Sequences generated for the request (best_of, which is at least n)."""
-        return self.best_of or self.n
+        """Sequence ids a request needs: best_of, or with beam search 2 * best_of.
+
+        A beam search holds at most best_of running beams and best_of finished
+        hypotheses at once; ids of dropped beams are reused within the request.
+        """
+        width = self.best_of or self.n
+        return 2 * width if self.use_beam_search else width
+
+    @property
+    def num_beam_candidates(self) -> int:
+        """Candidates per beam the worker returns: (2 + number of stop tokens) * width, 0 without beam search.
+
+        Enough that, after the candidates ending a beam are set aside, best_of
+        running ones always remain (as transformers keeps (1 + #eos) * width).
+        """
+        if not self.use_beam_search:
+            return 0
+        return (2 + len(self.stop_token_ids)) * (self.best_of or self.n)
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Most likely tokens the worker reports per sampled token (logprobs or beam candidates)."""
+        return max(self.logprobs or 0, self.num_beam_candidates)
 
     @property
     def streams_outputs(self) -> bool:
         """Whether deltas stream as they are generated (not when the best n are chosen at the end)."""
-        return self.num_sequences == self.n
+        return self.num_sequences == self.n and not self.use_beam_search
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,19 @@ from __future__ import annotations
 from protos import common_pb2
 from shared.sampling_params import SamplingParams
 
+_EARLY_STOPPING_FROM_PROTO: dict[int, bool | str] = {
+    common_pb2.EARLY_STOPPING_HEURISTIC: False,
+    common_pb2.EARLY_STOPPING_TRUE: True,
+    common_pb2.EARLY_STOPPING_NEVER: "never",
+}
+
+
+def _early_stopping_to_proto(value: bool | str) -> int:
+    for enum_value, early_stopping in _EARLY_STOPPING_FROM_PROTO.items():
+        if early_stopping == value and type(early_stopping) is type(value):
+            return enum_value
+    raise ValueError(f"early_stopping must be True, False, or 'never', got {value!r}.")
+
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Builds validated SamplingParams from the wire message (unset fields take defaults)."""
@@ -24,7 +37,16 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         n=msg.n or 1,
         best_of=msg.best_of or None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        use_beam_search=msg.use_beam_search,
+        length_penalty=msg.length_penalty if msg.HasField("length_penalty") else defaults.length_penalty,
+        early_stopping=_early_stopping_from_proto(msg.early_stopping),
     )
+
+
+def _early_stopping_from_proto(value: int) -> bool | str:
+    if value not in _EARLY_STOPPING_FROM_PROTO:
+        raise ValueError(f"early_stopping must be one of {sorted(_EARLY_STOPPING_FROM_PROTO)}, got {value}.")
+    return _EARLY_STOPPING_FROM_PROTO[value]
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -39,7 +61,11 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         ignore_eos=params.ignore_eos,
         n=params.n,
         best_of=params.best_of or 0,
+        use_beam_search=params.use_beam_search,
+        early_stopping=_early_stopping_to_proto(params.early_stopping),
     )
+    if params.length_penalty != 1.0:
+        msg.length_penalty = params.length_penalty
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     if params.seed is not None:

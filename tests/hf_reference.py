@@ -44,6 +44,26 @@ class HFReference:
         return Reference(tokens, logprobs)
 
 
+    @torch.inference_mode()
+    def beam_search(
+        self, prompt_ids: list[int], max_new_tokens: int, num_beams: int, num_return: int,
+        eos_token_ids: list[int], length_penalty: float = 1.0, early_stopping: bool | str = False,
+    ) -> list[list[int]]:
+        """transformers' beam search: the generated tokens of the best `num_return` beams, each cut after its stop token."""
+        out = self.model.generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, num_beams=num_beams, num_return_sequences=num_return,
+            length_penalty=length_penalty, early_stopping=early_stopping,
+            eos_token_id=eos_token_ids, pad_token_id=eos_token_ids[0],
+        )
+        beams = []
+        for row in out[:, len(prompt_ids):].tolist():
+            # Finished beams are padded (with the first stop token): keep up to their own stop token.
+            end = next((i + 1 for i, t in enumerate(row) if t in eos_token_ids), len(row))
+            beams.append(row[:end])
+        return beams
+
+
 @dataclass
 class Comparison:
     matched: bool

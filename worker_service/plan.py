@@ -30,6 +30,8 @@ class SequenceDeltaData:
     new_block_ids: list[int]
     num_new_tokens: int
     replaced_blocks: dict[int, int] = field(default_factory=dict)
+    # Replaces the token the worker sampled last step (beam search); None keeps it.
+    last_token_id: int | None = None
 
 
 @dataclass
@@ -76,6 +78,7 @@ def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlanData:
                 new_block_ids=list(s.new_block_ids),
                 num_new_tokens=s.num_new_tokens,
                 replaced_blocks=dict(s.replaced_blocks),
+                last_token_id=s.last_token_id if s.HasField("last_token_id") else None,
             )
             for s in msg.cached_sequences
         ],

@@ -1,5 +1,9 @@
 """Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
+Beam-search rows are sampled greedily and also report their most likely
+tokens (SamplingParams.num_beam_candidates of them, in top_logprobs): the
+scheduler picks the next beams from those candidates.
+
 Random sampling uses the exponential race (argmax of p / E with E ~ Exp(1)),
 which equals sampling from p and lets each seeded sequence draw its noise from
 its own generator while the rest of the batch shares one draw.
@@ -80,8 +84,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
 
 
 def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
-    """One batched top-k over the rows that asked, each cut to its own k."""
-    wanted = [p.logprobs or 0 for p in params]
+    """One batched top-k over the rows that asked (logprobs, or a beam's candidates), each cut to its own k."""
+    vocab = logprobs.shape[-1]
+    wanted = [min(p.num_top_logprobs, vocab) for p in params]
     k = max(wanted, default=0)
     if k == 0:
         return [[] for _ in params]

@@ -82,6 +82,10 @@ class SequenceCache:
                 raise PlanError(f"sequence {delta.seq_id}: replaced block index {index} is out of range")
             seq.block_table[index] = block_id
         seq.block_table.extend(delta.new_block_ids)
+        if delta.last_token_id is not None:
+            if len(seq.token_ids) <= seq.num_prompt_tokens:
+                raise PlanError(f"sequence {delta.seq_id}: last_token_id sent but no token was sampled for it")
+            seq.token_ids[-1] = delta.last_token_id
         seq.num_new_tokens = delta.num_new_tokens
         self._check(seq)
         return seq

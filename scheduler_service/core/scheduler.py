@@ -148,6 +148,64 @@ class Scheduler:
         if group.is_finished():
             self._remove(group)
 
+    # -- beam search ---------------------------------------------------------
+
+    def replace_beams(self, group: SequenceGroup, drop: list[Sequence], add_finished: list[Sequence]) -> None:
+        """Beam search bookkeeping after a step, before update_after_step.
+
+        drop: the group's sequences that leave it (beams without a surviving
+        child, hypotheses pushed out of the best ones): their blocks are freed
+        and their seq_ids may be reused. add_finished: new finished hypotheses
+        (they hold no blocks). A group left with nothing unfinished leaves
+        the scheduler.
+        """
+        self._check_member(group)
+        for seq in drop:
+            if not any(s is seq for s in group.seqs):
+                raise ValueError(f"seq {seq.seq_id} is not in request {group.request_id!r}.")
+        for seq in add_finished:
+            if not seq.is_finished:
+                raise ValueError(f"seq {seq.seq_id} added as a hypothesis must be finished, got {seq.status.name}.")
+        prompt = group.seqs[0].prompt_token_ids
+        for seq in drop:
+            if not seq.is_finished:
+                # Marked finished so that update_after_step skips it if it was in the step.
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            self.block_manager.free(seq)
+            group.seqs.remove(seq)
+            self._seq_ids.discard(seq.seq_id)
+        for seq in add_finished:
+            self._add_to_group(group, seq, prompt)
+        if group.is_finished():
+            self._remove(group)
+
+    def fork_seq(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """Add child to the group as a RUNNING copy of parent's blocks (beam search), after update_after_step.
+
+        child holds parent's tokens up to its last one and a token of its
+        own instead; the shared last block is copied on write when it grows.
+        """
+        self._check_member(group)
+        if parent.status is not SequenceStatus.RUNNING or not any(s is parent for s in group.seqs):
+            raise ValueError(f"seq {parent.seq_id} is not a running sequence of request {group.request_id!r}.")
+        if child.seq_id in self._seq_ids:
+            raise ValueError(f"seq_id {child.seq_id} is already in use.")
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self._add_to_group(group, child, parent.prompt_token_ids)
+
+    def _check_member(self, group: SequenceGroup) -> None:
+        if self._requests.get(group.request_id) is not group:
+            raise ValueError(f"request {group.request_id!r} is not scheduled.")
+
+    def _add_to_group(self, group: SequenceGroup, seq: Sequence, prompt: list[int]) -> None:
+        if seq.seq_id in self._seq_ids:
+            raise ValueError(f"seq_id {seq.seq_id} is already in use.")
+        if seq.prompt_token_ids != prompt:
+            raise ValueError(f"seq {seq.seq_id} must share the prompt of request {group.request_id!r}.")
+        group.seqs.append(seq)
+        self._seq_ids.add(seq.seq_id)
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting, running or swapped out."""
         return bool(self.waiting or self.running or self.swapped)
@@ -394,7 +452,10 @@ class Scheduler:
             forks = group.forks_on_admission()
             # These can never run; drop them instead of letting them block the
             # queue forever.
-            if self._can_never_run(seqs, forks):
+            params = group.sampling_params
+            # A beam search grows to best_of running beams after its prompt.
+            too_wide = params.use_beam_search and (params.best_of or 1) > config.max_num_seqs
+            if too_wide or self._can_never_run(seqs, forks):
                 self._ignore(group, out)
                 continue
             status = self.block_manager.can_allocate(group)

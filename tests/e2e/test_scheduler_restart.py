@@ -52,16 +52,10 @@ def _stream_tokens(client: redis.Redis, request_id: str) -> tuple[list[int], boo
     return tokens, finished
 
 
-def test_a_new_scheduler_continues_from_redis(cluster: LocalCluster, tiny_llama_dir: Path) -> None:
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(5, 80))] for _ in range(6)]
-    ids = [f"restart-{i}" for i in range(len(prompts))]
-    rds = redis.Redis.from_url(cluster.redis_url)
+def _send_in_background(cluster: LocalCluster, req: generation_pb2.GenerateRequest) -> None:
+    """A client whose stream dies with the scheduler; its request lives on in Redis."""
 
-    # Clients whose streams die with the scheduler; their requests live on in Redis.
-    def send(i: int) -> None:
-        req = make_request(request_id=ids[i], prompt_token_ids=prompts[i], max_tokens=MAX_NEW,
-                           ignore_eos=True, temperature=0.0)
+    def send() -> None:
         with GenerationClient(cluster.address) as client:
             try:
                 for _ in client.stream(req, timeout=120):
@@ -69,9 +63,18 @@ def test_a_new_scheduler_continues_from_redis(cluster: LocalCluster, tiny_llama_
             except grpc.RpcError:
                 pass
 
-    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_a_new_scheduler_continues_from_redis(cluster: LocalCluster, tiny_llama_dir: Path) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(5, 80))] for _ in range(6)]
+    ids = [f"restart-{i}" for i in range(len(prompts))]
+    rds = redis.Redis.from_url(cluster.redis_url)
+
+    for rid, prompt in zip(ids, prompts):
+        _send_in_background(cluster, make_request(request_id=rid, prompt_token_ids=prompt, max_tokens=MAX_NEW,
+                                                  ignore_eos=True, temperature=0.0))
     deadline = time.monotonic() + 60
     # Kill once every request is admitted (recorded in Redis) and the first has a few tokens.
     while not (all(rds.exists(keys.request(r)) or rds.exists(keys.output_stream(r)) for r in ids)
@@ -94,5 +97,43 @@ def test_a_new_scheduler_continues_from_redis(cluster: LocalCluster, tiny_llama_
         assert len(tokens) == MAX_NEW, (rid, partial[rid], len(tokens))
         cmp = compare_greedy(tokens, reference.greedy(prompt, MAX_NEW, stop_at_eos=False))
         assert cmp.matched, f"{rid} (had {partial[rid]} tokens at the kill): {cmp.detail}"
+    rds.close()
+    assert_all_blocks_free(cluster)
+
+
+def test_a_beam_search_continues_after_a_scheduler_restart(cluster: LocalCluster, tiny_llama_dir: Path) -> None:
+    """Beams, hypotheses and their cumulative logprobs live in Redis: the search ends as transformers' does."""
+    prompt = list(range(2000, 2033))
+    rid = "restart-beams"
+    rds = redis.Redis.from_url(cluster.redis_url)
+    req = make_request(request_id=rid, prompt_token_ids=prompt, max_tokens=MAX_NEW, temperature=0.0,
+                       ignore_eos=True, stop_token_ids=[0], use_beam_search=True, best_of=2, n=2)
+    _send_in_background(cluster, req)
+    deadline = time.monotonic() + 60
+
+    def beam_lengths() -> list[int]:
+        fields = rds.hkeys(keys.request(rid))
+        seq_ids = [int(f[len(b"cum:"):]) for f in fields if f.startswith(b"cum:")]
+        return [rds.llen(keys.seq_tokens(s)) for s in seq_ids]
+
+    # Kill once two beams have a few tokens each.
+    while not (len(lengths := beam_lengths()) >= 2 and min(lengths) >= 4):
+        assert time.monotonic() < deadline, "beam search did not start"
+        time.sleep(0.01)
+    cluster.kill("scheduler")
+    at_kill = beam_lengths()
+    assert at_kill and max(at_kill) < MAX_NEW, at_kill
+    cluster.restart("scheduler")
+    deadline = time.monotonic() + 120
+    while not _stream_tokens(rds, rid)[1]:
+        assert time.monotonic() < deadline, "the beam search did not finish after the restart"
+        time.sleep(0.2)
+    outputs: dict[int, list[int]] = {}
+    for _entry_id, fields in rds.xrange(keys.output_stream(rid)):
+        for delta in generation_pb2.GenerateResponse.FromString(fields[b"m"]).outputs:
+            outputs.setdefault(delta.index, []).extend(delta.token_ids)
+    reference = HFReference(str(tiny_llama_dir))
+    expected = reference.beam_search(prompt, MAX_NEW, 2, 2, eos_token_ids=[0])
+    assert [outputs[i] for i in sorted(outputs)] == expected, f"beam lengths at the kill: {at_kill}"
     rds.close()
     assert_all_blocks_free(cluster)

@@ -224,6 +224,28 @@ def test_dropped_block_tables_and_dropped_seqs(url: str, plain) -> None:
     run(url, body)
 
 
+def test_reset_seqs_wipe_a_reused_seq_id_before_the_commit_writes_its_new_sequence(url: str, plain) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("beams", [1, 2]))
+        await store.commit(StepCommit(
+            W, new_tokens={1: [10, 11], 2: [12]}, new_blocks={1: [0, 1]},
+            finished_seqs={"beams": {2: "FINISHED_STOPPED"}}, cumulative_logprobs={"beams": {1: -1.5, 2: -0.5}},
+        ))
+        # Beam 1 is dropped; its id comes back in the same commit as a fork with other tokens and blocks.
+        await store.commit(StepCommit(
+            W, reset_seqs={"beams": [1, 2]}, new_tokens={1: [10, 13]}, new_blocks={1: [0, 4]},
+            cumulative_logprobs={"beams": {1: -2.0}},
+        ))
+        assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10", "13"]
+        assert plain.lrange(keys.seq_blocks(1), 0, -1) == ["0", "4"]
+        assert plain.exists(keys.seq_tokens(2)) == 0
+        fields = plain.hkeys(keys.request("beams"))
+        assert "cum:1" in fields and "cum:2" not in fields and "finished:2" not in fields
+        assert plain.hget(keys.request("beams"), "cum:1") == "-2.0"
+
+    run(url, body)
+
+
 def test_outputs_are_read_in_order_and_finished_requests_expire(url: str, plain) -> None:
     async def body(store: RedisStore) -> None:
         await store.admit(record("a"))
