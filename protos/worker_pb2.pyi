@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "instance_id", "device", "num_cached_sequences", "epoch", "vocab_size", "num_used_blocks")
+    __slots__ = ("model", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "instance_id", "device", "num_cached_sequences", "epoch", "vocab_size", "num_used_blocks", "sliding_window")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class WorkerDescription(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -37,7 +38,8 @@ class WorkerDescription(_message.Message):
     epoch: int
     vocab_size: int
     num_used_blocks: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., device: _Optional[str] = ..., num_cached_sequences: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_used_blocks: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., device: _Optional[str] = ..., num_cached_sequences: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class BlockPair(_message.Message):
     __slots__ = ("src", "dst")

@@ -99,7 +99,7 @@ class EngineLoop:
                 commit.dropped_block_tables.append(seq.seq_id)
         for group in out.ignored:
             self._processor.fail(group, commit, self._ignored_message(group))
-        built = self._planner.build(out, self._scheduler.block_manager.block_tables)
+        built = self._planner.build(out, self._scheduler.block_manager)
         for seq_id, block_ids in built.new_blocks.items():
             commit.new_blocks.setdefault(seq_id, []).extend(block_ids)
         for seq_id, replaced in built.replaced_blocks.items():

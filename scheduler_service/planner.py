@@ -3,21 +3,26 @@
 The planner remembers, per sequence, how many block ids the worker already
 has and the last of them. A sequence it has never sent (or has told the worker
 to forget, after a recompute preemption) goes out in full; every other one as a
-delta. Tables only grow, except that copy-on-write replaces the block being
+delta. Logical tables only grow (a sliding-window ring repeats its blocks
+along the sequence), except that copy-on-write replaces the block being
 written into, which is always the last one sent: comparing that one entry
 finds every replacement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from protos import common_pb2, worker_pb2
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup
 from shared.sampling_params import seed_for_sequence
 from shared.sampling_proto import sampling_to_proto
+
+
+class BlockTables(Protocol):
+    def logical_block_table(self, seq: Sequence) -> list[int]: ...
 
 
 @dataclass
@@ -65,8 +70,8 @@ class Planner:
         self._sent_blocks.clear()
         self._to_forget.clear()
 
-    def build(self, out: SchedulerOutput, block_tables: Mapping[int, list[int]]) -> BuiltPlan:
-        """One plan; `block_tables` maps each scheduled seq_id to its current table (read, never kept)."""
+    def build(self, out: SchedulerOutput, tables: BlockTables) -> BuiltPlan:
+        """One plan; `tables` gives each scheduled sequence's logical block table (read, never kept)."""
         self._step_id += 1
         plan = worker_pb2.StepPlan(epoch=self.epoch, step_id=self._step_id, finished_seq_ids=self._to_forget)
         self._to_forget = []
@@ -80,7 +85,7 @@ class Planner:
         replaced: dict[int, dict[int, int]] = {}
         for item in out.scheduled:
             seq = item.seq
-            table = block_tables[seq.seq_id]
+            table = tables.logical_block_table(seq)
             sent = self._sent_blocks.get(seq.seq_id)
             if sent is None:
                 plan.new_sequences.add(

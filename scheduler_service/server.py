@@ -50,7 +50,7 @@ def _scheduler_for(config: SchedulerServiceConfig, desc: worker_pb2.WorkerDescri
         ),
         CacheConfig(
             block_size=desc.block_size, num_gpu_blocks=desc.num_gpu_blocks, num_cpu_blocks=desc.num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching, sliding_window=desc.sliding_window or None,
         ),
     )
 

@@ -10,13 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 def build_tiny_llama(directory: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """Writes a 2-layer GQA Llama (4 query / 2 KV heads, head size 32) with the default tokenizer."""
+    return build_tiny_model(directory, tokenizer_dir, "llama", seed)
+
+
+def build_tiny_model(directory: Path, tokenizer_dir: Path, model_type: str, seed: int = 0, **overrides: object) -> Path:
+    """The tiny Llama's shape in another family ("llama", "mistral", "qwen2"), with config overrides."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
+    fields: dict[str, object] = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
@@ -32,10 +37,11 @@ def build_tiny_llama(directory: Path, tokenizer_dir: Path, seed: int = 0) -> Pat
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
         tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
     )
+    fields.update(overrides)
+    config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory

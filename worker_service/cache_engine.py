@@ -41,10 +41,17 @@ def size_cache(
     per_block = block_bytes(shape, block_size, dtype)
     num_gpu = num_gpu_blocks_override or device_bytes // per_block
     needed = -(-max_model_len // block_size)
+    what = f"one sequence of max_model_len={max_model_len}"
+    if shape.sliding_window is not None:
+        # The scheduler cycles a sequence through a ring of blocks; the smallest covers the window
+        # plus the block being written.
+        ring = -(-shape.sliding_window // block_size) + 1
+        if ring < needed:
+            needed, what = ring, f"one sequence under the model's sliding window of {shape.sliding_window} tokens"
     if num_gpu < needed:
         raise CacheSizeError(
             f"the KV cache holds {num_gpu} blocks of {block_size} tokens ({num_gpu * block_size} tokens), "
-            f"fewer than one sequence of max_model_len={max_model_len} needs ({needed} blocks); "
+            f"fewer than {what} needs ({needed} blocks); "
             "give the cache more memory (--kv-cache-memory) or lower --max-model-len"
         )
     return CacheSizing(num_gpu_blocks=num_gpu, num_cpu_blocks=swap_bytes // per_block)

@@ -32,6 +32,8 @@ class ModelShape:
     head_size: int
     vocab_size: int
     max_position_embeddings: int
+    # Tokens every layer attends back to, when all layers use a sliding window (None otherwise).
+    sliding_window: int | None = None
 
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
@@ -57,7 +59,17 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         head_size=head_size,
         vocab_size=config.vocab_size,
         max_position_embeddings=config.max_position_embeddings,
+        sliding_window=_uniform_sliding_window(config),
     )
+
+
+def _uniform_sliding_window(config: PretrainedConfig) -> int | None:
+    """The window when every layer slides (Mistral); None with any full-attention layer (Qwen2's lower layers)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and any(t != "sliding_attention" for t in layer_types)):
+        return None
+    return int(window)
 
 
 def load_config(path: str) -> PretrainedConfig:

@@ -56,6 +56,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             epoch=self._epoch,
             vocab_size=r.shape.vocab_size,
             num_used_blocks=r.seqs.num_used_blocks(),
+            sliding_window=r.shape.sliding_window or 0,
         )
 
     async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:

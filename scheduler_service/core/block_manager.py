@@ -51,6 +51,14 @@ class BlockManager:
     written; unreferenced cached blocks count as free (they are evicted on
     demand).
 
+    Sliding window (ring_blocks set): a model whose every layer attends to
+    the last `window` tokens only never reads older keys, so a table holds at
+    most ring_blocks blocks and logical block i lives in table[i % ring_blocks]:
+    a new block's tokens overwrite those ring_blocks * block_size positions
+    back. The caller sizes the ring so that no step overwrites a key that the
+    step still reads (window + the most tokens one step computes - 1 slots);
+    logical_block_table() gives the worker the logical view.
+
     Swap preemption (num_cpu_blocks > 0): swap_out() moves a group's running
     sequences to CPU blocks (cpu_block_tables, a plain ref-counted allocator
     without prefix caching), swap_in() moves them back into fresh device
@@ -65,7 +73,15 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         num_cpu_blocks: int = 0,
+        ring_blocks: int | None = None,
     ) -> None:
+        if ring_blocks is not None and (isinstance(ring_blocks, bool) or not isinstance(ring_blocks, int)
+                                        or ring_blocks < 1):
+            raise ValueError(f"ring_blocks must be a positive int or None, got {ring_blocks!r}.")
+        if ring_blocks is not None and enable_prefix_caching:
+            # A reused block would no longer hold what its hash says.
+            raise ValueError("ring_blocks (sliding-window reuse) cannot be combined with prefix caching.")
+        self.ring_blocks = ring_blocks
         # CacheConfig carries the validation rules; reuse them.
         config = CacheConfig(
             block_size=block_size,
@@ -100,7 +116,7 @@ class BlockManager:
         self._block_hashes: dict[int, list[BlockHash]] = {}
 
     @classmethod
-    def from_config(cls, config: CacheConfig) -> BlockManager:
+    def from_config(cls, config: CacheConfig, ring_blocks: int | None = None) -> BlockManager:
         """Build from a validated CacheConfig."""
         return cls(
             config.block_size,
@@ -108,13 +124,33 @@ class BlockManager:
             config.watermark,
             config.enable_prefix_caching,
             config.num_cpu_blocks,
+            ring_blocks,
         )
 
     # -- admission ---------------------------------------------------------
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
-        """Blocks needed to hold num_tokens tokens."""
-        return _cdiv(num_tokens, self.block_size)
+        """Blocks a table needs to hold num_tokens tokens (at most ring_blocks with a sliding window)."""
+        blocks = _cdiv(num_tokens, self.block_size)
+        return blocks if self.ring_blocks is None else min(blocks, self.ring_blocks)
+
+    def _slot_block_index(self, num_tokens: int) -> int:
+        """Table index of the block holding token num_tokens - 1."""
+        index = (num_tokens - 1) // self.block_size
+        return index if self.ring_blocks is None else index % self.ring_blocks
+
+    def logical_block_table(self, seq: Sequence) -> list[int]:
+        """Physical block of each of seq's logical blocks, in token order (what the worker addresses).
+
+        The table itself without a sliding window (not a copy: read it, never
+        keep it); with one, ring entries repeated over the sequence's length.
+        """
+        table = self._table(seq)
+        num_logical = _cdiv(seq.num_tokens, self.block_size)
+        # A table short of its ring has not wrapped (its newest token may still lack its block).
+        if self.ring_blocks is None or len(table) < self.ring_blocks or num_logical <= len(table):
+            return table
+        return [table[i % self.ring_blocks] for i in range(num_logical)]
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Whether the group's WAITING sequences fit in the cache.
@@ -232,7 +268,7 @@ class BlockManager:
             if missing > 0:
                 needed += missing
                 continue
-            block_id = table[(seq.num_tokens - 1) // self.block_size]
+            block_id = table[self._slot_block_index(seq.num_tokens)]
             if self.gpu_allocator.get_ref_count(block_id) > 1:
                 sharers[block_id] += 1
         for block_id, count in sharers.items():
@@ -260,7 +296,7 @@ class BlockManager:
             while len(table) < num_blocks:
                 table.append(self.gpu_allocator.allocate())
             return None
-        index = (seq.num_tokens - 1) // self.block_size
+        index = self._slot_block_index(seq.num_tokens)
         src = table[index]
         if self.gpu_allocator.get_ref_count(src) == 1:
             return None
@@ -539,5 +575,5 @@ class BlockManager:
         missing = self.num_blocks_for_tokens(seq.num_tokens) - len(table)
         if missing > 0:
             return missing
-        index = (seq.num_tokens - 1) // self.block_size
+        index = self._slot_block_index(seq.num_tokens)
         return 1 if self.gpu_allocator.get_ref_count(table[index]) > 1 else 0

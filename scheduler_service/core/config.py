@@ -61,6 +61,9 @@ class CacheConfig:
         hash); unreferenced cached blocks stay resident until evicted (LRU).
     num_cpu_blocks: host (CPU) KV blocks for swap preemption; 0 disables
         swapping (a group that would be swapped out then fails instead).
+    sliding_window: the model attends to this many most recent tokens in
+        every layer (None: full attention). Blocks of older tokens are then
+        reused (see BlockManager), unless prefix caching is on.
     """
 
     num_gpu_blocks: int
@@ -68,6 +71,7 @@ class CacheConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = False
     num_cpu_blocks: int = 0
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
@@ -88,6 +92,8 @@ class CacheConfig:
             or self.num_cpu_blocks < 0
         ):
             raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}.")
+        if self.sliding_window is not None:
+            _require_positive_int("sliding_window", self.sliding_window)
 
     @property
     def watermark_blocks(self) -> int:

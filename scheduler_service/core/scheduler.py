@@ -69,12 +69,33 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.block_manager = BlockManager.from_config(cache_config)
+        self.block_manager = BlockManager.from_config(cache_config, self._ring_blocks())
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
         self._requests: dict[str, SequenceGroup] = {}
         self._seq_ids: set[int] = set()
+
+    def _ring_blocks(self) -> int | None:
+        """Blocks a sliding-window sequence cycles through, or None to keep every block.
+
+        One step computes at most max_num_batched_tokens tokens of a sequence
+        and each of them reads the window before it, so a ring of window +
+        max_num_batched_tokens - 1 slots never overwrites a key that the step
+        still reads. Without chunked prefill the budget is usually as large as
+        the context and the ring saves nothing; with it, a sequence holds at
+        most that many slots however long it grows. Not with prefix caching:
+        a reused block would no longer hold what its hash says.
+        """
+        window = self.cache_config.sliding_window
+        if window is None or self.cache_config.enable_prefix_caching:
+            return None
+        block_size = self.cache_config.block_size
+        # At least a block more than the window: the worker's table may keep stale ids for entries a
+        # ring length back, which must stay outside the window.
+        step_tokens = max(self.scheduler_config.max_num_batched_tokens, block_size)
+        ring = -(-(window + step_tokens - 1) // block_size)
+        return ring if ring < -(-self.scheduler_config.max_model_len // block_size) else None
 
     @property
     def max_seq_len(self) -> int:
@@ -86,10 +107,13 @@ class Scheduler:
         preempted long sequence would come back as ignored. With chunked
         prefill the budget does not matter: prompts are split across steps.
         """
-        cache_tokens = (self.cache_config.num_gpu_blocks - self.cache_config.watermark_blocks) * (
-            self.cache_config.block_size
-        )
-        limit = min(self.scheduler_config.max_model_len, cache_tokens)
+        usable_blocks = self.cache_config.num_gpu_blocks - self.cache_config.watermark_blocks
+        ring = self.block_manager.ring_blocks
+        if ring is not None and ring <= usable_blocks:
+            # A sliding-window sequence needs its ring only, however long it grows.
+            limit = self.scheduler_config.max_model_len
+        else:
+            limit = min(self.scheduler_config.max_model_len, usable_blocks * self.cache_config.block_size)
         if self.scheduler_config.enable_chunked_prefill:
             return limit
         return min(limit, self.scheduler_config.max_num_batched_tokens)

@@ -359,3 +359,55 @@ def test_append_slot_without_table_is_an_error() -> None:
     bm = BlockManager(block_size=4, num_gpu_blocks=2)
     with pytest.raises(ValueError, match="seq 3 has no block table"):
         bm.append_slot(Sequence(3, [1]))
+
+
+# -- sliding window: ring tables --------------------------------------------------------
+
+
+def test_a_ring_table_stops_growing_and_reuses_its_blocks_cyclically() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0, ring_blocks=2)
+    group = make_group("r", 1, 3)
+    (seq,) = group.seqs
+    bm.allocate(group)
+    assert bm.get_block_table(seq) == [0]
+    grow(seq, 2)  # 5 tokens: the second block
+    assert bm.append_slot(seq) is None and bm.get_block_table(seq) == [0, 1]
+    grow(seq, 4)  # 9 tokens: logical block 2 lives in ring slot 0
+    assert bm.append_slot(seq) is None
+    assert bm.get_block_table(seq) == [0, 1] and bm.get_num_used_blocks() == 2
+    assert bm.logical_block_table(seq) == [0, 1, 0]
+    grow(seq, 8)  # 17 tokens: logical blocks 0..4
+    bm.append_slot(seq)
+    assert bm.logical_block_table(seq) == [0, 1, 0, 1, 0]
+
+
+def test_a_ring_slot_shared_by_a_fork_is_copied_on_write() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0, ring_blocks=2)
+    group = make_group("r", 1, 9)
+    (parent,) = group.seqs
+    bm.allocate(group)
+    assert bm.get_block_table(parent) == [0, 1]  # 9 tokens, already wrapped into slot 0
+    parent.num_computed_tokens = 9
+    child = Sequence(2, parent.prompt_token_ids)
+    bm.fork(parent, child)
+    grow(child)  # token 9 is in logical block 2 -> ring slot 0, shared
+    assert bm.append_slot(child) == (0, 2)
+    assert bm.get_block_table(child) == [2, 1] and bm.logical_block_table(child) == [2, 1, 2]
+
+
+def test_ring_tables_admit_prompts_longer_than_the_cache() -> None:
+    bm = BlockManager(block_size=4, num_gpu_blocks=4, watermark=0.0, ring_blocks=3)
+    assert bm.can_allocate(make_group("long", 1, 100)) is AllocStatus.OK
+    assert BlockManager(block_size=4, num_gpu_blocks=4, watermark=0.0).can_allocate(
+        make_group("long", 1, 100)) is AllocStatus.NEVER
+
+
+@pytest.mark.parametrize("ring_blocks", [0, -1, True, 1.5])
+def test_ring_blocks_must_be_a_positive_int(ring_blocks: object) -> None:
+    with pytest.raises(ValueError, match="ring_blocks must be a positive int"):
+        BlockManager(block_size=4, num_gpu_blocks=4, ring_blocks=ring_blocks)  # type: ignore[arg-type]
+
+
+def test_ring_tables_exclude_prefix_caching() -> None:
+    with pytest.raises(ValueError, match="cannot be combined with prefix caching"):
+        BlockManager(block_size=4, num_gpu_blocks=4, enable_prefix_caching=True, ring_blocks=2)

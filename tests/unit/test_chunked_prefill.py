@@ -6,7 +6,8 @@ import math
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import rule
+from hypothesis import event
+from hypothesis.stateful import invariant, rule
 
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -208,6 +209,26 @@ class ChunkedPrefillMachine(SchedulerMachine):
     chunked_prefill = True
 
 
+class SlidingWindowMachine(SchedulerMachine):
+    """Chunked prefill with a 5-token sliding window: tables are rings of ceil((5 + 16 - 1) / 4) = 5 blocks.
+
+    Sequences grow to 40 tokens (10 logical blocks), so rings wrap; the shadow
+    KV check covers each sequence's window, the tokens its next step reads.
+    """
+
+    chunked_prefill = True
+    sliding_window = 5
+    max_model_len = 40
+
+    @invariant()
+    def tables_stay_within_the_ring(self) -> None:
+        bm = self.sched.block_manager
+        assert bm.ring_blocks == 5
+        assert all(len(blocks) <= 5 for blocks in bm.block_tables.values())
+        if any(s.num_tokens > 20 for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)):
+            event("ring wrapped")
+
+
 class ChunkedPrefixCachingMachine(PrefixCachingMachine):
     """Both features on: hits plus chunks, registration per completed chunk."""
 
@@ -221,5 +242,21 @@ class ChunkedPrefixCachingMachine(PrefixCachingMachine):
 
 TestChunkedPrefillMachine = ChunkedPrefillMachine.TestCase
 TestChunkedPrefillMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestSlidingWindowMachine = SlidingWindowMachine.TestCase
+TestSlidingWindowMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestChunkedPrefixCachingMachine = ChunkedPrefixCachingMachine.TestCase
 TestChunkedPrefixCachingMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_ring_size_covers_the_window_plus_one_step_of_tokens() -> None:
+    # ceil((5 + 16 - 1) / 4) = 5 blocks; the cache (10 blocks of 4) no longer bounds a sequence's length.
+    sched = make_scheduler(num_gpu_blocks=10, max_num_batched_tokens=16, max_model_len=400,
+                           enable_chunked_prefill=True, sliding_window=5)
+    assert sched.block_manager.ring_blocks == 5 and sched.max_seq_len == 400
+    # Without a window, or when the ring would be as long as the longest sequence, blocks are kept.
+    assert make_scheduler(num_gpu_blocks=10, max_model_len=400).block_manager.ring_blocks is None
+    assert make_scheduler(num_gpu_blocks=40, max_num_batched_tokens=16, max_model_len=20,
+                          sliding_window=5).block_manager.ring_blocks is None
+    # Prefix caching keeps every block too: a reused block would betray its hash.
+    assert make_scheduler(num_gpu_blocks=10, max_model_len=400, max_num_batched_tokens=16,
+                          enable_prefix_caching=True, sliding_window=5).block_manager.ring_blocks is None

@@ -27,9 +27,18 @@ def make_group(request_id: str, seq_id: int, prompt: list[int], params: Sampling
     return SequenceGroup(request_id, [Sequence(seq_id, prompt)], params or SamplingParams(), 0.0)
 
 
+class FixedTables:
+    """Block tables given as a dict, for plans built without a scheduler."""
+
+    def __init__(self, tables: dict[int, list[int]]) -> None:
+        self._tables = tables
+
+    def logical_block_table(self, seq: Sequence) -> list[int]:
+        return self._tables[seq.seq_id]
+
+
 def build(planner: Planner, sched: Scheduler, out: SchedulerOutput) -> BuiltPlan:
-    tables = {item.seq.seq_id: sched.get_block_table(item.seq) for item in out.scheduled}
-    return planner.build(out, tables)
+    return planner.build(out, sched.block_manager)
 
 
 def deltas(built: BuiltPlan) -> dict[int, tuple[list[int], int]]:
@@ -296,11 +305,11 @@ def test_copy_on_write_replacement_is_announced_in_the_delta() -> None:
     group = SequenceGroup("p", [Sequence(1, [1, 2, 3])], SamplingParams(), 0.0)
     seq = group.seqs[0]
     planner = Planner(epoch=1)
-    planner.build(SchedulerOutput(scheduled=[ScheduledSequence(group, seq, 3)]), {1: [0]})
+    planner.build(SchedulerOutput(scheduled=[ScheduledSequence(group, seq, 3)]), FixedTables({1: [0]}))
     seq.num_computed_tokens = 3
     seq.append_token(7)
     out = SchedulerOutput(scheduled=[ScheduledSequence(group, seq, 1)], blocks_to_copy=[(0, 4)])
-    built = planner.build(out, {1: [4]})
+    built = planner.build(out, FixedTables({1: [4]}))
     (delta,) = built.plan.cached_sequences
     assert dict(delta.replaced_blocks) == {0: 4}
     assert built.replaced_blocks == {1: {0: 4}}
@@ -308,7 +317,7 @@ def test_copy_on_write_replacement_is_announced_in_the_delta() -> None:
 
 def test_swap_pairs_are_forwarded_in_order() -> None:
     out = SchedulerOutput(blocks_to_swap_in=[(1, 2), (3, 4)], blocks_to_swap_out=[(5, 6)], blocks_to_copy=[(7, 8)])
-    built = Planner(epoch=1).build(out, {})
+    built = Planner(epoch=1).build(out, FixedTables({}))
     assert list(built.plan.swap_in) == [worker_pb2.BlockPair(src=1, dst=2), worker_pb2.BlockPair(src=3, dst=4)]
     assert list(built.plan.swap_out) == [worker_pb2.BlockPair(src=5, dst=6)]
     assert list(built.plan.copy) == [worker_pb2.BlockPair(src=7, dst=8)]

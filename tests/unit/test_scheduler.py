@@ -29,6 +29,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = False,
     enable_prefix_caching: bool = False,
     num_cpu_blocks: int = 0,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -43,6 +44,7 @@ def make_scheduler(
             watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
+            sliding_window=sliding_window,
         ),
     )
 
@@ -432,6 +434,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     chunked_prefill = False
     prefix_caching = False
     num_cpu_blocks = 6
+    max_model_len = 24
+    # With a window, tables are rings: only the tokens of the window before each sequence's next
+    # position must still be in its blocks.
+    sliding_window: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -440,11 +446,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             block_size=4,
             max_num_seqs=4,
             max_num_batched_tokens=16,
-            max_model_len=24,
+            max_model_len=self.max_model_len,
             watermark=0.1,
             enable_chunked_prefill=self.chunked_prefill,
             enable_prefix_caching=self.prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks,
+            sliding_window=self.sliding_window,
         )
         self.next_id = 0
         self.pending: SchedulerOutput | None = None
@@ -541,7 +548,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 # The fork step: every child computes the last prompt token and samples.
                 assert (s.num_computed_tokens, s.num_new_tokens, s.samples) == (prompt_len - 1, 1, True)
                 event("forked")
-            table = self.sched.get_block_table(s.seq)
+            table = list(self.sched.block_manager.logical_block_table(s.seq))
             assert len(table) * 4 >= s.num_computed_tokens + s.num_new_tokens
             # Never write into a block another table holds (copy-on-write came first).
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
@@ -596,7 +603,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if group.request_id not in self.recomputed:
                 assert self.prompt_work[group.request_id] <= len(group.seqs[0].prompt_token_ids) - 1
         self.pending = out
-        self.pending_tables = {s.seq.seq_id: self.sched.get_block_table(s.seq) for s in out.scheduled}
+        self.pending_tables = {s.seq.seq_id: list(self.sched.block_manager.logical_block_table(s.seq))
+                               for s in out.scheduled}
 
     @staticmethod
     def token_for(seq: Sequence) -> int:
@@ -661,14 +669,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         A swapped-out sequence is checked in the CPU shadow of its CPU table.
         """
+        bm = self.sched.block_manager
         if seq.status is SequenceStatus.SWAPPED:
-            kv, table = self.cpu_kv, self.sched.block_manager.get_cpu_block_table(seq)
+            kv, table = self.cpu_kv, bm.get_cpu_block_table(seq)
         else:
             kv = self.kv if kv is None else kv
-            table = self.sched.get_block_table(seq)
+            table = bm.get_block_table(seq)
+        ring = bm.ring_blocks or len(table)
         tokens = seq.all_token_ids
-        for pos in range(seq.num_computed_tokens):
-            assert kv.get(table[pos // 4], {}).get(pos % 4) == tokens[pos], (seq.seq_id, pos)
+        first = 0 if self.sliding_window is None else max(0, seq.num_computed_tokens - self.sliding_window + 1)
+        for pos in range(first, seq.num_computed_tokens):
+            assert kv.get(table[(pos // 4) % ring], {}).get(pos % 4) == tokens[pos], (seq.seq_id, pos)
 
     @invariant()
     def blocks_are_consistent(self) -> None:
@@ -725,7 +736,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert all(s.status is SequenceStatus.RUNNING for s in group.unfinished_seqs())
             for seq in group.get_seqs(SequenceStatus.RUNNING):
-                assert len(bm.block_tables[seq.seq_id]) * 4 >= seq.num_computed_tokens
+                assert len(bm.logical_block_table(seq)) * 4 >= seq.num_computed_tokens
                 if self.pending is None:
                     self.check_computed_kv(seq)
         for group in self.sched.waiting:
