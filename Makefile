@@ -14,7 +14,7 @@ export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 PROTO_MESSAGES := protos/common.proto protos/state.proto
 PROTO_SERVICES := protos/generation.proto protos/worker.proto
 
-.PHONY: help install model run test unit lint protos check-protos clean
+.PHONY: help install model run test unit lint protos check-protos clean bench-kernels
 
 help:
 	@echo "make run | test | unit | install | model | protos | check-protos | clean"
@@ -61,6 +61,11 @@ check-protos: install
 	else \
 		echo "generated protobuf code is stale: run 'make protos' and commit the result"; rm -rf $$tmp; exit 1; \
 	fi
+
+# Time, bytes moved and bandwidth of the paged KV-cache kernels next to torch references:
+# writes docs/kernels.md on a GPU, docs/kernels-cpu.md (CPU backend, small grid) on a CPU.
+bench-kernels: install
+	$(PY) -m benchmarks.kernels
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,9 +1,9 @@
 """The kernel API every backend implements, and picking a backend for a device.
 
 The model runner calls kernels only through a :class:`KernelBackend`, so the
-CPU (torch) kernels and the later Numba-CUDA kernels are interchangeable. The
+CPU (torch) kernels and the Numba-CUDA kernels are interchangeable. The
 Protocols below pin the shared signatures; each backend's docstrings give the
-semantics (see :mod:`kernels.cpu`).
+semantics (see :mod:`kernels.cpu`, :mod:`kernels.cuda`).
 """
 
 from __future__ import annotations
@@ -103,11 +103,28 @@ def _cpu_backend() -> KernelBackend:
     )
 
 
+@functools.cache
+def _cuda_backend() -> KernelBackend:
+    # Imported on first use: it imports numba.cuda, which CPU-only workers never need.
+    from kernels import cuda
+
+    return KernelBackend(
+        name="cuda",
+        reshape_and_cache=cuda.reshape_and_cache,
+        copy_blocks=cuda.copy_blocks,
+        swap_blocks=cuda.swap_blocks,
+        paged_attention=cuda.paged_attention,
+        context_attention=cuda.context_attention,
+    )
+
+
 def get_backend(device: torch.device | str) -> KernelBackend:
     """Return the kernel backend for tensors on ``device`` (``"cpu"``, ``"cuda:0"``, ...).
 
-    Raises NotImplementedError for CUDA (the Numba-CUDA backend is not built
-    yet) and other device types, ValueError for an unparsable device.
+    ``cpu`` gets the torch kernels, ``cuda`` the Numba-CUDA kernels (whose
+    swaps can also run per layer on a side stream: :class:`kernels.cuda.LayerSwapper`).
+    Raises NotImplementedError for other device types, ValueError for an
+    unparsable device.
     """
     try:
         dev = torch.device(device)
@@ -116,8 +133,5 @@ def get_backend(device: torch.device | str) -> KernelBackend:
     if dev.type == "cpu":
         return _cpu_backend()
     if dev.type == "cuda":
-        raise NotImplementedError(
-            f"Numba-CUDA kernels are not built yet; no kernel backend for device {dev}. "
-            "Run the worker on cpu until kernels/cuda exists."
-        )
-    raise NotImplementedError(f"no kernel backend for device type {dev.type!r} (device {dev}); supported: cpu")
+        return _cuda_backend()
+    raise NotImplementedError(f"no kernel backend for device type {dev.type!r} (device {dev}); supported: cpu, cuda")

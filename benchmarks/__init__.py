@@ -1,0 +1,1 @@
+"""Benchmarks (``make bench-kernels``); speed is measured here, never asserted by tests."""

@@ -1,0 +1,185 @@
+"""Kernel benchmark: time, bytes moved and bandwidth of the paged KV-cache kernels, next to torch references.
+
+    python -m benchmarks.kernels [--device cuda|cpu] [--output PATH]
+
+For each (batch, context) of a grid it times, on one device and in one run:
+
+- ``paged_attention`` of the device's backend (Numba-CUDA on a GPU, torch on a CPU);
+- ``gather+sdpa``: gathering the paged K/V into contiguous tensors, then
+  ``torch.nn.functional.scaled_dot_product_attention``;
+- ``sdpa (contiguous)``: SDPA alone on a cache that is already contiguous;
+- ``reshape_and_cache`` (writing ``context`` tokens per sequence) and
+  ``copy_blocks`` (one block per sequence, every layer).
+
+Bytes are what each operation must at least read and write (for attention:
+the context's keys and values plus query and output), so every row's GB/s
+is comparable, and "% copy" relates it to a measured same-device copy.
+A GPU run writes the table to docs/kernels.md, a CPU run (a small grid, the
+CPU backend: the CUDA kernels need a GPU) to docs/kernels-cpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import kernels
+from benchmarks._timing import copy_bandwidth_gbs, time_ms
+
+# SmolLM2-135M's attention shape (the default model): GQA 9 / 3 heads of 64.
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 4
+GPU_GRID = {"batches": [1, 8, 32, 64], "contexts": [512, 1024, 4096]}
+CPU_GRID = {"batches": [1, 8, 32], "contexts": [256, 1024, 4096]}
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str
+    batch: int
+    context: int
+    ms: float
+    bytes: int
+
+
+class Case:
+    """Random paged caches and decode inputs for one (batch, context)."""
+
+    def __init__(self, batch: int, context: int, dtype: torch.dtype, device: torch.device) -> None:
+        gen = torch.Generator(device=device).manual_seed(batch * 100003 + context)
+        blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+        num_blocks = batch * blocks_per_seq + batch  # spare blocks: copy_blocks destinations
+        self.key_caches, self.value_caches = kernels.allocate_kv_cache(
+            NUM_LAYERS, num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype, device
+        )
+        for cache in self.key_caches + self.value_caches:
+            cache.normal_(generator=gen)
+        table = torch.randperm(batch * blocks_per_seq, generator=gen, device=device)
+        self.block_tables = table.view(batch, blocks_per_seq).to(torch.int32)
+        self.context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        self.query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, generator=gen, device=device, dtype=dtype)
+        self.out = torch.empty_like(self.query)
+        self.batch, self.context = batch, context
+        self.element_size = torch.empty(0, dtype=dtype).element_size()
+
+    def kv_bytes(self) -> int:
+        """Bytes of one layer's keys and values of every sequence's context."""
+        return 2 * self.batch * self.context * NUM_KV_HEADS * HEAD_SIZE * self.element_size
+
+    def gathered_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer 0's keys and values as contiguous ``[batch, kv_heads, context, head_size]``."""
+        k = self.key_caches[0][self.block_tables.long()]  # [B, nb, KVH, D/x, BS, x]
+        v = self.value_caches[0][self.block_tables.long()]  # [B, nb, KVH, D, BS]
+        b, nb = self.block_tables.shape
+        k = k.permute(0, 2, 1, 4, 3, 5).reshape(b, NUM_KV_HEADS, nb * BLOCK_SIZE, HEAD_SIZE)
+        v = v.permute(0, 2, 1, 4, 3).reshape(b, NUM_KV_HEADS, nb * BLOCK_SIZE, HEAD_SIZE)
+        return k[:, :, : self.context], v[:, :, : self.context]
+
+
+def measure(case: Case, backend: kernels.KernelBackend, device: torch.device) -> list[Row]:
+    """Every timed operation of one case."""
+    scale = HEAD_SIZE**-0.5
+    q = case.query[:, :, None, :]  # [B, H, 1, D] for SDPA
+    attention_bytes = case.kv_bytes() + 2 * case.query.numel() * case.element_size
+
+    def paged() -> None:
+        backend.paged_attention(
+            case.out, case.query, case.key_caches[0], case.value_caches[0], NUM_KV_HEADS, scale,
+            case.block_tables, case.context_lens, BLOCK_SIZE, case.context,
+        )  # fmt: skip
+
+    def gather_sdpa() -> torch.Tensor:
+        k, v = case.gathered_kv()
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+    contiguous_k, contiguous_v = case.gathered_kv()
+    contiguous_k, contiguous_v = contiguous_k.contiguous(), contiguous_v.contiguous()
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, contiguous_k, contiguous_v, scale=scale, enable_gqa=True)
+
+    # reshape_and_cache: `context` new tokens per sequence into their slots.
+    tokens = case.batch * case.context
+    key = torch.randn(tokens, NUM_KV_HEADS, HEAD_SIZE, device=device).to(case.query.dtype)
+    slots = torch.arange(tokens, device=device)
+
+    def write() -> None:
+        backend.reshape_and_cache(key, key, case.key_caches[0], case.value_caches[0], slots)
+
+    # copy_blocks: copy-on-write of one block per sequence, in every layer.
+    spare = case.block_tables.numel()
+    mapping = torch.stack([case.block_tables[:, 0].long(), torch.arange(spare, spare + case.batch, device=device)], 1)
+    block_bytes = case.key_caches[0][0].numel() * case.element_size
+
+    def copy() -> None:
+        backend.copy_blocks(case.key_caches, case.value_caches, mapping)
+
+    timed: list[tuple[str, Callable[[], object], int]] = [
+        (f"paged_attention ({backend.name})", paged, attention_bytes),
+        ("gather+sdpa (torch)", gather_sdpa, attention_bytes),
+        ("sdpa, contiguous cache (torch)", sdpa, attention_bytes),
+        (f"reshape_and_cache ({backend.name})", write, 2 * 2 * tokens * NUM_KV_HEADS * HEAD_SIZE * case.element_size),
+        (f"copy_blocks ({backend.name})", copy, 2 * 2 * NUM_LAYERS * case.batch * block_bytes),
+    ]
+    return [Row(name, case.batch, case.context, time_ms(fn, device), nbytes) for name, fn, nbytes in timed]
+
+
+def to_markdown(rows: list[Row], copy_gbs: float, device_name: str, dtype: torch.dtype) -> str:
+    lines = [
+        "# Kernel benchmark" + (" (CPU)" if device_name.startswith("cpu") else ""),
+        "",
+        f"Generated by `make bench-kernels` on **{device_name}**, {str(dtype).removeprefix('torch.')}, "
+        f"{NUM_HEADS} heads / {NUM_KV_HEADS} kv heads of {HEAD_SIZE}, block size {BLOCK_SIZE}, "
+        f"{NUM_LAYERS} layers for copy_blocks.",
+        f"Measured same-device copy bandwidth: **{copy_gbs:.1f} GB/s** (read + write).",
+        "Bytes are the minimum each operation must move; GB/s = bytes / time; % copy = GB/s / copy bandwidth",
+        "(above 100 %: the working set stayed in caches; the copy is measured on a buffer larger than them).",
+        "",
+        "| op | batch | context | time (ms) | MB moved | GB/s | % copy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        gbs = r.bytes / (r.ms * 1e-3) / 1e9
+        lines.append(
+            f"| {r.op} | {r.batch} | {r.context} | {r.ms:.3f} | {r.bytes / 1e6:.2f} | {gbs:.1f} | {100 * gbs / copy_gbs:.0f} % |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", type=Path, help="markdown file (default: docs/kernels.md, or docs/kernels-cpu.md)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    dtype = torch.float16 if on_gpu else torch.float32
+    grid = GPU_GRID if on_gpu else CPU_GRID
+    output = args.output or Path("docs/kernels.md" if on_gpu else "docs/kernels-cpu.md")
+    device_name = (
+        torch.cuda.get_device_name(device) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
+    )
+
+    backend = kernels.get_backend(device)
+    copy_gbs = copy_bandwidth_gbs(device, megabytes=512 if on_gpu else 64)
+    print(f"{device_name}: copy bandwidth {copy_gbs:.1f} GB/s")
+    cases = [(b, c) for b in grid["batches"] for c in grid["contexts"]]
+    rows: list[Row] = []
+    for batch, context in tqdm(cases, desc="kernel benchmark", unit="case"):
+        rows.extend(measure(Case(batch, context, dtype, device), backend, device))
+    table = to_markdown(rows, copy_gbs, device_name, dtype)
+    print(table)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(table)
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()
