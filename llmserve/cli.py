@@ -36,8 +36,9 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="", help="local Hugging Face checkpoint directory; default: the bundled "
-                   "SmolLM2-135M-Instruct, converted on first use")
+    p.add_argument("--model", default="", help="local Hugging Face checkpoint directory (Llama, Mistral, Qwen2, OPT, "
+                   "GPT-2) or a .gguf file transformers reads; default: the bundled SmolLM2-135M-Instruct, converted "
+                   "on first use")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:

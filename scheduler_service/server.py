@@ -20,6 +20,7 @@ from scheduler_service.router import Router
 from scheduler_service.servicer import GenerationServicer
 from scheduler_service.store import RedisStore
 from shared import grpc_server
+from shared.checkpoint import pretrained_source
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     """Runs the replica until SIGINT/SIGTERM (or cancellation)."""
     store = RedisStore.from_url(config.redis_url)
     await store.ping()
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, config.tokenizer)
+    source, kwargs = pretrained_source(config.tokenizer)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, source, **kwargs)
     channels = [grpc.aio.insecure_channel(a, options=grpc_server.CHANNEL_OPTIONS) for a in config.workers]
     stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
     descs = [await describe_worker(s, a, config.worker_connect_timeout_s) for s, a in zip(stubs, config.workers)]

@@ -31,7 +31,7 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / "models" / DEFAULT_MODEL_NAME
 
 
-def _gguf_path() -> Path:
+def gguf_path() -> Path:
     # Located without importing: the package's __init__ needs plugins llmserve does not use.
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -49,7 +49,7 @@ def prepare_default_model(cache_dir: Path | None = None) -> Path:
     target = default_model_dir(cache_dir)
     if (target / "config.json").exists() and any(target.glob("*.safetensors")):
         return target
-    gguf = _gguf_path()
+    gguf = gguf_path()
     log.info("converting %s to safetensors in %s (once; ~30 s)", gguf.name, target)
     print(f"Preparing the default model {DEFAULT_MODEL_NAME} (one-time GGUF -> safetensors conversion)...", flush=True)
 

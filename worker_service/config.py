@@ -34,8 +34,11 @@ class WorkerConfig:
     num_threads: int = 0
 
     def __post_init__(self) -> None:
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model must be a local checkpoint directory, got {self.model!r} (not a directory).")
+        is_gguf = self.model.lower().endswith(".gguf") and os.path.isfile(self.model)
+        if not (os.path.isdir(self.model) or is_gguf):
+            raise ValueError(
+                f"model must be a local checkpoint directory or .gguf file, got {self.model!r} (neither exists)."
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
         if self.block_size not in (8, 16, 32):

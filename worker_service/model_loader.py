@@ -8,12 +8,21 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from shared.checkpoint import pretrained_source
 from worker_service import attention
 
 log = logging.getLogger(__name__)
 
 # Architectures whose transformers modules run unchanged over the paged attention function.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# model_type -> architecture: GGUF checkpoints carry only the model type.
+_ARCHITECTURE_OF_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "opt": "OPTForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURE_OF_TYPE.values())
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -74,8 +83,12 @@ def _uniform_sliding_window(config: PretrainedConfig) -> int | None:
 
 def load_config(path: str) -> PretrainedConfig:
     """Loads and checks a checkpoint's config; unsupported architectures fail here, at start-up."""
-    config = AutoConfig.from_pretrained(path)
+    source, kwargs = pretrained_source(path)
+    config = AutoConfig.from_pretrained(source, **kwargs)
     archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in _ARCHITECTURE_OF_TYPE:
+        archs = [_ARCHITECTURE_OF_TYPE[config.model_type]]
+        config.architectures = archs
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise UnsupportedModelError(
             f"model architecture {archs or 'unknown'} is not supported; "
@@ -87,7 +100,8 @@ def load_config(path: str) -> PretrainedConfig:
 def load_model(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """Loads the weights with transformers, attention replaced by the paged kernels."""
     impl = attention.register()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
+    source, kwargs = pretrained_source(path)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=impl, **kwargs)
     model.to(device)
     model.eval()
     log.info("loaded %s (%s) on %s", path, dtype, device)

@@ -2,8 +2,11 @@
 
 The runner executes plans directly (no services): three prompts prefilled
 together, then decoded together step by step; greedy tokens must equal
-transformers' `generate` for each prompt alone. Mistral runs with a sliding
-window shorter than the sequences, so the windowed kernels are exercised.
+transformers' `generate` for each prompt alone, and each token's logprob must
+be HF's log_softmax within 1e-4. Mistral runs with a sliding window shorter
+than the sequences, so the windowed kernels are exercised; a Llama with
+Llama 3.1 rope scaling covers scaled rotary positions; OPT (facebook/opt-125m's
+architecture) and GPT-2 cover learned positions and tied embeddings.
 """
 
 from __future__ import annotations
@@ -22,13 +25,22 @@ from worker_service.model_runner import ModelRunner
 from worker_service.plan import NewSequenceData, SequenceDeltaData, StepPlanData
 
 COMMON = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+    initializer_range=0.2,
 )
+GQA = dict(intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)
 FAMILIES = {
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
-    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24),
-    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], **GQA),
+    # Llama 3.1's rope scaling, with an original context short enough that the test's positions use it.
+    "llama3-rope": dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_parameters=LLAMA3_ROPE, **GQA),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24, **GQA),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **GQA),
+    # facebook/opt-125m's layout (learned positions offset by 2, pre-layer-norm, biases), smaller.
+    "opt": dict(model_type="opt", architectures=["OPTForCausalLM"], ffn_dim=128, word_embed_proj_dim=64,
+                init_std=0.2),
+    "gpt2": dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_inner=128),
 }
 NEW_TOKENS = 12
 
@@ -50,16 +62,23 @@ def test_greedy_batch_matches_transformers(family: str, tmp_path: Path) -> None:
     greedy = SamplingParams(temperature=0.0)
     tables = {i: list(range(i * 10, i * 10 + 10)) for i in range(len(prompts))}
     outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    logprobs: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
     plan = StepPlanData(1, 1, [], [], [], [NewSequenceData(i, p, [], greedy, tables[i], 0, len(p))
                                            for i, p in enumerate(prompts)], [], [])
     for step in range(NEW_TOKENS):
         for s in runner.execute(plan).sampled:
             outputs[s.seq_id].append(s.token_id)
+            logprobs[s.seq_id].append(s.logprob)
         plan = StepPlanData(1, step + 2, [], [], [], [], [SequenceDeltaData(i, [], 1) for i in outputs], [])
     reference = HFReference(str(model_dir))
     for i, prompt in enumerate(prompts):
-        cmp = compare_greedy(outputs[i], reference.greedy(prompt, NEW_TOKENS, stop_at_eos=False))
+        ref = reference.greedy(prompt, NEW_TOKENS, stop_at_eos=False)
+        cmp = compare_greedy(outputs[i], ref)
         assert cmp.matched, f"{family}, prompt {i}: {cmp.detail}"
+        # Each sampled token's logprob is HF's log_softmax at that position (up to any accepted near-tie).
+        same = NEW_TOKENS if cmp.near_tie_at is None else cmp.near_tie_at
+        expected = [float(ref.logprobs[t, tok]) for t, tok in enumerate(outputs[i][:same])]
+        assert logprobs[i][:same] == pytest.approx(expected, abs=1e-4), f"{family}, prompt {i}"
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
@@ -68,3 +87,26 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
     config.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="supported architectures: LlamaForCausalLM, MistralForCausalLM"):
         load_config(str(tmp_path))
+
+
+def test_a_gguf_file_is_served_like_its_converted_checkpoint(default_model_dir: Path) -> None:
+    """--model FILE.gguf: transformers dequantizes it; the tokens equal the converted safetensors model's."""
+    from shared.default_model import gguf_path
+
+    gguf = gguf_path()
+    config = load_config(str(gguf))
+    assert config.architectures == ["LlamaForCausalLM"]  # the GGUF carries only the model type
+    prompt = list(range(300, 330))
+    greedy = SamplingParams(temperature=0.0)
+    tokens = []
+    for model in (str(gguf), str(default_model_dir)):
+        runner = ModelRunner(WorkerConfig(model=model, num_gpu_blocks_override=8, max_model_len=128))
+        plan = StepPlanData(1, 1, [], [], [], [NewSequenceData(0, prompt, [], greedy, [0, 1, 2], 0, len(prompt))], [], [])
+        (sampled,) = runner.execute(plan).sampled
+        tokens.append(sampled.token_id)
+    assert tokens[0] == tokens[1]
+
+
+def test_a_missing_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="GGUF checkpoint .* does not exist"):
+        load_config(str(tmp_path / "missing.gguf"))
