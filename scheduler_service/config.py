@@ -16,6 +16,7 @@ class SchedulerServiceConfig:
       without chunked prefill (a prompt must fit in one step), 512 with it.
     enable_chunked_prefill: decodes and prompt chunks share each step's token budget.
     enable_prefix_caching: full KV blocks are shared between requests with the same prefix.
+    profile_steps: append each engine-loop step's time split to this JSON-lines file (benchmarks).
     """
 
     tokenizer: str
@@ -27,6 +28,7 @@ class SchedulerServiceConfig:
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
     worker_connect_timeout_s: float = 300.0
+    profile_steps: str = ""
 
     def __post_init__(self) -> None:
         if not self.workers:

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -22,9 +26,19 @@ from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
+from scheduler_service.step_profile import StepProfile, StepProfileWriter
 from scheduler_service.store import CacheStats, Pickup, RedisStore, StepCommit
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+async def _timed(awaitable: Awaitable[_T]) -> tuple[_T, float]:
+    """The awaitable's result and how long it took (its own wall time, whatever ran beside it)."""
+    started = time.perf_counter()
+    result = await awaitable
+    return result, time.perf_counter() - started
 
 # A step that takes longer than this is treated as a failed worker.
 STEP_TIMEOUT_SECONDS = 600.0
@@ -41,6 +55,7 @@ class EngineLoop:
         store: RedisStore,
         scheduler: Scheduler,
         processor: OutputProcessor,
+        profile_path: Path | None = None,
     ) -> None:
         self.worker_id = worker_id
         self._stub = stub
@@ -53,6 +68,7 @@ class EngineLoop:
         self._last_running: list[str] | None = None
         self._last_swapped: list[str] | None = None
         self._last_stats: CacheStats | None = None
+        self._profiles = StepProfileWriter(profile_path) if profile_path is not None else None
 
     async def _take_ownership(self) -> None:
         epoch = await self._store.next_epoch(self.worker_id)
@@ -77,7 +93,8 @@ class EngineLoop:
         commit.cache_stats = stats if stats != self._last_stats else None
         self._last_stats = stats
 
-    def _plan(self, commit: StepCommit) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
+    def _plan(self, commit: StepCommit, profile: StepProfile | None = None
+              ) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
         # Sequences that finished since the last plan: the worker may drop them.
         for seq_id in commit.dropped_seqs:
             self._planner.forget(seq_id)
@@ -85,7 +102,9 @@ class EngineLoop:
         for seq_ids in commit.reset_seqs.values():
             for seq_id in seq_ids:
                 self._planner.forget(seq_id)
+        started = time.perf_counter()
         out = self._scheduler.schedule()
+        scheduled = time.perf_counter()
         commit.num_preemptions += len(out.preempted)
         commit.num_swaps += sum(1 for g in out.preempted if any(s.status is SequenceStatus.SWAPPED for s in g.seqs))
         for group in out.swap_failed:
@@ -108,6 +127,13 @@ class EngineLoop:
         plan = built.plan
         # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.
         has_work = built.num_sequences or plan.swap_in or plan.swap_out or plan.copy or plan.finished_seq_ids
+        if profile is not None:
+            profile.schedule_s = scheduled - started
+            profile.plan_s = time.perf_counter() - scheduled
+            profile.num_seqs = len(out.scheduled)
+            profile.num_prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+            profile.num_decode_tokens = out.num_batched_tokens - profile.num_prefill_tokens
+            profile.kv_slots, profile.kv_tokens = self._scheduler.kv_occupancy()
         return out, built.plan if has_work else None
 
     def _ignored_message(self, group: SequenceGroup) -> str:
@@ -145,28 +171,49 @@ class EngineLoop:
         await self._restore(pending)
         await self._take_ownership()
         pickup = Pickup([], [])
+        try:
+            await self._steps(stop, pending, pickup)
+        finally:
+            if self._profiles is not None:
+                self._profiles.close()
+
+    async def _steps(self, stop: asyncio.Event, pending: StepCommit, pickup: Pickup) -> None:
         while not stop.is_set():
+            started = time.perf_counter()
+            profile = StepProfile(self.steps + 1, 0, 0, 0) if self._profiles is not None else None
             self._ingest(pickup, pending)
-            out, plan = self._plan(pending)
+            ingested = time.perf_counter()
+            out, plan = self._plan(pending, profile)
             if plan is not None:
-                step = asyncio.ensure_future(self._stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_SECONDS))
-                committed = asyncio.ensure_future(self._store.commit(pending))
+                step = asyncio.ensure_future(_timed(self._stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_SECONDS)))
+                committed = asyncio.ensure_future(_timed(self._store.commit(pending)))
                 failure: grpc.aio.AioRpcError | None = None
                 try:
-                    result = await step
+                    result, rpc_s = await step
                 except grpc.aio.AioRpcError as exc:
                     failure = exc
-                pickup = await committed
+                stepped = time.perf_counter()
+                pickup, commit_s = await committed
                 pending = StepCommit(self.worker_id)
                 if failure is not None:
                     await self._on_worker_failure(failure, pending)
                 else:
+                    processing = time.perf_counter()
                     self._processor.process(out, result, pending)
                     self.steps += 1
+                    if profile is not None and self._profiles is not None:
+                        done = time.perf_counter()
+                        profile.ingest_s = ingested - started
+                        profile.rpc_s, profile.worker_s = rpc_s, result.execute_seconds
+                        profile.commit_s, profile.commit_wait_s = commit_s, max(0.0, processing - stepped)
+                        profile.process_s, profile.wall_s = done - processing, done - started
+                        self._profiles.write(profile)
             elif not pending.is_empty():
                 pickup = await self._store.commit(pending)
                 pending = StepCommit(self.worker_id)
             else:
+                if self._profiles is not None:
+                    self._profiles.flush()  # idle: a reader sees every step so far
                 pickup = await self._store.wait_for_work(self.worker_id, IDLE_WAIT_SECONDS)
         if not pending.is_empty():
             await self._store.commit(pending)

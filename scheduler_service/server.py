@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 import grpc
 from transformers import AutoTokenizer
@@ -73,7 +74,9 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     loops = []
     for address, stub, desc in zip(config.workers, stubs, descs):
         scheduler = _scheduler_for(config, desc)
-        loops.append(EngineLoop(address, stub, store, scheduler, OutputProcessor(tokenizer, scheduler)))
+        profile = Path(f"{config.profile_steps}.{len(loops)}") if len(config.workers) > 1 else Path(config.profile_steps)
+        loops.append(EngineLoop(address, stub, store, scheduler, OutputProcessor(tokenizer, scheduler),
+                                profile if config.profile_steps else None))
     servicer = GenerationServicer(admission, store, Router(config.workers))
     server = grpc_server.create_server()
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

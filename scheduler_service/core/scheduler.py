@@ -238,6 +238,23 @@ class Scheduler:
         """Number of waiting, running and swapped-out requests."""
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    def kv_occupancy(self) -> tuple[int, int]:
+        """(slots in allocated device blocks, tokens those slots hold): internal fragmentation.
+
+        A block shared by several tables counts once, as full as its fullest
+        holder makes it. O(allocated blocks): for profiling, not every step.
+        """
+        bm = self.block_manager
+        filled: dict[int, int] = {}
+        for group in self.running:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                if not bm.has_block_table(seq):
+                    continue
+                for index, block_id in enumerate(bm.logical_block_table(seq)):
+                    tokens = min(bm.block_size, max(0, seq.num_tokens - index * bm.block_size))
+                    filled[block_id] = max(filled.get(block_id, 0), tokens)
+        return bm.get_num_used_blocks() * bm.block_size, sum(filled.values())
+
     def get_block_table(self, seq: Sequence) -> list[int]:
         """Physical block ids of a scheduled sequence (for the step plan)."""
         return self.block_manager.get_block_table(seq)

@@ -8,6 +8,7 @@ while the outputs must still match transformers token for token.
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2
+from scheduler_service.step_profile import read_profiles
 from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
 from tests.e2e.concurrency import generate_all
 from tests.hf_reference import HFReference, compare_greedy
@@ -27,11 +29,16 @@ NUM_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
+def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profile") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path, profile_path: Path) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model=str(tiny_llama_dir),
         worker_args=["--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "512", "--num-threads", "1"],
-        scheduler_args=["--max-num-batched-tokens", "1024"],
+        scheduler_args=["--max-num-batched-tokens", "1024", "--profile-steps", str(profile_path)],
     )
     with LocalCluster(spec) as c:
         yield c
@@ -67,6 +74,23 @@ def test_concurrent_greedy_matches_transformers(cluster: LocalCluster, reference
     assert_all_blocks_free(cluster)
     # The cache is too small for all 16 at once: the run must have gone through recompute preemption.
     assert redis_state(cluster)["preemptions"] > 0
+
+
+def test_step_profiles_split_each_step(cluster: LocalCluster, profile_path: Path) -> None:
+    """--profile-steps: every step's phases are measured and add up to at most its wall time."""
+    with GenerationClient(cluster.address) as client:
+        client.generate(make_request(prompt_token_ids=list(range(50, 90)), max_tokens=20, temperature=0.0,
+                                     ignore_eos=True))
+    deadline = time.monotonic() + 10
+    while not (profile_path.exists() and read_profiles(profile_path)):
+        assert time.monotonic() < deadline, "no step profile was written"
+        time.sleep(0.2)
+    profiles = read_profiles(profile_path)
+    for p in profiles:
+        parts = p.ingest_s + p.schedule_s + p.plan_s + max(p.rpc_s, p.commit_s) + p.process_s
+        assert 0 < p.worker_s <= p.rpc_s and parts <= p.wall_s * 1.01 + 1e-3, p
+        assert p.num_seqs >= 1 and 0 < p.kv_tokens <= p.kv_slots
+    assert any(p.num_prefill_tokens for p in profiles) and any(p.num_decode_tokens for p in profiles)
 
 
 def test_text_prompt_streams_text_and_stops_on_string(cluster: LocalCluster, reference: HFReference) -> None:

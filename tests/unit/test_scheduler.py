@@ -761,3 +761,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_kv_occupancy_counts_filled_slots_of_allocated_blocks_once() -> None:
+    sched = make_scheduler(num_gpu_blocks=8, block_size=4)
+    sched.add_request(make_group("a", 1, 6))  # 6 tokens: 2 blocks, 6 of 8 slots hold a token
+    sched.add_request(make_group("b", 2, 4))  # 4 tokens: 1 full block
+    step(sched)
+    # After the step each has one sampled token more: a's fits its second block (7 of 8 slots), b's
+    # needs a block the next schedule() allocates (its one block counts as full).
+    assert sched.kv_occupancy() == (12, 11)
+    sched.schedule()
+    assert sched.kv_occupancy() == (16, 12)

@@ -1,0 +1,196 @@
+"""Writes docs/benchmarks.md and its plots from the JSON results of the benchmark runs.
+
+    python -m benchmarks.report [--serving benchmarks/results/serving.json] [--overhead ...]
+
+Every number in the document comes from those files, which the benchmark
+scripts write from a run of the code in this tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+DOCS = Path("docs")
+SERVING = Path("benchmarks/results/serving.json")
+OVERHEAD = Path("benchmarks/results/overhead.json")
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def _dist(d: dict[str, float] | None, key: str) -> str:
+    return "n/a" if not d else _fmt(d[key], 0)
+
+
+def _throughput_row(s: dict[str, Any]) -> str:
+    duration = s["duration_s"]
+    out_tps = s["output_tokens"] / duration
+    total_tps = (s["input_tokens"] + s["output_tokens"]) / duration
+    return (f"| {s['backend']} | {s['completed']} | {_fmt(s['completed'] / duration, 2)} | {_fmt(out_tps)} | "
+            f"{_fmt(total_tps)} | {_dist(s.get('ttft_ms'), 'mean')} / {_dist(s.get('ttft_ms'), 'median')} / "
+            f"{_dist(s.get('ttft_ms'), 'p99')} | {_dist(s.get('tpot_ms'), 'mean')} / {_dist(s.get('tpot_ms'), 'median')} / "
+            f"{_dist(s.get('tpot_ms'), 'p99')} | {_dist(s.get('itl_ms'), 'median')} / {_dist(s.get('itl_ms'), 'p99')} | "
+            f"{_dist(s.get('e2e_ms'), 'median')} / {_dist(s.get('e2e_ms'), 'p99')} |")
+
+
+THROUGHPUT_HEADER = (
+    "| backend | requests | req/s | output tok/s | total tok/s | TTFT ms mean / median / p99 | "
+    "TPOT ms mean / median / p99 | ITL ms median / p99 | E2E ms median / p99 |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def serving_section(r: dict[str, Any], plots: list[str]) -> str:
+    arrivals = "all requests sent at once" if r["rate"] == float("inf") else f"Poisson arrivals at {r['rate']} req/s"
+    lines = [
+        "## Serving throughput and latency",
+        "",
+        f"Run of {r['date']} on {r['machine']}. Workload: {r['workload']}; greedy, `ignore_eos`, {arrivals}. "
+        "llmserve runs as separate processes (Redis, a CPU worker, a scheduler) and is driven through gRPC "
+        "`Generate`; transformers runs in the benchmark process on the same weights (SmolLM2-135M-Instruct, "
+        "float32) and prompts.",
+        "",
+        THROUGHPUT_HEADER,
+        _throughput_row(r["llmserve"]),
+    ]
+    for key in ("hf_continuous_batching", "hf_static_batching"):
+        if key in r:
+            lines.append(_throughput_row(r[key]))
+    if "ratio_vs_hf_continuous" in r:
+        lines += [
+            "",
+            f"**Output tokens/s, llmserve / transformers continuous batching: {r['ratio_vs_hf_continuous']:.2f}x; "
+            f"llmserve / transformers static batching: {r['ratio_vs_hf_static']:.2f}x.**",
+        ]
+    lines += ["", "### Throughput against concurrency", "", THROUGHPUT_HEADER.replace("| backend |", "| run |")]
+    lines += [_throughput_row(p) for p in r["concurrency_sweep"]]
+    pc = r.get("prefix_caching")
+    if pc:
+        ttft_without = pc["without"]["ttft_ms"]["median"]
+        ttft_with = pc["with"]["ttft_ms"]["median"]
+        lines += [
+            "",
+            "### Prefix caching",
+            "",
+            f"Workload: {pc['workload']}.",
+            "",
+            THROUGHPUT_HEADER,
+            _throughput_row(pc["without"]),
+            _throughput_row(pc["with"]),
+            "",
+            f"Median TTFT {ttft_without:.0f} ms without prefix caching, {ttft_with:.0f} ms with it "
+            f"({ttft_without / ttft_with:.1f}x faster).",
+        ]
+    lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in plots]]
+    return "\n".join(lines)
+
+
+def overhead_section(o: dict[str, Any]) -> str:
+    phases = o["phases"]
+    lines = [
+        "## Per-step overhead of the service split",
+        "",
+        f"Run of {o['date']} on {o['machine']}. {o['description']}",
+        "",
+        "| running seqs | step ms | " + " | ".join(f"{p} ms" for p in phases) + " | overhead % |",
+        "|---:|---:|" + "---:|" * len(phases) + "---:|",
+    ]
+    for row in o["rows"]:
+        cells = " | ".join(_fmt(row["phases_ms"][p], 2) for p in phases)
+        lines.append(f"| {row['batch']} | {_fmt(row['step_ms'], 2)} | {cells} | {_fmt(row['overhead_pct'])} |")
+    if o.get("scheduler_scaling"):
+        lines += ["", "### Scheduler core time per step against running sequences", "",
+                  "| running seqs | schedule + update µs | µs per sequence |", "|---:|---:|---:|"]
+        for row in o["scheduler_scaling"]:
+            lines.append(f"| {row['running']} | {_fmt(row['us'], 0)} | {_fmt(row['us'] / row['running'], 2)} |")
+    return "\n".join(lines)
+
+
+def kv_section(kv: dict[str, float]) -> str:
+    return "\n".join([
+        "## KV-cache utilization", "",
+        f"Over the {kv['steps']:.0f} steps of the llmserve serving run above, tokens stored / slots allocated "
+        f"averaged {kv['mean_pct']:.1f} % (lowest step: {kv['min_pct']:.1f} %): {100 - kv['mean_pct']:.1f} % of the "
+        "allocated KV slots held nothing, the unfilled tails of each sequence's last block (the PagedAttention "
+        "paper's claim: under 4 % waste).",
+    ])
+
+
+def plots(r: dict[str, Any]) -> list[str]:
+    """Throughput against concurrency and latency CDFs (PNG); none when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    sweep = sorted(r["concurrency_sweep"], key=lambda p: p["concurrency"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["concurrency"] for p in sweep], [p["output_tokens"] / p["duration_s"] for p in sweep], marker="o",
+            label="llmserve")
+    if "hf_continuous_batching" in r:
+        hf = r["hf_continuous_batching"]
+        ax.axhline(hf["output_tokens"] / hf["duration_s"], color="gray", linestyle="--",
+                   label="transformers continuous batching (all at once)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    path = DOCS / "bench-throughput-concurrency.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(str(path))
+    cdfs = r.get("latency_samples", {})
+    if cdfs:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, metric in zip(axes, ("ttft_ms", "e2e_ms")):
+            for backend, samples in cdfs.items():
+                values = sorted(samples[metric])
+                if values:
+                    ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=backend)
+            ax.set_xlabel(metric.replace("_ms", " (ms)").upper())
+            ax.set_ylabel("fraction of requests")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        path = DOCS / "bench-latency-cdf.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--serving", type=Path, default=SERVING)
+    parser.add_argument("--overhead", type=Path, default=OVERHEAD)
+    parser.add_argument("--output", type=Path, default=DOCS / "benchmarks.md")
+    args = parser.parse_args()
+    DOCS.mkdir(exist_ok=True)
+    sections = ["# Benchmarks", "",
+                "Written by `make bench` (`benchmarks/serving.py`, `benchmarks/overhead.py`, then "
+                "`benchmarks/report.py`) from the results of one run of the code in this tree."]
+    if args.serving.exists():
+        serving = json.loads(args.serving.read_text())
+        sections += ["", serving_section(serving, plots(serving))]
+        if serving.get("kv_utilization"):
+            sections += ["", kv_section(serving["kv_utilization"])]
+    if args.overhead.exists():
+        sections += ["", overhead_section(json.loads(args.overhead.read_text()))]
+    previous = DOCS / "benchmarks-history.md"
+    if previous.exists():
+        sections += ["", previous.read_text().strip()]
+    args.output.write_text("\n".join(sections) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

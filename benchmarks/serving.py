@@ -1,0 +1,166 @@
+"""Serving benchmark: llmserve against transformers on the same machine, weights and prompts.
+
+    python -m benchmarks.serving [--num-requests 64] [--rate inf] [--max-concurrency N] [--quick]
+
+One run, in this order, every result written to a JSON file
+(`benchmarks/results/serving.json` by default):
+
+1. llmserve (Redis + worker + scheduler as separate processes, the default
+   model) on the workload, all requests at once (or Poisson arrivals at
+   `--rate`);
+2. llmserve at increasing concurrency limits (throughput against concurrency);
+3. prefix caching: TTFT on a shared-prefix workload, with and without it;
+4. transformers continuous batching and static batching on the same prompts.
+
+`python -m benchmarks.report` turns the JSON into docs/benchmarks.md and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests, shared_prefix_requests
+from benchmarks.hf_baselines import run_continuous_batching, run_static_batching
+from benchmarks.llmserve_driver import run_llmserve
+from benchmarks.metrics import RequestTiming, Summary, summarize
+from llmserve.local_cluster import ClusterSpec, LocalCluster
+from scheduler_service.step_profile import read_profiles
+from shared.default_model import prepare_default_model
+
+RESULTS = Path("benchmarks/results/serving.json")
+
+
+def _kv_utilization(profile: Path) -> dict[str, float] | None:
+    """Tokens stored / slots allocated over the steps of a run (steps with at least one block in use)."""
+    if not profile.exists():
+        return None
+    ratios = [p.kv_tokens / p.kv_slots * 100 for p in read_profiles(profile) if p.kv_slots]
+    if not ratios:
+        return None
+    return {"mean_pct": sum(ratios) / len(ratios), "min_pct": min(ratios), "steps": len(ratios)}
+
+
+def _cluster(model: str, scheduler_args: list[str] | None = None) -> LocalCluster:
+    # Room for 64 concurrent requests of up to 384 tokens (64 * 24 blocks of 16), plus headroom.
+    worker_args = ["--num-gpu-blocks-override", "2048", "--max-model-len", "2048"]
+    return LocalCluster(ClusterSpec(model=model, worker_args=worker_args, scheduler_args=scheduler_args or []))
+
+
+def _llmserve(address: str, requests: list[BenchRequest], label: str, rate: float = float("inf"),
+              max_concurrency: int | None = None) -> tuple[Summary, list[RequestTiming]]:
+    timings, duration = run_llmserve(address, requests, rate, max_concurrency, label=label)
+    return summarize(label, timings, duration), timings
+
+
+def _samples(timings: list[RequestTiming]) -> dict[str, list[float]]:
+    """Per-request TTFT and end-to-end latency (ms), for the CDF plots."""
+    ok = [t for t in timings if not t.error and t.output_len]
+    return {"ttft_ms": [t.ttft * 1e3 for t in ok], "e2e_ms": [t.e2e * 1e3 for t in ok]}
+
+
+def _warm_up(address: str, vocab_size: int) -> None:
+    run_llmserve(address, random_requests(WorkloadSpec(num_requests=2, input_len=(16, 16), output_len=(4, 4)),
+                                          vocab_size), label="warm-up")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson); inf = all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16],
+                        help="concurrency limits of the sweep (2 x limit requests each)")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true", help="llmserve only")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = str(prepare_default_model())
+    spec = WorkloadSpec(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed)
+    from transformers import AutoConfig
+
+    vocab_size = AutoConfig.from_pretrained(model).vocab_size
+    requests = random_requests(spec, vocab_size)
+    results: dict[str, object] = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {_cpu_count()} CPU cores, torch {torch.__version__}",
+        "workload": spec.describe(),
+        "rate": args.rate,
+        "max_concurrency": args.max_concurrency,
+    }
+    started = time.perf_counter()
+    profile = Path(tempfile.mkdtemp()) / "steps.jsonl"
+    with _cluster(model, ["--profile-steps", str(profile)]) as cluster:
+        _warm_up(cluster.address, vocab_size)
+        main_run, main_timings = _llmserve(cluster.address, requests, "llmserve", args.rate, args.max_concurrency)
+        results["llmserve"] = asdict(main_run)
+        results["latency_samples"] = {"llmserve": _samples(main_timings)}
+        _print(main_run)
+        sweep = []
+        for limit in args.concurrency:
+            subset = random_requests(WorkloadSpec(2 * limit, spec.input_len, spec.output_len, args.seed + limit),
+                                     vocab_size)
+            point, _ = _llmserve(cluster.address, subset, f"llmserve, concurrency {limit}", max_concurrency=limit)
+            sweep.append({"concurrency": limit, **asdict(point)})
+            _print(point)
+        sweep.append({"concurrency": args.num_requests, **asdict(main_run)})
+        results["concurrency_sweep"] = sweep
+    results["kv_utilization"] = _kv_utilization(profile)
+    results["prefix_caching"] = _prefix_caching(model, vocab_size)
+    if not args.skip_hf:
+        cb, cb_timings = run_continuous_batching(model, requests)
+        results["latency_samples"]["hf continuous batching"] = _samples(cb_timings)  # type: ignore[index]
+        static = run_static_batching(model, requests, args.hf_batch_size)
+        for summary in (cb, static):
+            _print(summary)
+        results["hf_continuous_batching"] = asdict(cb)
+        results["hf_static_batching"] = asdict(static)
+        results["ratio_vs_hf_continuous"] = main_run.output_throughput / cb.output_throughput
+        results["ratio_vs_hf_static"] = main_run.output_throughput / static.output_throughput
+    results["total_seconds"] = time.perf_counter() - started
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.output}")
+
+
+def _prefix_caching(model: str, vocab_size: int) -> dict[str, object]:
+    """TTFT of a shared-prefix workload (4 prefixes of 192 tokens), with and without prefix caching."""
+    requests = shared_prefix_requests(32, prefix_len=192, suffix_len=32, output_len=16, vocab_size=vocab_size)
+    out: dict[str, object] = {"workload": "32 requests, 4 shared prefixes of 192 tokens + 32 own, 16 output tokens, "
+                                          "8 at a time"}
+    for label, flags in (("without", []), ("with", ["--enable-prefix-caching"])):
+        with _cluster(model, flags) as cluster:
+            _warm_up(cluster.address, vocab_size)
+            summary, _ = _llmserve(cluster.address, requests, f"prefix caching {label}", max_concurrency=8)
+            out[label] = asdict(summary)
+            _print(summary)
+    return out
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _print(s: Summary) -> None:
+    ttft = f", TTFT median {s.ttft_ms.median:.0f} ms" if s.ttft_ms else ""
+    print(f"{s.backend}: {s.output_throughput:.1f} output tok/s, {s.request_throughput:.2f} req/s in "
+          f"{s.duration_s:.1f} s ({s.completed} ok, {s.failed} failed){ttft}")
+
+
+if __name__ == "__main__":
+    main()
