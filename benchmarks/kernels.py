@@ -16,12 +16,20 @@ the context's keys and values plus query and output), so every row's GB/s
 is comparable, and "% copy" relates it to a measured same-device copy.
 A GPU run writes the table to docs/kernels.md, a CPU run (a small grid, the
 CPU backend: the CUDA kernels need a GPU) to docs/kernels-cpu.md.
+
+CPU timings are only meaningful on an idle machine: torch runs each op on
+every core and waits for all of them at the op's end, so another busy process
+makes an op wait for a descheduled thread (OpenMP threads spin while they
+wait, which makes it worse). Kernels made of many ops suffer most: paged
+attention measured 10-40x slower with the cores shared. The table therefore
+records the load average before and after the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,7 +139,20 @@ def measure(case: Case, backend: kernels.KernelBackend, device: torch.device) ->
     return [Row(name, case.batch, case.context, time_ms(fn, device), nbytes) for name, fn, nbytes in timed]
 
 
-def to_markdown(rows: list[Row], copy_gbs: float, device_name: str, dtype: torch.dtype) -> str:
+def load_note(before: tuple[float, float, float], after: tuple[float, float, float]) -> str:
+    """A line giving the machine's load average before and after the run, for judging CPU timings."""
+    cores = os.cpu_count() or 1
+    note = (
+        f"Load average (1 / 5 / 15 min) before the run: {' / '.join(f'{v:.2f}' for v in before)}, "
+        f"after: {' / '.join(f'{v:.2f}' for v in after)}, on {cores} CPUs with {torch.get_num_threads()} torch threads"
+    )
+    # Before the run nothing of ours is running, so any load there is someone else's.
+    if before[0] >= 0.5:
+        note += " (**other processes were busy: CPU timings are unreliable, rerun on an idle machine**)"
+    return note + "."
+
+
+def to_markdown(rows: list[Row], copy_gbs: float, device_name: str, dtype: torch.dtype, load: str) -> str:
     lines = [
         "# Kernel benchmark" + (" (CPU)" if device_name.startswith("cpu") else ""),
         "",
@@ -141,6 +162,7 @@ def to_markdown(rows: list[Row], copy_gbs: float, device_name: str, dtype: torch
         f"Measured same-device copy bandwidth: **{copy_gbs:.1f} GB/s** (read + write).",
         "Bytes are the minimum each operation must move; GB/s = bytes / time; % copy = GB/s / copy bandwidth",
         "(above 100 %: the working set stayed in caches; the copy is measured on a buffer larger than them).",
+        load,
         "",
         "| op | batch | context | time (ms) | MB moved | GB/s | % copy |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -168,13 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     backend = kernels.get_backend(device)
+    load_before = os.getloadavg()
     copy_gbs = copy_bandwidth_gbs(device, megabytes=512 if on_gpu else 64)
     print(f"{device_name}: copy bandwidth {copy_gbs:.1f} GB/s")
     cases = [(b, c) for b in grid["batches"] for c in grid["contexts"]]
     rows: list[Row] = []
     for batch, context in tqdm(cases, desc="kernel benchmark", unit="case"):
         rows.extend(measure(Case(batch, context, dtype, device), backend, device))
-    table = to_markdown(rows, copy_gbs, device_name, dtype)
+    table = to_markdown(rows, copy_gbs, device_name, dtype, load_note(load_before, os.getloadavg()))
     print(table)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(table)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -87,20 +88,24 @@ class KernelBackend:
     context_attention: ContextAttentionFn
 
 
+def _backend_of(name: str, module: ModuleType) -> KernelBackend:
+    return KernelBackend(
+        name=name,
+        reshape_and_cache=module.reshape_and_cache,
+        copy_blocks=module.copy_blocks,
+        swap_blocks=module.swap_blocks,
+        paged_attention=module.paged_attention,
+        context_attention=module.context_attention,
+    )
+
+
 @functools.cache
 def _cpu_backend() -> KernelBackend:
     # Imported here so that `kernels.backend` stays importable by the CUDA
     # backend without pulling in the CPU implementation.
     from kernels import cpu
 
-    return KernelBackend(
-        name="cpu",
-        reshape_and_cache=cpu.reshape_and_cache,
-        copy_blocks=cpu.copy_blocks,
-        swap_blocks=cpu.swap_blocks,
-        paged_attention=cpu.paged_attention,
-        context_attention=cpu.context_attention,
-    )
+    return _backend_of("cpu", cpu)
 
 
 @functools.cache
@@ -108,14 +113,7 @@ def _cuda_backend() -> KernelBackend:
     # Imported on first use: it imports numba.cuda, which CPU-only workers never need.
     from kernels import cuda
 
-    return KernelBackend(
-        name="cuda",
-        reshape_and_cache=cuda.reshape_and_cache,
-        copy_blocks=cuda.copy_blocks,
-        swap_blocks=cuda.swap_blocks,
-        paged_attention=cuda.paged_attention,
-        context_attention=cuda.context_attention,
-    )
+    return _backend_of("cuda", cuda)
 
 
 def get_backend(device: torch.device | str) -> KernelBackend:

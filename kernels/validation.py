@@ -1,15 +1,17 @@
-"""Argument checks shared by all kernel backends.
+"""Argument checks shared by all kernel backends: the building blocks.
 
 Kernels are called with tensors built far away (scheduler metadata, model
 activations), so a wrong shape must fail loudly with the argument's name
-instead of silently reading another sequence's cache. Checks here look only at
-shapes, dtypes and devices (no data), so they cost nothing on a GPU; checks
-that read data live in the backends, where their cost is known.
+instead of silently reading another sequence's cache. Every backend runs the
+same checks (here, :mod:`kernels.attention_checks` and
+:mod:`kernels.cache_op_checks`), so both reject the same inputs with the same
+messages. Most look only at shapes, dtypes and devices; the few that read data
+(block ids, context lengths) read back one small result per call, which on a
+GPU is one synchronization.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -92,49 +94,20 @@ def check_block_mapping(name: str, value: object) -> torch.Tensor:
     return mapping
 
 
-def check_attention_common(
-    *,
-    out: object,
-    query: object,
-    key_cache: object,
-    value_cache: object,
-    num_kv_heads: object,
-    scale: object,
-    block_size: object,
-    alibi_slopes: object,
-    sliding_window: object,
-) -> KVCacheDims:
-    """Checks shared by decode and prefill attention; returns the cache sizes."""
-    dims = check_kv_cache_pair(key_cache, value_cache)
-    query = check_tensor("query", query, 3)
-    out = check_tensor("out", out, 3)
-    if not query.dtype.is_floating_point:
-        raise ValueError(f"query must be floating point, got {query.dtype}")
-    if tuple(out.shape) != tuple(query.shape):
-        raise ValueError(f"out shape {tuple(out.shape)} must equal query shape {tuple(query.shape)}")
-    if not out.dtype.is_floating_point:
-        raise ValueError(f"out must be floating point, got {out.dtype}")
-    num_heads, head_size = query.shape[1], query.shape[2]
-    num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
-    if num_kv_heads != dims.num_kv_heads:
-        raise ValueError(f"num_kv_heads={num_kv_heads} but key_cache has {dims.num_kv_heads} kv heads")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of num_kv_heads={num_kv_heads}")
-    if head_size != dims.head_size:
-        raise ValueError(f"query head size {head_size} does not match the cache head size {dims.head_size}")
-    block_size = check_positive_int("block_size", block_size)
-    if block_size != dims.block_size:
-        raise ValueError(f"block_size={block_size} but key_cache has block size {dims.block_size}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    if alibi_slopes is not None:
-        slopes = check_tensor("alibi_slopes", alibi_slopes, 1)
-        if slopes.shape[0] != num_heads or not slopes.dtype.is_floating_point:
-            raise ValueError(
-                f"alibi_slopes must be a floating tensor of shape [{num_heads}], "
-                f"got {slopes.dtype} {tuple(slopes.shape)}"
-            )
-    if sliding_window is not None:
-        check_positive_int("sliding_window", sliding_window)
-    check_same_device(key_cache=key_cache, query=query, out=out)
-    return dims
+def check_block_ids(name: str, block_ids: torch.Tensor, num_blocks: int) -> None:
+    """Raise ValueError (naming ``name``) unless every id is in ``[0, num_blocks)``."""
+    if block_ids.numel():
+        low, high = (int(v) for v in torch.aminmax(block_ids))
+        check_block_id_range(name, low, high, num_blocks)
+
+
+def check_block_id_range(name: str, low: int, high: int, num_blocks: int) -> None:
+    """Raise ValueError unless ids whose minimum is ``low`` and maximum ``high`` are in ``[0, num_blocks)``."""
+    if low < 0 or high >= num_blocks:
+        raise ValueError(f"{name} has block ids in [{low}, {high}], outside [0, {num_blocks})")
+
+
+def check_distinct(name: str, ids: torch.Tensor) -> None:
+    """Raise ValueError if ``ids`` repeats a value (two copies into one block would race on a GPU)."""
+    if ids.numel() != torch.unique(ids).numel():
+        raise ValueError(f"{name} has repeated destination blocks: {ids.tolist()}")

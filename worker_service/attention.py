@@ -77,6 +77,7 @@ def paged_attention_forward(
         scaling = q.shape[-1] ** -0.5
     # Models with sliding-window layers (Mistral) pass the window per call.
     sliding_window = kwargs.get("sliding_window")
+    meta.key_caches.wait_for_layer(layer)  # blocks swapped in this step (a GPU side stream) must have landed
     key_cache = meta.key_caches[layer]
     value_cache = meta.value_caches[layer]
     backend = meta.backend

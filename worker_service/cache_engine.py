@@ -1,13 +1,20 @@
-"""The paged KV cache: device blocks, host swap blocks, and the block operations."""
+"""The paged KV cache: how many blocks fit, device blocks, host swap blocks, and the block operations."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import KernelBackend, allocate_kv_cache
 from worker_service.model_loader import ModelShape
+
+if TYPE_CHECKING:
+    from kernels.cuda import LayerSwapper
+
+_GIB = 1 << 30
 
 
 class CacheSizeError(ValueError):
@@ -28,6 +35,39 @@ class CacheSizing:
     num_cpu_blocks: int
 
 
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Device memory measured around a profiling forward pass (see :mod:`worker_service.profiler`).
+
+    total_bytes: the device's memory.
+    peak_bytes: memory in use at the pass's peak, by everything on the device:
+    this process's weights and activations, the CUDA context, other processes.
+    num_tokens: tokens the pass computed (the step size the peak holds for).
+    """
+
+    total_bytes: int
+    peak_bytes: int
+    num_tokens: int
+
+
+def gpu_cache_bytes(profile: MemoryProfile, gpu_memory_utilization: float) -> int:
+    """Bytes left for the KV cache on a GPU, by vLLM's rule: ``utilization * total - peak``.
+
+    Raises CacheSizeError when the model's peak alone reaches the allowed memory.
+    """
+    allowed = int(profile.total_bytes * gpu_memory_utilization)
+    budget = allowed - profile.peak_bytes
+    if budget <= 0:
+        raise CacheSizeError(
+            f"no GPU memory is left for the KV cache: a {profile.num_tokens}-token step peaks at "
+            f"{profile.peak_bytes / _GIB:.2f} GiB (weights, activations, other processes) but "
+            f"--gpu-memory-utilization={gpu_memory_utilization} allows {allowed / _GIB:.2f} GiB of the device's "
+            f"{profile.total_bytes / _GIB:.2f} GiB; raise --gpu-memory-utilization, lower --max-model-len "
+            "or free the GPU"
+        )
+    return budget
+
+
 def size_cache(
     shape: ModelShape,
     block_size: int,
@@ -36,8 +76,12 @@ def size_cache(
     swap_bytes: int,
     max_model_len: int,
     num_gpu_blocks_override: int | None = None,
+    memory_flag: str = "--kv-cache-memory",
 ) -> CacheSizing:
-    """Number of device and host blocks; fails when one max-length sequence cannot fit."""
+    """Number of device and host blocks; fails when one max-length sequence cannot fit.
+
+    ``memory_flag`` names the flag that gives the device cache more memory, for the error.
+    """
     per_block = block_bytes(shape, block_size, dtype)
     num_gpu = num_gpu_blocks_override or device_bytes // per_block
     needed = -(-max_model_len // block_size)
@@ -52,13 +96,32 @@ def size_cache(
         raise CacheSizeError(
             f"the KV cache holds {num_gpu} blocks of {block_size} tokens ({num_gpu * block_size} tokens), "
             f"fewer than {what} needs ({needed} blocks); "
-            "give the cache more memory (--kv-cache-memory) or lower --max-model-len"
+            f"give the cache more memory ({memory_flag}) or lower --max-model-len"
         )
     return CacheSizing(num_gpu_blocks=num_gpu, num_cpu_blocks=swap_bytes // per_block)
 
 
+class LayerCaches(list[torch.Tensor]):
+    """One cache tensor per layer that also knows when each layer's swapped blocks are readable.
+
+    The attention function reaches the caches only through the lists handed to
+    ``build_inputs``; the per-layer swap wait travels with them, so layer ``i``
+    calls ``wait_for_layer(i)`` before it touches its cache.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], wait_for_layer: Callable[[int], None]) -> None:
+        super().__init__(tensors)
+        self.wait_for_layer = wait_for_layer
+
+
 class CacheEngine:
-    """Owns the per-layer key/value caches on the device and in host memory."""
+    """Owns the per-layer key/value caches on the device and in host memory.
+
+    On a GPU, swaps run on a side stream (:class:`kernels.cuda.LayerSwapper`)
+    with one event per layer, so a step's swaps overlap with its forward pass
+    and layer ``i`` waits (:meth:`wait_for_layer`) only for its own blocks. On a
+    CPU, swaps are synchronous and waits return at once.
+    """
 
     def __init__(
         self,
@@ -72,10 +135,16 @@ class CacheEngine:
         self.block_size = block_size
         self.sizing = sizing
         self._backend = backend
+        self._swapper: LayerSwapper | None = None
+        if device.type == "cuda":
+            # Imported only on a GPU: it imports numba.cuda, which CPU workers never need.
+            from kernels.cuda import LayerSwapper  # noqa: PLC0415
+
+            self._swapper = LayerSwapper(shape.num_layers, device)
         args = (shape.num_layers, shape.num_kv_heads, shape.head_size, block_size, dtype)
-        self.key_caches, self.value_caches = allocate_kv_cache(
-            args[0], sizing.num_gpu_blocks, *args[1:], device=device
-        )
+        key_caches, value_caches = allocate_kv_cache(args[0], sizing.num_gpu_blocks, *args[1:], device=device)
+        self.key_caches = LayerCaches(key_caches, self.wait_for_layer)
+        self.value_caches = LayerCaches(value_caches, self.wait_for_layer)
         # Host blocks are pinned on a GPU so swaps run asynchronously.
         pin = device.type == "cuda"
         self.cpu_key_caches: list[torch.Tensor] = []
@@ -84,6 +153,11 @@ class CacheEngine:
             self.cpu_key_caches, self.cpu_value_caches = allocate_kv_cache(
                 args[0], sizing.num_cpu_blocks, *args[1:], device=torch.device("cpu"), pin_memory=pin
             )
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Make the device's current stream wait until ``layer``'s swapped blocks are in place."""
+        if self._swapper is not None:
+            self._swapper.wait(layer)
 
     def _check(self, pairs: list[tuple[int, int]], src_blocks: int, dst_blocks: int, what: str) -> None:
         for src, dst in pairs:
@@ -105,6 +179,11 @@ class CacheEngine:
             return
         self._check(pairs, n_src, n_dst, what)
         mapping = torch.tensor(pairs, dtype=torch.int64)
+        if self._swapper is not None:
+            # Queued behind this step's earlier swaps on the side stream: a swap-out's
+            # freed blocks are read before a swap-in (or the forward pass) rewrites them.
+            self._swapper.swap(src_k, src_v, dst_k, dst_v, mapping)
+            return
         for layer in range(len(src_k)):
             self._backend.swap_blocks(src_k[layer], dst_k[layer], mapping)
             self._backend.swap_blocks(src_v[layer], dst_v[layer], mapping)
@@ -115,5 +194,8 @@ class CacheEngine:
             return
         n = self.sizing.num_gpu_blocks
         self._check(pairs, n, n, "copy")
+        if self._swapper is not None:
+            # One launch copies every layer, possibly blocks swapped in this step: wait for all swaps.
+            self._swapper.wait_all()
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.key_caches[0].device)
         self._backend.copy_blocks(self.key_caches, self.value_caches, mapping)

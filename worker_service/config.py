@@ -16,7 +16,9 @@ class WorkerConfig:
     model: local Hugging Face checkpoint directory (config.json + safetensors).
     dtype: "auto" picks float32 on a CPU and the checkpoint's dtype (at least 16-bit) on a GPU.
     block_size: tokens per KV-cache block.
-    kv_cache_memory_gib: memory given to the device KV cache when no override is set.
+    kv_cache_memory_gib: memory given to the KV cache on a CPU, when no override is set.
+    gpu_memory_utilization: fraction of a GPU's memory for weights, activations and the KV cache;
+        the cache gets what a profiling step leaves (vLLM's rule), when no override is set.
     num_gpu_blocks_override: exact number of device blocks (tests, tuning).
     swap_space_gib: host memory for swapped-out blocks.
     max_model_len: longest sequence accepted; 0 takes the model's max_position_embeddings.
@@ -27,6 +29,7 @@ class WorkerConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     swap_space_gib: float = 0.0
     max_model_len: int = 0
@@ -45,6 +48,8 @@ class WorkerConfig:
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}.")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if self.swap_space_gib < 0:

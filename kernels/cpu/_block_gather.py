@@ -59,12 +59,3 @@ def unwritten_slots(
     holds_last = (block == last) | (~used & (last <= 0))  # [S, nblk]
     return torch.nonzero(holds_last[:, :, None] & past_end[:, None, :], as_tuple=True)
 
-
-def check_block_ids(name: str, block_ids: torch.Tensor, num_blocks: int) -> None:
-    """Raise ValueError (naming ``name``) unless every id is in ``[0, num_blocks)``."""
-    # Reads data, but only a small index tensor, once per call (or chunk).
-    if block_ids.numel() == 0:
-        return
-    low, high = (int(v) for v in torch.aminmax(block_ids))
-    if low < 0 or high >= num_blocks:
-        raise ValueError(f"{name} has block ids in [{low}, {high}], outside [0, {num_blocks})")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu._block_gather import check_block_ids, compute_dtype_for, contiguous_as, gather_blocks, unwritten_slots
-from kernels.validation import KVCacheDims, check_attention_common, check_int_tensor, check_same_device
+from kernels.attention_checks import check_context_attention_args, check_paged_attention_args
+from kernels.cpu._block_gather import compute_dtype_for, contiguous_as, gather_blocks, unwritten_slots
+from kernels.validation import KVCacheDims
 
 # Sequences per decode chunk are chosen so that one chunk gathers about this many
 # key elements (4 MiB in float32). Padding every sequence to the longest context
@@ -58,48 +59,17 @@ def paged_attention(
     masked; when the gathered keys would exceed a few MiB the batch is split
     into chunks of sequences (see ``_DECODE_GATHER_BUDGET``).
     """
-    dims = check_attention_common(
-        out=out,
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        num_kv_heads=num_kv_heads,
-        scale=scale,
-        block_size=block_size,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-    )
-    num_seqs = query.shape[0]
-    block_tables = check_int_tensor("block_tables", block_tables, 2)
-    context_lens = check_int_tensor("context_lens", context_lens, 1)
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but query has {num_seqs} sequences")
-    if context_lens.shape[0] != num_seqs:
-        raise ValueError(f"context_lens has {context_lens.shape[0]} entries but query has {num_seqs} sequences")
-    if isinstance(max_context_len, bool) or not isinstance(max_context_len, int) or max_context_len < 0:
-        raise ValueError(f"max_context_len must be a non-negative int, got {max_context_len!r}")
-    check_same_device(query=query, block_tables=block_tables, context_lens=context_lens)
-    if num_seqs == 0:
-        return
-    shortest, longest = (int(v) for v in torch.aminmax(context_lens))
-    if shortest < 0:
-        raise ValueError(f"context_lens must be >= 0, got minimum {shortest}")
-    if longest > max_context_len:
-        raise ValueError(f"context_lens has {longest} > max_context_len={max_context_len}")
-    needed_blocks = -(-longest // dims.block_size)
-    if needed_blocks > block_tables.shape[1]:
-        raise ValueError(
-            f"block_tables has {block_tables.shape[1]} columns but a context of {longest} tokens "
-            f"needs {needed_blocks} blocks of {dims.block_size}"
-        )
-
-    if longest == 0:
+    dims, longest = check_paged_attention_args(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, context_lens, block_size,
+        max_context_len, alibi_slopes, sliding_window,
+    )  # fmt: skip
+    if longest == 0:  # also an empty batch
         out.zero_()
         return
 
-    # Pad to the longest context actually present (already read for the check
-    # above); max_context_len is only an upper bound and may be loose.
-    num_logical_blocks = needed_blocks
+    # Pad to the longest context actually present (read by the checks);
+    # max_context_len is only an upper bound and may be loose.
+    num_logical_blocks = -(-longest // dims.block_size)
     if sliding_window is not None:
         # The last w positions span at most this many blocks, wherever they start;
         # reading only those makes windowed decode cost O(w), not O(context).
@@ -108,7 +78,7 @@ def paged_attention(
     chunk = max(1, _DECODE_GATHER_BUDGET // per_seq)
     compute_dtype = compute_dtype_for(query.dtype, key_cache.dtype)
     slopes = None if alibi_slopes is None else alibi_slopes.to(device=query.device, dtype=compute_dtype)
-    for start in range(0, num_seqs, chunk):
+    for start in range(0, query.shape[0], chunk):
         rows = slice(start, start + chunk)
         result = _decode_chunk(
             query[rows],
@@ -158,8 +128,8 @@ def _decode_chunk(
     # Entries past the used blocks may hold anything (stale ids, -1). Read the
     # sequence's own first block there instead (block 0 for an empty context):
     # always in bounds, and real cache data rather than another tenant's garbage.
+    # The used entries' ids were range-checked with the arguments.
     physical = torch.where(used, table, torch.where(used[:, :1], table[:, :1], 0))
-    check_block_ids("block_tables (used entries)", physical, dims.num_blocks)
     unwritten = unwritten_slots(used, ctx, logical, block_size)
 
     num_gathered = logical.shape[1]
@@ -227,53 +197,12 @@ def context_attention(
     and attends causally to key positions ``j <= p`` (and ``j > p - sliding_window``);
     ALiBi adds ``slope[h] * (j - p)``.
     """
-    dims = check_attention_common(
-        out=out,
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        num_kv_heads=num_kv_heads,
-        scale=scale,
-        block_size=block_size,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-    )
-    block_tables = check_int_tensor("block_tables", block_tables, 2)
-    query_start_loc = check_int_tensor("query_start_loc", query_start_loc, 1)
-    seq_lens = check_int_tensor("seq_lens", seq_lens, 1)
-    num_seqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_seqs + 1:
-        raise ValueError(
-            f"query_start_loc must have {num_seqs + 1} entries (seq_lens has {num_seqs}), "
-            f"got {query_start_loc.shape[0]}"
-        )
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {num_seqs} sequences")
-    check_same_device(query=query, block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens)
-
-    # The loop below is per sequence, so read the small metadata once up front.
-    starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
-    if starts[0] != 0 or starts[-1] != query.shape[0]:
-        raise ValueError(f"query_start_loc must run from 0 to {query.shape[0]} (num tokens), got {starts}")
-    for b, seq_len in enumerate(lengths):
-        q_len = starts[b + 1] - starts[b]
-        if q_len < 0:
-            raise ValueError(f"query_start_loc must be non-decreasing, got {starts}")
-        if q_len > seq_len:
-            raise ValueError(f"sequence {b}: seq_lens={seq_len} is shorter than its {q_len} queries")
-        if -(-seq_len // dims.block_size) > block_tables.shape[1]:
-            raise ValueError(
-                f"sequence {b}: seq_lens={seq_len} needs more than the {block_tables.shape[1]} "
-                f"block_tables columns with block_size={dims.block_size}"
-            )
-    if num_seqs == 0:
-        return
+    # The loop below is per sequence; the checks read the small metadata once, as lists.
+    dims, starts, lengths = check_context_attention_args(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, query_start_loc, seq_lens,
+        block_size, alibi_slopes, sliding_window,
+    )  # fmt: skip
     table = block_tables.long()
-    blocks_needed = -torch.div(-seq_lens.long(), dims.block_size, rounding_mode="floor")
-    used = torch.arange(table.shape[1], device=table.device) < blocks_needed[:, None]
-    check_block_ids("block_tables (used entries)", table[used], dims.num_blocks)
-
     compute_dtype = compute_dtype_for(query.dtype, key_cache.dtype)
     slopes = None if alibi_slopes is None else alibi_slopes.to(device=query.device, dtype=compute_dtype)
     for b, seq_len in enumerate(lengths):

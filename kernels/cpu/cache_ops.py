@@ -7,14 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu._block_gather import check_block_ids
-from kernels.validation import (
-    check_block_mapping,
-    check_int_tensor,
-    check_kv_cache_pair,
-    check_same_device,
-    check_tensor,
-)
+from kernels.cache_op_checks import check_copy_blocks_args, check_reshape_and_cache_args, check_swap_blocks_args
 
 
 def reshape_and_cache(
@@ -31,25 +24,9 @@ def reshape_and_cache(
     on a GPU, so the result is unspecified). Raises ValueError on bad shapes,
     dtypes, devices, or a slot past the end of the cache.
     """
-    dims = check_kv_cache_pair(key_cache, value_cache)
-    key = check_tensor("key", key, 3)
-    value = check_tensor("value", value, 3)
-    slot_mapping = check_int_tensor("slot_mapping", slot_mapping, 1)
-    expected = (slot_mapping.shape[0], dims.num_kv_heads, dims.head_size)
-    if tuple(key.shape) != expected:
-        raise ValueError(f"key shape must be {expected} (tokens, kv heads, head size), got {tuple(key.shape)}")
-    if tuple(value.shape) != expected:
-        raise ValueError(f"value shape must be {expected} (tokens, kv heads, head size), got {tuple(value.shape)}")
-    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
-        raise ValueError(f"key/value dtypes ({key.dtype}, {value.dtype}) must equal the cache dtype {key_cache.dtype}")
-    check_same_device(key_cache=key_cache, key=key, value=value, slot_mapping=slot_mapping)
+    dims = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     if slot_mapping.numel() == 0:
         return
-
-    num_slots = dims.num_blocks * dims.block_size
-    max_slot = int(slot_mapping.max())
-    if max_slot >= num_slots:
-        raise ValueError(f"slot_mapping has slot {max_slot} but the cache has only {num_slots} slots")
 
     # Drop padding tokens up front rather than clamping them to a dummy slot:
     # a dummy slot would be a real slot that some sequence owns. Most batches
@@ -69,12 +46,6 @@ def reshape_and_cache(
     value_cache[block_ids, :, :, offsets] = value
 
 
-def _check_distinct(name: str, ids: torch.Tensor) -> None:
-    # Two copies into one block would race on a GPU; refuse rather than pick a winner.
-    if ids.numel() != torch.unique(ids).numel():
-        raise ValueError(f"{name} has repeated destination blocks: {ids.tolist()}")
-
-
 def copy_blocks(
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
@@ -85,20 +56,10 @@ def copy_blocks(
     Used for copy-on-write of shared prefix blocks. All sources are read before
     any destination is written, and destinations must be distinct.
     """
-    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
-        raise ValueError("key_caches and value_caches must be lists of tensors")
-    if len(key_caches) != len(value_caches):
-        raise ValueError(f"key_caches has {len(key_caches)} layers but value_caches has {len(value_caches)}")
-    block_mapping = check_block_mapping("block_mapping", block_mapping)
-    if block_mapping.shape[0] == 0 or len(key_caches) == 0:
+    ids = check_copy_blocks_args(key_caches, value_caches, block_mapping)
+    if ids is None:
         return
-    dims = [check_kv_cache_pair(k, v) for k, v in zip(key_caches, value_caches)]
-    num_blocks = min(d.num_blocks for d in dims)
-    src = block_mapping[:, 0].long()
-    dst = block_mapping[:, 1].long()
-    check_block_ids("block_mapping[:, 0] (src)", src, num_blocks)
-    check_block_ids("block_mapping[:, 1] (dst)", dst, num_blocks)
-    _check_distinct("block_mapping[:, 1] (dst)", dst)
+    src, dst = ids
 
     # Cache the index tensors per device: layers normally share one device.
     per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -120,22 +81,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     with equal shapes except the number of blocks, and may live on different
     devices (swap out to / in from CPU memory). Destinations must be distinct.
     """
-    for name, tensor in (("src", src), ("dst", dst)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must be a cache tensor [num_blocks, ...], got {got}")
-    if tuple(src.shape[1:]) != tuple(dst.shape[1:]):
-        raise ValueError(f"src block shape {tuple(src.shape[1:])} differs from dst block shape {tuple(dst.shape[1:])}")
-    if src.dtype != dst.dtype:
-        raise ValueError(f"src dtype {src.dtype} differs from dst dtype {dst.dtype}")
-    block_mapping = check_block_mapping("block_mapping", block_mapping)
-    if block_mapping.shape[0] == 0:
+    ids = check_swap_blocks_args(src, dst, block_mapping)
+    if ids is None:
         return
-    src_ids = block_mapping[:, 0].long()
-    dst_ids = block_mapping[:, 1].long()
-    check_block_ids("block_mapping[:, 0] (src)", src_ids, src.shape[0])
-    check_block_ids("block_mapping[:, 1] (dst)", dst_ids, dst.shape[0])
-    _check_distinct("block_mapping[:, 1] (dst)", dst_ids)
+    src_ids, dst_ids = ids
     # Gather on the source device, move the compact batch of blocks once,
     # scatter on the destination device.
     blocks = src.index_select(0, src_ids.to(src.device)).to(dst.device)

@@ -13,15 +13,10 @@ import numpy as np
 import torch
 
 from kernels.cuda import attention_kernels as ak
-from kernels.cuda._checks import (
-    check_attention_kernel_shape,
-    check_decode_metadata,
-    check_dtypes,
-    check_on_kernel_device,
-    check_prefill_metadata,
-)
+from kernels.attention_checks import check_context_attention_args, check_paged_attention_args
+from kernels.cuda._checks import check_attention_kernel_shape, check_dtypes, check_on_kernel_device
 from kernels.cuda._device import kernel_array, launch_on
-from kernels.validation import KVCacheDims, check_attention_common
+from kernels.validation import KVCacheDims
 
 # vLLM's v2 choice: partitions of 512 positions, used when a long context
 # would otherwise leave the GPU idle or overflow shared memory.
@@ -70,20 +65,12 @@ def paged_attention(
     must divide 32. Long contexts with few sequences use the partitioned kernel
     (see :func:`partition_size_for`).
     """
-    dims = check_attention_common(
-        out=out,
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        num_kv_heads=num_kv_heads,
-        scale=scale,
-        block_size=block_size,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-    )
-    longest = check_decode_metadata(query, block_tables, context_lens, max_context_len, dims, sliding_window)
+    dims, longest = check_paged_attention_args(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, context_lens, block_size,
+        max_context_len, alibi_slopes, sliding_window,
+    )  # fmt: skip
     _check_kernel_inputs(out, query, key_cache, value_cache, dims)
-    if longest is None:
+    if query.shape[0] == 0:
         return
     row_seq = torch.arange(query.shape[0], dtype=torch.int32, device=query.device)
     _attend(
@@ -111,18 +98,10 @@ def context_attention(
     Query ``i`` of sequence ``b`` sits at position ``p = seq_lens[b] - q_len_b + i``
     and becomes one kernel row with context ``p + 1`` over block table row ``b``.
     """
-    dims = check_attention_common(
-        out=out,
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        num_kv_heads=num_kv_heads,
-        scale=scale,
-        block_size=block_size,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-    )
-    lengths = check_prefill_metadata(query, block_tables, query_start_loc, seq_lens, dims)
+    dims, _, lengths = check_context_attention_args(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, query_start_loc, seq_lens,
+        block_size, alibi_slopes, sliding_window,
+    )  # fmt: skip
     _check_kernel_inputs(out, query, key_cache, value_cache, dims)
     num_tokens = query.shape[0]
     if num_tokens == 0:

@@ -10,15 +10,9 @@ from __future__ import annotations
 import torch
 from numba import cuda
 
-from kernels.cuda._checks import check_block_ids, check_distinct, check_on_kernel_device
+from kernels.cache_op_checks import check_copy_blocks_args, check_reshape_and_cache_args
+from kernels.cuda._checks import check_on_kernel_device
 from kernels.cuda._device import bits_array, kernel_array, launch_on
-from kernels.validation import (
-    check_block_mapping,
-    check_int_tensor,
-    check_kv_cache_pair,
-    check_same_device,
-    check_tensor,
-)
 
 _MAX_THREADS = 256
 # Caches per copy_blocks launch. Each cache is a 1-D array argument of 56 bytes
@@ -72,26 +66,11 @@ def reshape_and_cache(
 
     One thread block per token; negative slots (padding) return at once.
     """
-    dims = check_kv_cache_pair(key_cache, value_cache)
-    key = check_tensor("key", key, 3)
-    value = check_tensor("value", value, 3)
-    slot_mapping = check_int_tensor("slot_mapping", slot_mapping, 1)
-    expected = (slot_mapping.shape[0], dims.num_kv_heads, dims.head_size)
-    if tuple(key.shape) != expected:
-        raise ValueError(f"key shape must be {expected} (tokens, kv heads, head size), got {tuple(key.shape)}")
-    if tuple(value.shape) != expected:
-        raise ValueError(f"value shape must be {expected} (tokens, kv heads, head size), got {tuple(value.shape)}")
-    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
-        raise ValueError(f"key/value dtypes ({key.dtype}, {value.dtype}) must equal the cache dtype {key_cache.dtype}")
-    check_same_device(key_cache=key_cache, key=key, value=value, slot_mapping=slot_mapping)
+    dims = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     check_on_kernel_device(key_cache=key_cache)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    num_slots = dims.num_blocks * dims.block_size
-    max_slot = int(slot_mapping.max())
-    if max_slot >= num_slots:
-        raise ValueError(f"slot_mapping has slot {max_slot} but the cache has only {num_slots} slots")
     threads = _threads_for(dims.num_kv_heads * dims.head_size)
     with launch_on(key_cache.device) as stream:
         _reshape_and_cache_kernel[num_tokens, threads, stream](
@@ -112,20 +91,10 @@ def copy_blocks(
     (copy-on-write never produces that), the copies go through torch's
     ``index_select`` / ``index_copy_`` instead, which stage the sources.
     """
-    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
-        raise ValueError("key_caches and value_caches must be lists of tensors")
-    if len(key_caches) != len(value_caches):
-        raise ValueError(f"key_caches has {len(key_caches)} layers but value_caches has {len(value_caches)}")
-    block_mapping = check_block_mapping("block_mapping", block_mapping)
-    if block_mapping.shape[0] == 0 or len(key_caches) == 0:
+    ids = check_copy_blocks_args(key_caches, value_caches, block_mapping)
+    if ids is None:
         return
-    dims = [check_kv_cache_pair(k, v) for k, v in zip(key_caches, value_caches)]
-    num_blocks = min(d.num_blocks for d in dims)
-    src = block_mapping[:, 0].long()
-    dst = block_mapping[:, 1].long()
-    check_block_ids("block_mapping[:, 0] (src)", src, num_blocks)
-    check_block_ids("block_mapping[:, 1] (dst)", dst, num_blocks)
-    check_distinct("block_mapping[:, 1] (dst)", dst)
+    src, dst = ids
     caches = [c for pair in zip(key_caches, value_caches) for c in pair]
     check_on_kernel_device(**{f"caches[{i}]": c for i, c in enumerate(caches)})
 

@@ -15,28 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cuda._checks import check_block_ids, check_distinct
-from kernels.validation import check_block_mapping
+from kernels.cache_op_checks import check_swap_blocks_args
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Set ``dst[d] = src[s]`` for each ``(s, d)`` row; semantics of :func:`kernels.cpu.swap_blocks`."""
-    for name, tensor in (("src", src), ("dst", dst)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must be a cache tensor [num_blocks, ...], got {got}")
-    if tuple(src.shape[1:]) != tuple(dst.shape[1:]):
-        raise ValueError(f"src block shape {tuple(src.shape[1:])} differs from dst block shape {tuple(dst.shape[1:])}")
-    if src.dtype != dst.dtype:
-        raise ValueError(f"src dtype {src.dtype} differs from dst dtype {dst.dtype}")
-    block_mapping = check_block_mapping("block_mapping", block_mapping)
-    if block_mapping.shape[0] == 0:
+    ids = check_swap_blocks_args(src, dst, block_mapping)
+    if ids is None:
         return
-    src_ids = block_mapping[:, 0].long()
-    dst_ids = block_mapping[:, 1].long()
-    check_block_ids("block_mapping[:, 0] (src)", src_ids, src.shape[0])
-    check_block_ids("block_mapping[:, 1] (dst)", dst_ids, dst.shape[0])
-    check_distinct("block_mapping[:, 1] (dst)", dst_ids)
+    src_ids, dst_ids = ids
     if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
         # Within one buffer a later copy could read a block an earlier one wrote: stage the sources.
         dst.index_copy_(0, dst_ids.to(dst.device), src.index_select(0, src_ids.to(src.device)))
@@ -112,6 +99,11 @@ class LayerSwapper:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_event(self._events[layer])
+
+    def wait_all(self) -> None:
+        """Make the current stream wait for every queued swap (before work that touches every layer's blocks)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def synchronize(self) -> None:
         """Block the host until every queued swap has finished (before reading swapped-out CPU blocks)."""

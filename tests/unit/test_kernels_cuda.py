@@ -7,12 +7,14 @@ once per process, so a GPU run of these kernels needs a process of its own.
 
 The simulator runs every CUDA thread as a Python thread (~0.2 s per thread
 block of 128), so shapes are tiny: 2 heads, 3 sequences, contexts <= 40.
-Inputs follow test_kernels_cpu.py: NaN-poisoned caches and outputs, permuted
-block tables, ragged contexts (one token, non-multiples of the block size).
+Cases come from tests/kernel_cases.py, as for the CPU kernels: NaN-poisoned caches
+and outputs, permuted block tables, ragged contexts (one token, non-multiples of
+the block size).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -47,19 +49,9 @@ import kernels  # noqa: E402
 import kernels.cuda as kcuda  # noqa: E402
 from kernels.cuda import _dtypes, _warp, attention, cache_ops  # noqa: E402
 from kernels.cuda._device import SIMULATOR  # noqa: E402
-from tests.kernels_reference import (  # noqa: E402
-    ref_context_attention,
-    ref_paged_attention,
-    ref_reshape_and_cache,
-)
-from tests.unit.test_kernels_cpu import (  # noqa: E402
-    TOLERANCE,
-    PagedCache,
-    alibi_slopes_for,
-    nan_like,
-    rel_error,
-    stable_seed,
-)
+from tests import kernel_cases  # noqa: E402
+from tests.kernel_cases import TOLERANCE, PagedCache, config_id, feature_id, rel_error, stable_seed  # noqa: E402
+from tests.kernels_reference import ref_paged_attention, ref_reshape_and_cache  # noqa: E402
 
 assert SIMULATOR, "kernels.cuda must run under the simulator in this test module"
 
@@ -91,58 +83,8 @@ CONFIGS = [
 FEATURES = [(False, None), (True, None), (False, 11), (True, 7), (False, 11), (False, None), (True, None), (True, 7)]
 
 
-def config_id(cfg: tuple) -> str:
-    dtype, h, kvh, d, bs = cfg
-    return f"{str(dtype).removeprefix('torch.')}-h{h}kv{kvh}-d{d}-bs{bs}"
-
-
-def feature_id(feature: tuple) -> str:
-    alibi, window = feature
-    return ("alibi" if alibi else "noalibi") + (f"-win{window}" if window else "")
-
-
-def run_paged(cfg: tuple, context_lens: list[int], use_alibi: bool, sliding_window: int | None, seed: int) -> float:
-    dtype, num_heads, num_kv_heads, head_size, block_size = cfg
-    gen = torch.Generator().manual_seed(seed)
-    cache = PagedCache(context_lens, num_kv_heads, head_size, block_size, dtype, gen)
-    query = torch.randn(len(context_lens), num_heads, head_size, generator=gen).to(dtype)
-    slopes = alibi_slopes_for(num_heads) if use_alibi else None
-    scale = head_size**-0.5
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    out = nan_like(query)
-    kcuda.paged_attention(
-        out, query, cache.key_cache, cache.value_cache, num_kv_heads, scale, cache.block_tables, lens,
-        block_size, max(context_lens), alibi_slopes=slopes, sliding_window=sliding_window,
-    )  # fmt: skip
-    expected = ref_paged_attention(
-        query, cache.key_cache, cache.value_cache, cache.block_tables, lens, scale, slopes, sliding_window
-    )
-    assert out.dtype == dtype
-    return rel_error(out, expected)
-
-
-def run_context(cfg: tuple, seqs: list[tuple[int, int]], use_alibi: bool, sliding_window: int | None, seed: int):
-    """``seqs``: (seq_len, q_len) per sequence; returns the relative error."""
-    dtype, num_heads, num_kv_heads, head_size, block_size = cfg
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [n for n, _ in seqs]
-    cache = PagedCache(seq_lens, num_kv_heads, head_size, block_size, dtype, gen)
-    starts = np.cumsum([0] + [q for _, q in seqs]).tolist()
-    query = torch.randn(starts[-1], num_heads, head_size, generator=gen).to(dtype)
-    slopes = alibi_slopes_for(num_heads) if use_alibi else None
-    scale = head_size**-0.5
-    qsl = torch.tensor(starts, dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    out = nan_like(query)
-    kcuda.context_attention(
-        out, query, cache.key_cache, cache.value_cache, num_kv_heads, scale, cache.block_tables, qsl, lens,
-        block_size, alibi_slopes=slopes, sliding_window=sliding_window,
-    )  # fmt: skip
-    expected = ref_context_attention(
-        query, cache.key_cache, cache.value_cache, cache.block_tables, qsl, lens, scale, slopes, sliding_window
-    )
-    assert out.dtype == dtype
-    return rel_error(out, expected)
+run_paged = functools.partial(kernel_cases.run_paged, kcuda.paged_attention)
+run_context = functools.partial(kernel_cases.run_context, kcuda.context_attention)
 
 
 # ---------------------------------------------------------------- decode attention
