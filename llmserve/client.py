@@ -23,7 +23,11 @@ class Completion:
     completion_tokens: int = 0
     error: str = ""
     # Per generated token, when the request asked for logprobs.
-    logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    # Per prompt token from index prompt_logprobs_start on, when the request asked for prompt_logprobs
+    # (the same for every sequence of the request).
+    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_start: int = 0
 
 
 class GenerationClient:
@@ -57,8 +61,10 @@ class GenerationClient:
     def generate_n(self, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> list[Completion]:
         """Collects the whole stream into one Completion per sequence, in index order."""
         outs: dict[int, Completion] = {}
-        error, usage = "", None
+        error, usage, prompt = "", None, None
         for msg in self.stream(request, timeout):
+            if msg.prompt_logprobs or msg.prompt_logprobs_start:
+                prompt = msg
             for delta in msg.outputs:
                 out = outs.setdefault(delta.index, Completion())
                 out.text += delta.text
@@ -75,6 +81,9 @@ class GenerationClient:
             out.error = error
             if usage is not None:
                 out.prompt_tokens, out.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+            if prompt is not None:
+                out.prompt_logprobs = list(prompt.prompt_logprobs)
+                out.prompt_logprobs_start = prompt.prompt_logprobs_start
         return completions
 
 

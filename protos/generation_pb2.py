@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\"\xb6\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\"H\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x87\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.llmserve.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t2\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\"\xb6\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xdb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.llmserve.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1d\n\x15prompt_logprobs_start\x18\x06 \x01(\r2\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,12 +42,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=331
   _globals['_COMPLETIONDELTA']._serialized_start=334
   _globals['_COMPLETIONDELTA']._serialized_end=516
-  _globals['_TOKENLOGPROBS']._serialized_start=518
-  _globals['_TOKENLOGPROBS']._serialized_end=590
-  _globals['_USAGE']._serialized_start=592
-  _globals['_USAGE']._serialized_end=649
-  _globals['_GENERATERESPONSE']._serialized_start=652
-  _globals['_GENERATERESPONSE']._serialized_end=787
-  _globals['_GENERATION']._serialized_start=790
-  _globals['_GENERATION']._serialized_end=941
+  _globals['_USAGE']._serialized_start=518
+  _globals['_USAGE']._serialized_end=575
+  _globals['_GENERATERESPONSE']._serialized_start=578
+  _globals['_GENERATERESPONSE']._serialized_end=797
+  _globals['_GENERATION']._serialized_start=800
+  _globals['_GENERATION']._serialized_end=951
 # @@protoc_insertion_point(module_scope)

@@ -108,6 +108,16 @@ class Admission:
                 f"were requested ({prompt_len} in the prompt, {params.max_tokens} for the completion); "
                 "lower max_tokens or shorten the prompt"
             )
+        try:
+            params.check_min_tokens()
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        bad = [t for t in params.stop_token_ids if t >= self._limits.vocab_size]
+        if bad:
+            # The worker masks stop tokens (min_tokens) by id: an id past the logits would fail the step.
+            raise InvalidRequestError(
+                f"stop_token_ids contains ids outside the vocabulary (size {self._limits.vocab_size}): {bad[:5]}"
+            )
         return params
 
 

@@ -15,6 +15,7 @@ from scheduler_service.core.stop_checker import (
     StopDecision,
     check_stop,
     find_stop_string,
+    held_back_stop_strings,
     streamable_text_length,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "StopDecision",
     "check_stop",
     "find_stop_string",
+    "held_back_stop_strings",
     "streamable_text_length",
 ]
 

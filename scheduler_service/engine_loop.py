@@ -12,6 +12,7 @@ trip; tokens still reach clients only after their step is committed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable
@@ -32,6 +33,10 @@ from scheduler_service.store import CacheStats, Pickup, RedisStore, StepCommit
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+def _record_time(into: list[float], _done: object) -> None:
+    into.append(time.perf_counter())
 
 
 async def _timed(awaitable: Awaitable[_T]) -> tuple[_T, float]:
@@ -185,11 +190,15 @@ class EngineLoop:
             ingested = time.perf_counter()
             out, plan = self._plan(pending, profile)
             if plan is not None:
-                step = asyncio.ensure_future(_timed(self._stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_SECONDS)))
+                # The RPC starts when the call is created: time it from here to its done callback.
+                sent = time.perf_counter()
+                step = asyncio.ensure_future(self._stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_SECONDS))
+                answered: list[float] = []
+                step.add_done_callback(functools.partial(_record_time, answered))
                 committed = asyncio.ensure_future(_timed(self._store.commit(pending)))
                 failure: grpc.aio.AioRpcError | None = None
                 try:
-                    result, rpc_s = await step
+                    result = await step
                 except grpc.aio.AioRpcError as exc:
                     failure = exc
                 stepped = time.perf_counter()
@@ -204,7 +213,7 @@ class EngineLoop:
                     if profile is not None and self._profiles is not None:
                         done = time.perf_counter()
                         profile.ingest_s = ingested - started
-                        profile.rpc_s, profile.worker_s = rpc_s, result.execute_seconds
+                        profile.rpc_s, profile.worker_s = answered[0] - sent, result.execute_seconds
                         profile.commit_s, profile.commit_wait_s = commit_s, max(0.0, processing - stepped)
                         profile.process_s, profile.wall_s = done - processing, done - started
                         self._profiles.write(profile)

@@ -13,7 +13,12 @@ from scheduler_service.beam_processor import BeamProcessor, BeamState, PendingFo
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from scheduler_service.detokenizer import IncrementalDetokenizer, check_stop, streamable_text_length
+from scheduler_service.detokenizer import (
+    IncrementalDetokenizer,
+    check_stop,
+    held_back_stop_strings,
+    streamable_text_length,
+)
 from scheduler_service.store import RestoredRequest, StepCommit
 from shared.sampling_proto import sampling_from_proto
 
@@ -46,6 +51,10 @@ class _RequestState:
     worker_failures: int = 0
     # Beam search requests only (their sequences have no per-sequence streaming state).
     beams: BeamState | None = None
+    # prompt_logprobs requests: prompt index -> entry, gathered over the prefill's chunks until the
+    # first response takes them (after which `prompt_logprobs_sent`).
+    prompt_logprobs: dict[int, common_pb2.TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
 
     def cumulative_logprobs(self) -> dict[int, float]:
         if self.beams is not None:
@@ -95,15 +104,16 @@ class OutputProcessor:
         group = SequenceGroup(
             request_id=record.request_id, seqs=seqs, sampling_params=params, arrival_time=record.arrival_time,
         )
-        state = _RequestState(record, group)
+        # Outputs were committed only after the response that carried the prompt logprobs.
+        state = _RequestState(record, group, prompt_logprobs_sent=any(restored.outputs.values()))
         if params.use_beam_search:
             state.beams = BeamState(
                 list(record.seq_ids), {s: restored.cumulative_logprobs.get(s, 0.0) for s in seq_ids}
             )
         for index, seq in enumerate(seqs if state.beams is None else []):
-            detokenizer = IncrementalDetokenizer(self._tokenizer, prompt)
+            detokenizer = IncrementalDetokenizer(self._tokenizer, prompt, params.skip_special_tokens)
             detokenizer.step(seq.output_token_ids)
-            sent = streamable_text_length(detokenizer.output_text, params.stop, finished=False)
+            sent = streamable_text_length(detokenizer.output_text, held_back_stop_strings(params), finished=False)
             cumulative = restored.cumulative_logprobs.get(seq.seq_id, 0.0)
             state.seqs[seq.seq_id] = _SeqOutput(index, detokenizer, sent, cumulative)
         self._scheduler.add_request(group)
@@ -167,6 +177,7 @@ class OutputProcessor:
 
     def process(self, out: SchedulerOutput, result: worker_pb2.StepResult, commit: StepCommit) -> None:
         """Applies a step's sampled tokens and emits deltas for every request that advanced."""
+        self._gather_prompt_logprobs(out, result)
         sampled = {s.seq_id: s.token_id for s in result.sampled}
         by_seq = {s.seq_id: s for s in result.sampled}
         forks = self._beam_steps(out, by_seq, sampled, commit)
@@ -191,6 +202,8 @@ class OutputProcessor:
             group = state.group
             streams = group.sampling_params.streams_outputs
             msg = generation_pb2.GenerateResponse(request_id=request_id, outputs=new if streams else [])
+            if streams or group.is_finished():
+                self._attach_prompt_logprobs(state, msg)
             if group.is_finished():
                 del self._requests[request_id]
                 returned = group.seqs if streams else self._best(state, msg)
@@ -231,9 +244,38 @@ class OutputProcessor:
             if group.is_finished():
                 del self._requests[request_id]
                 msg = generation_pb2.GenerateResponse(request_id=request_id)
+                self._attach_prompt_logprobs(state, msg)
                 best = self._beams.final_outputs(group, state.beams, self._tokenizer, msg)
                 self._add_final(group, msg, commit, best)
         return forks
+
+    def _gather_prompt_logprobs(self, out: SchedulerOutput, result: worker_pb2.StepResult) -> None:
+        """Keeps the prompt logprobs the worker computed this step, by prompt index.
+
+        A prefill recomputed after a preemption sends some again: same values, overwritten.
+        """
+        if not result.prompt_logprobs:
+            return
+        groups = {item.seq.seq_id: item.group for item in out.scheduled}
+        for piece in result.prompt_logprobs:
+            group = groups.get(piece.seq_id)
+            state = self._requests.get(group.request_id) if group is not None else None
+            if state is None or state.prompt_logprobs_sent:
+                continue
+            for offset, entry in enumerate(piece.positions):
+                state.prompt_logprobs[piece.start + offset] = entry
+
+    def _attach_prompt_logprobs(self, state: _RequestState, msg: generation_pb2.GenerateResponse) -> None:
+        """The request's first response with outputs carries its prompt logprobs."""
+        if state.group.sampling_params.prompt_logprobs is None or state.prompt_logprobs_sent:
+            return
+        gathered = state.prompt_logprobs
+        # Indices form one run ending at the last prompt token: prefills advance in order, and only
+        # a leading run of prefix-cached tokens is never computed.
+        msg.prompt_logprobs_start = min(gathered, default=len(state.record.prompt_token_ids))
+        msg.prompt_logprobs.extend(gathered[i] for i in sorted(gathered))
+        state.prompt_logprobs_sent = True
+        state.prompt_logprobs = {}
 
     def _best(self, state: _RequestState, msg: generation_pb2.GenerateResponse) -> list[Sequence]:
         """best_of > n: the n most likely sequences, whole, as the request's only outputs."""
@@ -259,7 +301,7 @@ class OutputProcessor:
         if decision.truncate_text_to is not None:
             out.detokenizer.truncate(decision.truncate_text_to)
         text = out.detokenizer.output_text
-        end = streamable_text_length(text, params.stop, decision.finished)
+        end = streamable_text_length(text, held_back_stop_strings(params), decision.finished)
         delta = generation_pb2.CompletionDelta(index=out.index, text=text[out.sent_chars:end], token_ids=[token])
         out.sent_chars = max(out.sent_chars, end)
         if decision.finished:

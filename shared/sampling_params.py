@@ -35,6 +35,15 @@ class SamplingParams:
     early_stopping: beam search stop rule, as in transformers: True stops once best_of beams finished,
         False stops when no running beam can beat the finished ones by a heuristic, "never" only
         when none can in the best case.
+    min_p: keep tokens with probability >= min_p * the top token's probability; 0 disables.
+    presence_penalty: subtracted from the logits of tokens present in the output, in [-2, 2].
+    frequency_penalty: subtracted per occurrence in the output, in [-2, 2].
+    repetition_penalty: tokens in prompt or output get positive logits divided by it, negative
+        ones multiplied (transformers' rule); 1 disables.
+    min_tokens: EOS, stop tokens and stop strings cannot end the sequence before this many tokens.
+    prompt_logprobs: top log-probabilities returned for each prompt token (None: no prompt logprobs).
+    include_stop_str_in_output: keep the stop string (or the EOS / stop token's text) in the text.
+    skip_special_tokens: leave special tokens out of the output text.
     """
 
     max_tokens: int | None = 16
@@ -51,25 +60,18 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
-        if self.best_of is None:
-            self.best_of = self.n
-        if self.best_of < self.n:
-            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        # Written as a range check so that NaN (every comparison False) and inf are rejected too.
-        if not (0.0 <= self.temperature < float("inf")):
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        self._verify_counts()
+        self._verify_logit_processing()
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty.")
         if any(t < 0 for t in self.stop_token_ids):
@@ -80,6 +82,40 @@ class SamplingParams:
             self._verify_beam_search()
         else:
             self._verify_non_beam_search()
+
+    def _verify_counts(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        self.check_min_tokens()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}.")
+
+    def _verify_logit_processing(self) -> None:
+        # Range checks are written so that NaN (every comparison False) and inf are rejected too.
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not (0.0 <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
 
     def _verify_beam_search(self) -> None:
         if self.best_of < 2:
@@ -97,6 +133,15 @@ class SamplingParams:
         if self.stop:
             # Candidates would need detokenizing every step; token-level stops are supported.
             raise ValueError("stop strings are not supported with beam search; use stop_token_ids.")
+        # Beams are scored with the raw distribution's candidates: these knobs would have no effect.
+        if self.min_p != 0.0:
+            raise ValueError("min_p must be 0 when using beam search.")
+        if self.has_penalties:
+            raise ValueError(
+                "presence_penalty, frequency_penalty and repetition_penalty are not supported with beam search."
+            )
+        if self.min_tokens:
+            raise ValueError("min_tokens is not supported with beam search.")
 
     def _verify_non_beam_search(self) -> None:
         if self.early_stopping is not False:
@@ -108,6 +153,18 @@ class SamplingParams:
         if self.best_of > 1 and self.greedy:
             # Several greedy sequences would all be identical.
             raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
+
+    def check_min_tokens(self) -> None:
+        """min_tokens <= max_tokens (admission calls it again once max_tokens=None is resolved)."""
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def num_sequences(self) -> int:

@@ -40,6 +40,18 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         use_beam_search=msg.use_beam_search,
         length_penalty=msg.length_penalty if msg.HasField("length_penalty") else defaults.length_penalty,
         early_stopping=_early_stopping_from_proto(msg.early_stopping),
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(
+            msg.repetition_penalty if msg.HasField("repetition_penalty") else defaults.repetition_penalty
+        ),
+        min_tokens=msg.min_tokens,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=(
+            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else defaults.skip_special_tokens
+        ),
     )
 
 
@@ -63,7 +75,18 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         best_of=params.best_of or 0,
         use_beam_search=params.use_beam_search,
         early_stopping=_early_stopping_to_proto(params.early_stopping),
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
+    if not params.skip_special_tokens:
+        msg.skip_special_tokens = False
     if params.length_penalty != 1.0:
         msg.length_penalty = params.length_penalty
     if params.logprobs is not None:

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Before anything imports torch: idle OpenMP threads sleep instead of spinning. The tests share
+# two cores with the services they start, and spinning threads made matmuls many times slower
+# (see llmserve.cli._passive_omp_threads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from collections.abc import Iterator
 from pathlib import Path
 

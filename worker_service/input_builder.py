@@ -33,6 +33,27 @@ class ModelInputs:
     sampling_seqs: list[CachedSequence]
     # All scheduled sequences in batch order (prefills first, then decodes).
     seqs: list[CachedSequence]
+    # Prompt tokens whose logprobs this step computes (requests with prompt_logprobs).
+    prompt_logprobs: PromptLogprobRows
+
+
+@dataclass
+class PromptLogprobSpan:
+    """Consecutive prompt tokens of one sequence whose logprobs come from this step's hidden rows."""
+
+    seq: CachedSequence
+    # Prompt index of the first token (its logits are at the hidden row of the token before it).
+    start: int
+    count: int
+
+
+@dataclass
+class PromptLogprobRows:
+    """Hidden-state rows whose logits predict prompt tokens, and those tokens; spans in row order."""
+
+    rows: torch.Tensor
+    targets: torch.Tensor
+    spans: list[PromptLogprobSpan]
 
 
 def _block_table_tensor(seqs: list[CachedSequence], device: torch.device) -> torch.Tensor:
@@ -59,12 +80,23 @@ def build_inputs(
     slots: list[int] = []
     sample_rows: list[int] = []
     sampling_seqs: list[CachedSequence] = []
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_spans: list[PromptLogprobSpan] = []
     query_start = [0]
     seq_lens: list[int] = []
     for seq in seqs:
         start = seq.num_computed_tokens
         end = start + seq.num_new_tokens
         table = seq.block_table
+        if seq.computes_prompt_logprobs:
+            # The hidden state at position p predicts token p + 1: positions start .. P - 2 predict
+            # prompt tokens (P - 1 predicts the first output).
+            last = min(end, seq.num_prompt_tokens - 1)
+            if last > start:
+                prompt_rows.extend(range(len(input_ids), len(input_ids) + last - start))
+                prompt_targets.extend(seq.token_ids[start + 1 : last + 1])
+                prompt_spans.append(PromptLogprobSpan(seq, start + 1, last - start))
         input_ids.extend(seq.token_ids[start:end])
         pos = range(start, end)
         positions.extend(pos)
@@ -98,4 +130,9 @@ def build_inputs(
         sample_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sampling_seqs=sampling_seqs,
         seqs=seqs,
+        prompt_logprobs=PromptLogprobRows(
+            rows=torch.tensor(prompt_rows, dtype=torch.int64, device=device),
+            targets=torch.tensor(prompt_targets, dtype=torch.int64, device=device),
+            spans=prompt_spans,
+        ),
     )

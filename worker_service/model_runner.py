@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels import get_backend
 from worker_service.attention import METADATA_KWARG
-from worker_service.cache_engine import CacheEngine, size_cache
+from worker_service.cache_engine import CacheEngine, gpu_cache_bytes, size_cache
 from worker_service.config import WorkerConfig
 from worker_service.input_builder import build_inputs
 from worker_service.model_loader import load_config, load_model, model_shape, resolve_dtype
 from worker_service.plan import StepPlanData
+from worker_service.profiler import profile_gpu_memory
+from worker_service.prompt_logprobs import PromptLogprobsData, compute_prompt_logprobs
 from worker_service.sampler import sample
 from worker_service.sequence_cache import CachedSequence, PlanError, SequenceCache
 
@@ -35,6 +37,16 @@ class StepOutput:
     step_id: int
     sampled: list[SampledTokenData]
     execute_seconds: float
+    prompt_logprobs: list[PromptLogprobsData] = field(default_factory=list)
+
+
+def eos_token_ids(model: torch.nn.Module) -> list[int]:
+    """The model's end-of-sequence ids (generation config first, as transformers' generate), for min_tokens."""
+    for config in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(config, "eos_token_id", None)
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []
 
 
 class ModelRunner:
@@ -59,9 +71,17 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device)
         self.decoder = self.model.base_model
         self.lm_head = self.model.get_output_embeddings()
+        # A GPU's cache gets what the largest step leaves of --gpu-memory-utilization; a CPU's is set in GiB.
+        device_bytes, memory_flag = config.kv_cache_bytes, "--kv-cache-memory"
+        if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
+            profile = profile_gpu_memory(
+                self.model, self.backend, self.shape, self.dtype, self.device, config.block_size, max_len
+            )
+            device_bytes = gpu_cache_bytes(profile, config.gpu_memory_utilization)
+            memory_flag = "--gpu-memory-utilization"
         sizing = size_cache(
-            self.shape, config.block_size, self.dtype, config.kv_cache_bytes,
-            config.swap_space_bytes, max_len, config.num_gpu_blocks_override,
+            self.shape, config.block_size, self.dtype, device_bytes,
+            config.swap_space_bytes, max_len, config.num_gpu_blocks_override, memory_flag,
         )
         self.cache = CacheEngine(self.shape, sizing, config.block_size, self.dtype, self.device, self.backend)
         self.seqs = SequenceCache(config.block_size)
@@ -98,17 +118,16 @@ class ModelRunner:
         ).last_hidden_state[0]
         sampled: list[SampledTokenData] = []
         sampled_ids: dict[int, int] = {}
+        # Prompt tokens need no logits, unless their request asked for prompt logprobs.
+        prompt_logprobs = compute_prompt_logprobs(hidden, self.lm_head, inputs.prompt_logprobs)
         if inputs.sampling_seqs:
-            # Only the rows that sample go through the LM head: prompt tokens need no logits.
             logits = self.lm_head(hidden[inputs.sample_indices]).float()
             out = sample(
-                logits,
-                [s.sampling for s in inputs.sampling_seqs],
-                [len(s.token_ids) - s.num_prompt_tokens for s in inputs.sampling_seqs],
+                logits, [s.sampling for s in inputs.sampling_seqs], inputs.sampling_seqs, eos_token_ids(self.model)
             )
             for seq, token, logprob, top in zip(inputs.sampling_seqs, out.token_ids, out.logprobs, out.top_logprobs):
                 sampled.append(SampledTokenData(seq.seq_id, token, logprob, top))
                 sampled_ids[seq.seq_id] = token
         for seq in inputs.seqs:
             self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
-        return StepOutput(plan.step_id, sampled, time.perf_counter() - start)
+        return StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs)

@@ -1,26 +1,47 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched token sampling with vLLM's parameters, as tensor ops over the whole batch.
 
+Per step, in vLLM's order: min_tokens (EOS and stop tokens masked until enough
+tokens exist), presence / frequency / repetition penalties, then greedy rows
+take the argmax and random rows apply temperature, top-k, top-p and min-p and
+draw. Only building the per-row parameter tensors touches each row in Python.
+
+A random row draws with the exponential race (argmax of p / E, E ~ Exp(1)).
+Unseeded rows take E from torch's global generator; a seeded row's E is a
+hash of (seed, output position, token id) alone (seeded_noise), so its token
+is a function of the seed, the position and the logits only: the same
+whatever shares the batch, and again when the sequence is recomputed after a
+preemption.
+
+Reported log-probabilities are those of the raw model distribution.
 Beam-search rows are sampled greedily and also report their most likely
 tokens (SamplingParams.num_beam_candidates of them, in top_logprobs): the
 scheduler picks the next beams from those candidates.
-
-Random sampling uses the exponential race (argmax of p / E with E ~ Exp(1)),
-which equals sampling from p and lets each seeded sequence draw its noise from
-its own generator while the rest of the batch shares one draw.
-
-A seeded sequence's noise for output position i comes from a generator seeded
-with (seed, i) alone: the token at each position is a function of the seed and
-the logits only, so it is the same whatever shares the batch, and the same
-again when the sequence is recomputed after a preemption or a restart.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from shared.sampling_params import SamplingParams
+from worker_service.logits_processing import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    mask_tokens,
+    token_counts,
+)
+from worker_service.seeded_noise import seeded_exponentials
+
+
+class TokenHistory(Protocol):
+    """A sequence's tokens so far: the prompt, then the outputs (the worker's CachedSequence)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -33,54 +54,92 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]]
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Masks logits outside each row's top-k and nucleus (top-p) sets with -inf."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-    mask = ranks >= k
-    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    # Keep a token when the mass strictly before it is below top_p (so the top token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    mask |= mass_before >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
-
-
-def _position_generator(seed: int, position: int) -> torch.Generator:
-    # A fixed odd multiplier spreads (seed, position) pairs over the 63-bit seed space.
-    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seqs: Sequence[TokenHistory],
+    eos_token_ids: Sequence[int] = (),
+) -> SamplerOutput:
     """Samples one token per row of `logits` ([num_seqs, vocab], float32).
 
-    positions[i]: index among the sequence's output tokens of the token being sampled (seeded rows).
+    seqs[i]: row i's tokens so far (penalties; its number of outputs is the
+    position of the token being sampled). eos_token_ids: masked with each
+    row's stop_token_ids while the row has fewer than min_tokens outputs.
     """
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    greedy_ids = logits.argmax(dim=-1)
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
+    logits = _constrain(logits, params, seqs, positions, eos_token_ids)
+    chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    chosen = greedy_ids.clone()
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        sub = logits[rows]
-        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        sub = sub / temps.unsqueeze(1)
-        top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
-        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-            sub = _apply_top_k_top_p(sub, top_k, top_p)
-        probs = sub.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for j, i in enumerate(random_rows):
-            seed = params[i].seed
-            if seed is not None:
-                gen = _position_generator(seed, positions[i])
-                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(probs.device)
-        chosen[rows] = (probs / noise).argmax(dim=-1)
-    token_logprobs = logprobs_all.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    return SamplerOutput(chosen.tolist(), token_logprobs.tolist(), _top_logprobs(logprobs_all, params))
+        chosen[rows] = _sample_random(
+            logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows]
+        )
+    token_logprobs = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return SamplerOutput(chosen.tolist(), token_logprobs.tolist(), _top_logprobs(raw_logprobs, params))
+
+
+def _constrain(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seqs: Sequence[TokenHistory],
+    positions: list[int],
+    eos_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """min_tokens masks and penalties, on a copy, for the rows that have them (greedy rows included)."""
+    early = [i for i, p in enumerate(params) if positions[i] < p.min_tokens]
+    penalized = [i for i, p in enumerate(params) if p.has_penalties]
+    if not early and not penalized:
+        return logits
+    logits = logits.clone()
+    if early:
+        rows = torch.tensor(early, device=logits.device)
+        stops = [[*eos_token_ids, *params[i].stop_token_ids] for i in early]
+        logits[rows] = mask_tokens(logits[rows], stops)
+    if penalized:
+        rows = torch.tensor(penalized, device=logits.device)
+        vocab, device = logits.shape[-1], logits.device
+        hist = [seqs[i] for i in penalized]
+        output_counts = token_counts([s.token_ids[s.num_prompt_tokens:] for s in hist], vocab, device)
+        if any(params[i].repetition_penalty != 1.0 for i in penalized):
+            prompt_mask = token_counts([s.token_ids[: s.num_prompt_tokens] for s in hist], vocab, device) > 0
+        else:
+            prompt_mask = torch.zeros_like(output_counts, dtype=torch.bool)
+
+        def per_row(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(params[i], name) for i in penalized], device=device)
+
+        logits[rows] = apply_penalties(
+            logits[rows], prompt_mask, output_counts,
+            per_row("repetition_penalty"), per_row("frequency_penalty"), per_row("presence_penalty"),
+        )
+    return logits
+
+
+def _sample_random(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    """Temperature, top-k / top-p, min-p, then one exponential-race draw per row."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temps.unsqueeze(1)
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    if any(p.min_p > 0.0 for p in params):
+        logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    seeded = [j for j, p in enumerate(params) if p.seed is not None]
+    if seeded:
+        seeds = [params[j].seed for j in seeded]
+        noise[torch.tensor(seeded, device=device)] = seeded_exponentials(
+            seeds, [positions[j] for j in seeded], probs.shape[1], device  # type: ignore[arg-type]
+        )
+    # Exponential race: argmax of p / E with E ~ Exp(1) is a sample from p. A token's odds depend on
+    # its own probability only, so the tiny logit differences a recompute brings flip a draw only at
+    # a genuine near-tie (a cumulative-sum draw would add up every token's rounding instead).
+    return (probs / noise).argmax(dim=-1)
 
 
 def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:

@@ -31,6 +31,16 @@ class CachedSequence:
     num_new_tokens: int = 0
 
     @property
+    def computes_prompt_logprobs(self) -> bool:
+        """True while prompt tokens are computed for a request that asked for their logprobs.
+
+        Only before the first output: a sequence recomputed with outputs already
+        had its prompt logprobs sent, and a forked child starts at the last
+        prompt token, whose logits predict an output, not a prompt token.
+        """
+        return self.sampling.prompt_logprobs is not None and len(self.token_ids) == self.num_prompt_tokens
+
+    @property
     def samples_this_step(self) -> bool:
         """True when this step computes up to the last known token, so a new one is sampled."""
         return self.num_computed_tokens + self.num_new_tokens == len(self.token_ids)

@@ -10,10 +10,38 @@ import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.errors import StaleEpochError, abort_with
-from worker_service.model_runner import ModelRunner
+from worker_service.model_runner import ModelRunner, StepOutput
 from worker_service.plan import plan_from_proto
 
 log = logging.getLogger(__name__)
+
+
+def _token_logprobs(logprob: float, top: list[tuple[int, float]]) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        logprob=logprob, top=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top]
+    )
+
+
+def _step_result(out: StepOutput) -> worker_pb2.StepResult:
+    """The wire form of a step's output."""
+    return worker_pb2.StepResult(
+        step_id=out.step_id,
+        sampled=[
+            worker_pb2.SampledToken(
+                seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob,
+                top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs],
+            )
+            for s in out.sampled
+        ],
+        execute_seconds=out.execute_seconds,
+        prompt_logprobs=[
+            worker_pb2.PromptLogprobs(
+                seq_id=p.seq_id, start=p.start,
+                positions=[_token_logprobs(lp, top) for lp, top in zip(p.logprobs, p.top)],
+            )
+            for p in out.prompt_logprobs
+        ],
+    )
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -68,17 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server stays up
             await abort_with(context, exc)
             raise  # unreachable: abort raises
-        return worker_pb2.StepResult(
-            step_id=out.step_id,
-            sampled=[
-                worker_pb2.SampledToken(
-                    seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob,
-                    top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs],
-                )
-                for s in out.sampled
-            ],
-            execute_seconds=out.execute_seconds,
-        )
+        return _step_result(out)
 
     async def Reset(self, request: worker_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ResetResponse:
         try:

@@ -52,28 +52,42 @@ def check_stop(
     num_new_chars characters the newest token produced. Rules in priority
     order: EOS (unless ignore_eos) and stop_token_ids, whose text is dropped;
     stop strings, cutting the text just before the match; max_tokens and
-    max_model_len, as FINISHED_LENGTH.
+    max_model_len, as FINISHED_LENGTH. With include_stop_str_in_output the
+    stop token's text stays and a stop string is cut after its end instead.
+    Before min_tokens outputs only the length limits apply (as vLLM).
     """
     if not seq.output_token_ids:
         raise ValueError(f"seq {seq.seq_id} has no output token to check.")
     if not 0 <= num_new_chars <= len(output_text):
         raise ValueError(f"num_new_chars must be in [0, {len(output_text)}], got {num_new_chars}.")
-    token_id = seq.last_token_id
-    # The text this token produced (if any) is not part of the answer.
-    drop_new_text = len(output_text) - num_new_chars if num_new_chars else None
-    if not params.ignore_eos and eos_token_id is not None and token_id == eos_token_id:
-        return StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, drop_new_text)
-    if token_id in params.stop_token_ids:
-        return StopDecision(True, SequenceStatus.FINISHED_STOPPED, token_id, drop_new_text)
-    match = find_stop_string(output_text, num_new_chars, params.stop)
-    if match is not None:
-        stop_str, index = match
-        return StopDecision(True, SequenceStatus.FINISHED_STOPPED, stop_str, index)
+    if len(seq.output_token_ids) >= params.min_tokens:
+        decision = _check_stop_tokens_and_strings(seq.last_token_id, params, output_text, num_new_chars, eos_token_id)
+        if decision is not None:
+            return decision
     if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
         return StopDecision(True, SequenceStatus.FINISHED_LENGTH)
     if seq.num_tokens >= max_model_len:
         return StopDecision(True, SequenceStatus.FINISHED_LENGTH)
     return CONTINUE
+
+
+def _check_stop_tokens_and_strings(
+    token_id: int, params: SamplingParams, output_text: str, num_new_chars: int, eos_token_id: int | None
+) -> StopDecision | None:
+    keep = params.include_stop_str_in_output
+    # The text this token produced (if any) is not part of the answer, unless asked for.
+    drop_new_text = len(output_text) - num_new_chars if num_new_chars and not keep else None
+    if not params.ignore_eos and eos_token_id is not None and token_id == eos_token_id:
+        return StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, drop_new_text)
+    if token_id in params.stop_token_ids:
+        return StopDecision(True, SequenceStatus.FINISHED_STOPPED, token_id, drop_new_text)
+    match = find_stop_string(output_text, num_new_chars, params.stop)
+    if match is None:
+        return None
+    stop_str, index = match
+    # Text after the stop string (in the same token) is dropped either way.
+    end = index + len(stop_str) if keep else index
+    return StopDecision(True, SequenceStatus.FINISHED_STOPPED, stop_str, end if end < len(output_text) else None)
 
 
 def find_stop_string(output_text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
@@ -93,6 +107,14 @@ def find_stop_string(output_text: str, num_new_chars: int, stop: list[str]) -> t
         if index != -1 and (best is None or index < best[1]):
             best = (stop_str, index)
     return best
+
+
+def held_back_stop_strings(params: SamplingParams) -> list[str]:
+    """Stop strings whose possible beginnings are held back while streaming.
+
+    None when a matched stop string is part of the output anyway (include_stop_str_in_output), as vLLM.
+    """
+    return [] if params.include_stop_str_in_output else params.stop
 
 
 def streamable_text_length(output_text: str, stop: list[str], finished: bool) -> int:

@@ -90,3 +90,37 @@ def test_bad_plans_are_invalid_argument_and_the_worker_stays_up(worker: worker_p
     assert desc.num_cached_sequences == 1 and desc.num_used_blocks == 1
     worker.ExecuteStep(worker_pb2.StepPlan(epoch=21, step_id=3, finished_seq_ids=[1]), timeout=10)
     assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_cached_sequences == 0
+
+
+def test_prompt_logprobs_over_two_prefill_chunks_match_transformers(
+    worker: worker_pb2_grpc.WorkerStub, tiny_llama_dir: Path
+) -> None:
+    """A 30-token prompt prefilled as 12 + 18 tokens: each chunk returns its prompt tokens' logprobs."""
+    import torch
+
+    from tests.hf_reference import HFReference
+
+    prompt = list(range(300, 330))
+    worker.Reset(worker_pb2.ResetRequest(epoch=30), timeout=10)
+    new = worker_pb2.NewSequence(
+        seq_id=5, prompt_token_ids=prompt, block_table=[0, 1], num_computed_tokens=0, num_new_tokens=12,
+        sampling=common_pb2.SamplingParams(temperature=0.0, prompt_logprobs=2),
+    )
+    first = worker.ExecuteStep(worker_pb2.StepPlan(epoch=30, step_id=1, new_sequences=[new]), timeout=30)
+    second = worker.ExecuteStep(worker_pb2.StepPlan(
+        epoch=30, step_id=2, cached_sequences=[worker_pb2.SequenceDelta(seq_id=5, num_new_tokens=18)]), timeout=30)
+    third = worker.ExecuteStep(worker_pb2.StepPlan(
+        epoch=30, step_id=3, cached_sequences=[worker_pb2.SequenceDelta(seq_id=5, num_new_tokens=1)]), timeout=30)
+    worker.ExecuteStep(worker_pb2.StepPlan(epoch=30, step_id=4, finished_seq_ids=[5]), timeout=10)
+    assert [(p.seq_id, p.start, len(p.positions)) for p in first.prompt_logprobs] == [(5, 1, 12)]
+    assert [(p.seq_id, p.start, len(p.positions)) for p in second.prompt_logprobs] == [(5, 13, 17)]
+    assert not third.prompt_logprobs and not first.sampled and [s.seq_id for s in second.sampled] == [5]
+    entries = [*first.prompt_logprobs[0].positions, *second.prompt_logprobs[0].positions]
+    reference = HFReference(str(tiny_llama_dir)).model
+    with torch.inference_mode():
+        expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    for position, entry in enumerate(entries):
+        assert abs(entry.logprob - float(expected[position, prompt[position + 1]])) < 1e-4
+        values, ids = expected[position].topk(2)
+        assert [t.token_id for t in entry.top] == ids.tolist()
+        assert max(abs(t.logprob - float(v)) for t, v in zip(entry.top, values)) < 1e-4

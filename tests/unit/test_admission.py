@@ -236,3 +236,63 @@ def test_logprobs_range(admission: Admission) -> None:
     rejects(admission, make_request("hi", logprobs=21), "logprobs must be in [0, 20], got 21")
     assert admission.admit(make_request("hi", logprobs=0)).sampling.logprobs == 0
     assert admission.admit(make_request("hi")).sampling.logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0."),
+        (dict(presence_penalty=-2.5), "presence_penalty must be in [-2, 2], got -2.5."),
+        (dict(frequency_penalty=2.5), "frequency_penalty must be in [-2, 2], got 2.5."),
+        (dict(frequency_penalty=math.nan), "frequency_penalty must be in [-2, 2], got nan."),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
+        (dict(repetition_penalty=-1.0), "repetition_penalty must be greater than zero, got -1.0."),
+        (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5."),
+        (dict(min_p=-0.5), "min_p must be in [0, 1], got -0.5."),
+        (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
+        (dict(top_k=-3), "top_k must be -1 (disable), or at least 1, got -3."),
+        (dict(temperature=-1.0), "temperature must be non-negative, got -1.0."),
+        (dict(max_tokens=4, min_tokens=5), "min_tokens must be less than or equal to max_tokens=4, got 5."),
+        (dict(min_tokens=17), "min_tokens must be less than or equal to max_tokens=16, got 17."),
+        (dict(prompt_logprobs=21), "prompt_logprobs must be in [0, 20], got 21."),
+        (dict(logprobs=21), "logprobs must be in [0, 20], got 21."),
+        (dict(n=2, temperature=0.0), "best_of must be 1 when using greedy sampling, got 2."),
+        (dict(use_beam_search=True, best_of=2, temperature=0.0, min_p=0.1), "min_p must be 0 when using beam search."),
+        (dict(use_beam_search=True, best_of=2, temperature=0.0, repetition_penalty=1.2),
+         "presence_penalty, frequency_penalty and repetition_penalty are not supported with beam search."),
+        (dict(use_beam_search=True, best_of=2, temperature=0.0, min_tokens=2),
+         "min_tokens is not supported with beam search."),
+        (dict(stop_token_ids=[2, 10**6]), "stop_token_ids contains ids outside the vocabulary"),
+    ],
+)
+def test_invalid_sampling_parameter_is_rejected_with_its_message(
+    admission: Admission, sampling: dict, message: str
+) -> None:
+    rejects(admission, make_request(prompt_token_ids=[5, 6, 7], **sampling), message)
+
+
+def test_min_tokens_is_checked_against_the_resolved_max_tokens(admission: Admission) -> None:
+    # max_tokens = 0 means the room left: 64 - 60 = 4 tokens, fewer than min_tokens.
+    rejects(admission, make_request(prompt_token_ids=[7] * 60, max_tokens=0, min_tokens=5),
+            "min_tokens must be less than or equal to max_tokens=4, got 5.")
+    assert admission.admit(make_request(prompt_token_ids=[7] * 60, max_tokens=0, min_tokens=4)).sampling.min_tokens == 4
+
+
+def test_min_tokens_below_zero_is_rejected_by_the_dataclass() -> None:
+    # The wire field is unsigned; the dataclass (built directly by code) checks it too.
+    with pytest.raises(ValueError, match=re.escape("min_tokens must be greater than or equal to 0, got -1.")):
+        SamplingParams(min_tokens=-1)
+
+
+def test_new_sampling_fields_are_carried_and_round_trip(admission: Admission) -> None:
+    got = admission.admit(make_request(
+        prompt_token_ids=[5, 6, 7], min_p=0.25, presence_penalty=0.5, frequency_penalty=-1.0,
+        repetition_penalty=1.5, min_tokens=3, prompt_logprobs=2, include_stop_str_in_output=True,
+        skip_special_tokens=False,
+    ))
+    s = got.sampling
+    assert (s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.25, 0.5, -1.0, 1.5)
+    assert (s.min_tokens, s.prompt_logprobs, s.include_stop_str_in_output, s.skip_special_tokens) == (3, 2, True, False)
+    assert sampling_from_proto(to_record(got, [1], "w", 0.0).sampling) == s
+    defaults = admission.admit(make_request(prompt_token_ids=[5, 6, 7])).sampling
+    assert (defaults.repetition_penalty, defaults.skip_special_tokens, defaults.prompt_logprobs) == (1.0, True, None)

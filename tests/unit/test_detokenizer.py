@@ -14,6 +14,7 @@ from scheduler_service.detokenizer import (
     StopDecision,
     check_stop,
     find_stop_string,
+    held_back_stop_strings,
     streamable_text_length,
 )
 from shared.sampling_params import SamplingParams
@@ -134,7 +135,7 @@ def run_engine(
         )
         if decision.truncate_text_to is not None:
             detok.truncate(decision.truncate_text_to)
-        end = streamable_text_length(detok.output_text, params.stop, decision.finished)
+        end = streamable_text_length(detok.output_text, held_back_stop_strings(params), decision.finished)
         # Streamed text is never taken back.
         assert end >= len(streamed) and detok.output_text.startswith(streamed)
         streamed += detok.output_text[len(streamed) : end]
@@ -209,6 +210,46 @@ def test_max_tokens_and_max_model_len(tokenizer, prompt_ids: list[int]) -> None:
     run = run_engine(tokenizer, prompt_ids, ids, SamplingParams(max_tokens=None), max_model_len=len(prompt_ids) + 2)
     assert run.decision == StopDecision(True, SequenceStatus.FINISHED_LENGTH)
     assert run.seq.num_tokens == len(prompt_ids) + 2 and run.text == "one two"
+
+
+def test_min_tokens_ignores_eos_stop_tokens_and_stop_strings_until_reached(tokenizer, prompt_ids: list[int]) -> None:
+    ids = encode(tokenizer, "one two three four five six")
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(max_tokens=100, min_tokens=3, stop=["one"], stop_token_ids=[ids[1]])
+    # Output 1 holds the stop string, output 2 is a stop token, output 3 EOS: all too early but the last...
+    run = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], eos, ids[2]], params)
+    # ...and EOS as third output ends the sequence (min_tokens = 3 outputs exist).
+    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, None)
+    assert run.text == run.streamed == "one two"
+    # Without min_tokens the stop string ends it at once.
+    early = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], eos], SamplingParams(max_tokens=100, stop=["one"]))
+    assert early.decision.reason == "one" and early.text == ""
+    # Length limits still apply before min_tokens.
+    run = run_engine(tokenizer, prompt_ids, ids, SamplingParams(max_tokens=100, min_tokens=5), max_model_len=len(prompt_ids) + 2)
+    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_LENGTH)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_token_text(tokenizer, prompt_ids: list[int]) -> None:
+    text = "Well, let me think: the answer is 42, obviously."
+    params = SamplingParams(max_tokens=100, stop=["answer is 4"], include_stop_str_in_output=True)
+    run = run_engine(tokenizer, prompt_ids, encode(tokenizer, text), params)
+    # Cut after the stop string (the rest of the token " 42" is dropped), nothing held back meanwhile.
+    assert run.decision.reason == "answer is 4"
+    assert run.text == run.streamed == "Well, let me think: the answer is 4"
+    ids = encode(tokenizer, "one two three four")
+    run = run_engine(tokenizer, prompt_ids, ids, SamplingParams(max_tokens=100, stop_token_ids=[ids[2]],
+                                                                include_stop_str_in_output=True))
+    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, ids[2], None)
+    assert run.text == run.streamed == "one two three"
+    eos_ids = encode(tokenizer, "Done.") + [tokenizer.eos_token_id]
+    run = run_engine(tokenizer, prompt_ids, eos_ids, SamplingParams(max_tokens=100, include_stop_str_in_output=True),
+                     skip_special_tokens=False)
+    assert run.text == "Done." + tokenizer.eos_token
+
+
+def test_held_back_stop_strings() -> None:
+    assert held_back_stop_strings(SamplingParams(stop=["ab", "c"])) == ["ab", "c"]
+    assert held_back_stop_strings(SamplingParams(stop=["ab"], include_stop_str_in_output=True)) == []
 
 
 # -- pure stop helpers ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The output processor: restoring requests after a change of owner, with finished sequences."""
+"""The output processor: restoring requests after a change of owner, prompt logprobs, special tokens."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from protos import common_pb2, state_pb2
+from protos import common_pb2, state_pb2, worker_pb2
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.output_processor import OutputProcessor
-from scheduler_service.store import RestoredRequest
+from scheduler_service.store import RestoredRequest, StepCommit
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,58 @@ def test_restore_replays_text_so_the_stream_continues_after_what_was_sent(tokeni
     seq_out = state.seqs[1]
     assert seq_out.detokenizer.output_text == tokenizer.decode(text_ids)  # type: ignore[attr-defined]
     assert seq_out.sent_chars == len(seq_out.detokenizer.output_text)
+
+
+def _prompt_piece(seq_id: int, start: int, values: list[float]) -> worker_pb2.PromptLogprobs:
+    return worker_pb2.PromptLogprobs(
+        seq_id=seq_id, start=start,
+        positions=[common_pb2.TokenLogprobs(logprob=v, top=[common_pb2.TokenLogprob(token_id=9, logprob=v)])
+                   for v in values],
+    )
+
+
+def test_prompt_logprobs_of_every_chunk_arrive_with_the_first_output_only(tokenizer: object) -> None:
+    # A 10-token budget prefills the 13-token prompt in two chunks; prompt logprobs come with each.
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64, enable_chunked_prefill=True),
+        CacheConfig(block_size=4, num_gpu_blocks=32),
+    )
+    processor = OutputProcessor(tokenizer, scheduler)
+    record = state_pb2.AdmittedRequest(
+        request_id="r", prompt_token_ids=list(range(20, 33)), seq_ids=[1], arrival_time=1.0,
+        sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1),
+    )
+    processor.add(record)
+    messages = []
+    pieces = [[_prompt_piece(1, 1, [-1.0] * 10)], [_prompt_piece(1, 11, [-2.0, -3.0])], [], []]
+    for step_pieces in pieces:
+        out = scheduler.schedule()
+        sampled = [worker_pb2.SampledToken(seq_id=1, token_id=100, logprob=-0.5)] if out.scheduled[0].samples else []
+        commit = StepCommit(worker_id="w")
+        processor.process(out, worker_pb2.StepResult(sampled=sampled, prompt_logprobs=step_pieces), commit)
+        messages += [msg for _, msg in commit.outputs]
+    assert len(messages) == 3  # three tokens, one message each; the first chunk sampled nothing
+    first = messages[0]
+    assert first.prompt_logprobs_start == 1
+    assert [e.logprob for e in first.prompt_logprobs] == [-1.0] * 10 + [-2.0, -3.0]
+    assert all(not m.prompt_logprobs and not m.prompt_logprobs_start for m in messages[1:])
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(tokenizer: object) -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                          CacheConfig(block_size=4, num_gpu_blocks=32))
+    processor = OutputProcessor(tokenizer, scheduler)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")  # type: ignore[attr-defined]
+    texts = {}
+    for skip in (True, False):
+        record = state_pb2.AdmittedRequest(
+            request_id=f"r{skip}", prompt_token_ids=[10, 11, 12], seq_ids=[1 if skip else 2], arrival_time=1.0,
+            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0, skip_special_tokens=skip),
+        )
+        processor.add(record)
+        out = scheduler.schedule()
+        commit = StepCommit(worker_id="w")
+        result = worker_pb2.StepResult(sampled=[worker_pb2.SampledToken(seq_id=record.seq_ids[0], token_id=im_start)])
+        processor.process(out, result, commit)
+        texts[skip] = commit.outputs[0][1].outputs[0].text
+    assert texts == {True: "", False: "<|im_start|>"}

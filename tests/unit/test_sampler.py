@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -46,9 +48,22 @@ def nucleus_margin(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return min(abs(c - top_p) for c in cums)
 
 
+@dataclass
+class History:
+    """A row's tokens so far (what the worker's CachedSequence gives the sampler)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+
+def at(positions: list[int]) -> list[History]:
+    """Rows about to sample output position positions[i] (their earlier outputs are token 0)."""
+    return [History([0] * p, 0) for p in positions]
+
+
 def draw(params: SamplingParams, n: int = NUM_DRAWS, logits: torch.Tensor = LOGITS) -> SamplerOutput:
     batch = logits.unsqueeze(0).repeat(n, 1)
-    return sample(batch, [params] * n, [0] * n)
+    return sample(batch, [params] * n, at([0] * n))
 
 
 def frequencies(token_ids: list[int], vocab: int = VOCAB) -> torch.Tensor:
@@ -73,7 +88,7 @@ def test_greedy_rows_return_argmax_and_its_raw_logprob() -> None:
         dtype=torch.float32,
     )
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1e-6)]
-    out = sample(logits, params, [0, 0, 0])
+    out = sample(logits, params, at([0, 0, 0]))
     assert out.token_ids == [2, 0, 3]
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(3), torch.tensor([2, 0, 3])]
     assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
@@ -83,7 +98,7 @@ def test_greedy_rows_return_argmax_and_its_raw_logprob() -> None:
 
 def test_greedy_ignores_top_k_top_p_and_seed() -> None:
     params = SamplingParams(temperature=0.0, top_k=3, top_p=0.1, seed=5)
-    out = sample(LOGITS.unsqueeze(0), [params], [5])
+    out = sample(LOGITS.unsqueeze(0), [params], at([5]))
     assert out.token_ids == [ARGMAX]
     assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[ARGMAX]), abs=1e-6)
 
@@ -137,7 +152,7 @@ def test_per_row_filters_in_a_mixed_batch() -> None:
     configs = [(1.0, 2, 1.0), (1.0, 0, 1.0), (0.5, 0, 0.6), (2.0, 4, 1.0)]
     n = 8000
     params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in configs] * n
-    out = sample(LOGITS.unsqueeze(0).repeat(len(params), 1), params, [0] * len(params))
+    out = sample(LOGITS.unsqueeze(0).repeat(len(params), 1), params, at([0] * len(params)))
     for j, (t, k, p) in enumerate(configs):
         tokens = out.token_ids[j :: len(configs)]
         expected = reference_probs(LOGITS, t, k, p)
@@ -189,7 +204,7 @@ def _seeded_run(seed: int, layouts: list[tuple[int, list[SamplingParams]]], step
         positions[index] = step
         logits = torch.randn(len(params), VOCAB)
         logits[index] = flat
-        out = sample(logits, params, positions)
+        out = sample(logits, params, at(positions))
         tokens.append(out.token_ids[index])
     return tokens
 
@@ -219,7 +234,7 @@ def test_seeded_rows_follow_the_distribution() -> None:
     # Each seeded row draws its own noise: 4000 distinct seeds sample the masked distribution.
     n = 4000
     params = [SamplingParams(top_k=3, seed=s) for s in range(n)]
-    out = sample(LOGITS.unsqueeze(0).repeat(n, 1), params, [0] * n)
+    out = sample(LOGITS.unsqueeze(0).repeat(n, 1), params, at([0] * n))
     expected = reference_probs(LOGITS, 1.0, 3, 1.0)
     assert set(out.token_ids) <= {1, 5, 3}
     assert float((frequencies(out.token_ids) - expected).abs().max()) < 0.04
@@ -243,9 +258,9 @@ def test_mixed_greedy_seeded_and_random_rows_in_one_batch() -> None:
         SamplingParams(temperature=0.0, seed=3),
         SamplingParams(top_p=1e-3, temperature=0.9),
     ]
-    solo = sample(rows[2:3], [params[2]], [4]).token_ids[0]
+    solo = sample(rows[2:3], [params[2]], at([4])).token_ids[0]
     for _ in range(50):
-        out = sample(rows, params, [0, 0, 4, 4, 0])
+        out = sample(rows, params, at([0, 0, 4, 4, 0]))
         assert out.token_ids[0] == 2
         assert out.token_ids[1] in (1, 5)
         assert out.token_ids[2] == solo
@@ -256,10 +271,10 @@ def test_mixed_greedy_seeded_and_random_rows_in_one_batch() -> None:
 
 
 def test_single_random_row_and_all_random_batch_shapes() -> None:
-    out = sample(LOGITS.unsqueeze(0), [SamplingParams()], [0])
+    out = sample(LOGITS.unsqueeze(0), [SamplingParams()], at([0]))
     assert len(out.token_ids) == 1 and 0 <= out.token_ids[0] < VOCAB
     logits = torch.randn(3, 16)
-    out = sample(logits, [SamplingParams(top_k=1)] * 3, [0] * 3)
+    out = sample(logits, [SamplingParams(top_k=1)] * 3, at([0] * 3))
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
@@ -267,9 +282,9 @@ def test_seeded_token_depends_only_on_seed_position_and_logits() -> None:
     """Recomputing a preempted seeded sequence samples the same token at the same position."""
     params = [SamplingParams(seed=5)]
     flat = torch.zeros(1, 64)
-    first = [sample(flat, params, [pos]).token_ids[0] for pos in range(20)]
+    first = [sample(flat, params, at([pos])).token_ids[0] for pos in range(20)]
     torch.manual_seed(123)
-    again = [sample(flat, params, [pos]).token_ids[0] for pos in range(20)]
+    again = [sample(flat, params, at([pos])).token_ids[0] for pos in range(20)]
     assert first == again
     assert len(set(first)) > 5
 
@@ -277,9 +292,121 @@ def test_seeded_token_depends_only_on_seed_position_and_logits() -> None:
 def test_top_logprobs_per_row() -> None:
     logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
     params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0), SamplingParams(logprobs=0)]
-    out = sample(logits, params, [0, 0, 0])
+    out = sample(logits, params, at([0, 0, 0]))
     expected = torch.log_softmax(LOGITS, dim=-1)
     values, ids = expected.topk(3)
     assert [t for t, _ in out.top_logprobs[0]] == ids.tolist()
     assert [lp for _, lp in out.top_logprobs[0]] == pytest.approx(values.tolist(), abs=1e-6)
     assert out.top_logprobs[1] == [] and out.top_logprobs[2] == []
+
+
+# -- penalties, min-p, min_tokens --------------------------------------------------------
+
+
+def reference_distribution(
+    logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams
+) -> torch.Tensor:
+    """Straightforward vLLM pipeline: penalties, temperature, top-k, top-p, min-p, renormalise."""
+    row = logits.double().tolist()
+    for token in set(prompt) | set(output):
+        row[token] = row[token] / params.repetition_penalty if row[token] > 0 else row[token] * params.repetition_penalty
+    for token in set(output):
+        row[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    probs = reference_probs(torch.tensor(row, dtype=torch.float64), params.temperature, params.top_k, params.top_p)
+    probs[probs < params.min_p * probs.max()] = 0.0
+    return probs / probs.sum()
+
+
+def test_penalized_min_p_distribution_matches_reference() -> None:
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)) * 1.5
+    prompt, output = [1, 2, 2, 6], [7, 7, 0, 3]
+    params = SamplingParams(
+        temperature=0.8, top_k=7, top_p=0.97, min_p=0.08,
+        repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=-0.5,
+    )
+    expected = reference_distribution(logits, prompt, output, params)
+    # The filters bite: some tokens are cut, several remain, and penalties moved the probabilities.
+    assert 2 < int((expected > 0).sum()) < VOCAB - 1
+    plain = reference_distribution(logits, [], [], params)
+    assert float((expected - plain).abs().max()) > 0.05
+    n = NUM_DRAWS
+    out = sample(logits.unsqueeze(0).repeat(n, 1), [params] * n, [History(prompt + output, len(prompt))] * n)
+    assert set(out.token_ids) <= {i for i in range(VOCAB) if expected[i] > 0}
+    assert float((frequencies(out.token_ids) - expected).abs().max()) < TOLERANCE
+    # Logprobs stay those of the raw model distribution.
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(torch.tensor(out.logprobs), raw[torch.tensor(out.token_ids)], atol=1e-6)
+
+
+def test_penalties_steer_greedy_rows_only_where_set() -> None:
+    # Token 1 leads; it was generated twice, so a frequency penalty of 1 hands the argmax to token 5.
+    history = History([7, 1, 1], 1)
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.0), SamplingParams(temperature=0.0)]
+    out = sample(LOGITS.unsqueeze(0).repeat(2, 1), params, [history, history])
+    assert out.token_ids == [5, ARGMAX]
+    # Repetition over the prompt too: dividing token 1's positive logit by 2 leaves 1.0 < 1.6.
+    out = sample(LOGITS.unsqueeze(0), [SamplingParams(temperature=0.0, repetition_penalty=2.0)], [History([1], 1)])
+    assert out.token_ids == [5]
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[5]), abs=1e-6)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
+    eos = ARGMAX
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5])
+    tokens = [sample(LOGITS.unsqueeze(0), [params], at([p]), eos_token_ids=[eos]).token_ids[0] for p in range(5)]
+    # Outputs 0-2 cannot be EOS (1) or the stop token (5): the next best is 3; from the third on, EOS.
+    assert tokens == [3, 3, 3, eos, eos]
+    random_rows = sample(
+        LOGITS.unsqueeze(0).repeat(2000, 1), [SamplingParams(min_tokens=1, stop_token_ids=[3])] * 2000,
+        at([0] * 2000), eos_token_ids=[eos],
+    )
+    assert not {eos, 3} & set(random_rows.token_ids)
+
+
+def test_seeded_rows_with_every_knob_match_alone_and_in_a_mixed_batch() -> None:
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(11))
+    histories = [History(list(range(i, i + 9)), 4) for i in range(6)]
+    params = [
+        SamplingParams(seed=3, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0),
+        SamplingParams(seed=4, temperature=0.7, min_tokens=8, stop_token_ids=[10]),
+        SamplingParams(top_p=0.5, min_p=0.2),
+        SamplingParams(seed=3, frequency_penalty=-1.0),
+        SamplingParams(temperature=1.3, min_tokens=10),
+    ]
+    batch = sample(logits, params, histories, eos_token_ids=[0]).token_ids
+    for i in (0, 2, 4):
+        alone = sample(logits[i : i + 1], [params[i]], [histories[i]], eos_token_ids=[0]).token_ids[0]
+        assert batch[i] == alone, i
+    reversed_batch = sample(logits.flip(0), params[::-1], histories[::-1], eos_token_ids=[0]).token_ids[::-1]
+    assert [reversed_batch[i] for i in (0, 2, 4)] == [batch[i] for i in (0, 2, 4)]
+
+
+# -- seeded noise ------------------------------------------------------------------------
+
+
+def test_seeded_noise_is_exponential_and_depends_only_on_seed_and_position() -> None:
+    from worker_service.seeded_noise import seeded_exponentials
+
+    seeds = [s * 7919 for s in range(300)] + [2**64 - 1 - s for s in range(100)]
+    positions = [0, 1, 2, 500]
+    rows_seeds = [s for s in seeds for _ in positions]
+    rows_positions = positions * len(seeds)
+    noise = seeded_exponentials(rows_seeds, rows_positions, 64, torch.device("cpu"))
+    assert noise.shape == (1600, 64) and bool(((noise > 0) & torch.isfinite(noise)).all())
+    # exp(-E) of Exp(1) noise is uniform: 102 400 values in 20 bins of 5% each (std ~0.07%).
+    bins = torch.histc(torch.exp(-noise.double()), bins=20, min=0.0, max=1.0) / noise.numel()
+    assert float((bins - 0.05).abs().max()) < 0.003
+    # Neighbouring tokens, positions and seeds are uncorrelated.
+    def corr(x: torch.Tensor, y: torch.Tensor) -> float:
+        return abs(float(torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1]))
+
+    grid = noise.reshape(len(seeds), len(positions), 64)
+    assert corr(grid[..., :-1], grid[..., 1:]) < 0.02
+    assert corr(grid[:, :-1], grid[:, 1:]) < 0.02
+    assert corr(grid[:-1], grid[1:]) < 0.02
+    # A row depends only on its own (seed, position): recomputing some rows in any order agrees.
+    picks = [1234, 7, 999, 500]
+    again = seeded_exponentials([rows_seeds[i] for i in picks], [rows_positions[i] for i in picks], 64,
+                                torch.device("cpu"))
+    assert torch.equal(again, noise[picks])

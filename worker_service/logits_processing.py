@@ -1,0 +1,77 @@
+"""Batched logit transforms of vLLM's sampler, each one tensor pass over the rows that need it.
+
+Order (vLLM v0): min_tokens mask and penalties on the raw logits (they decide
+greedy rows too), then temperature, top-k / top-p, min-p on the sampled rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+
+import torch
+
+
+def _row_token_pairs(token_lists: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every token of every row, flattened without a per-token Python loop."""
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    return rows.to(device), tokens.to(device)
+
+
+def token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float: how often each token occurs in each row's list."""
+    rows, tokens = _row_token_pairs(token_lists, device)
+    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
+    return counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+
+
+def mask_tokens(logits: torch.Tensor, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Sets logits[i, t] = -inf for every t in token_lists[i] (in place; returns logits)."""
+    rows, tokens = _row_token_pairs(token_lists, logits.device)
+    return logits.index_put_((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt + output tokens (transformers' rule), then
+    frequency * count and presence * (count > 0) over output tokens. Per-row penalties are [rows]."""
+    output_mask = output_counts > 0
+    seen = prompt_mask | output_mask
+    factor = torch.where(seen, repetition.unsqueeze(1), torch.ones_like(logits))
+    logits = torch.where(logits > 0, logits / factor, logits * factor)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * output_mask.to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks logits outside each row's top-k and then nucleus (top-p) sets with -inf.
+
+    top_k <= 0 keeps every token. The nucleus is taken on the distribution
+    renormalised over the top-k, as vLLM does.
+    """
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
+    mask = ranks >= k
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    # Keep a token when the mass strictly before it is below top_p (so the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask |= mass_before >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Masks tokens whose probability is below min_p times the row's highest probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
