@@ -14,6 +14,7 @@ The flattened batch is ordered prefills first, then decodes:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,10 @@ from transformers import AttentionInterface
 from kernels import KernelBackend
 
 ATTN_IMPLEMENTATION = "llmserve_paged"
+
+
+def _no_wait(layer: int) -> None:
+    """Nothing is in flight: every layer's cache is ready."""
 METADATA_KWARG = "llmserve_attn_metadata"
 
 
@@ -44,6 +49,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor  # [num_decodes] int32
     decode_max_context_len: int
+    # Called with a layer's index before it touches its cache: blocks swapped in this step on a GPU
+    # side stream must have landed (CacheEngine.wait_for_layer); a no-op on a CPU.
+    wait_for_layer: Callable[[int], None] = _no_wait
 
     @property
     def num_decodes(self) -> int:
@@ -77,7 +85,7 @@ def paged_attention_forward(
         scaling = q.shape[-1] ** -0.5
     # Models with sliding-window layers (Mistral) pass the window per call.
     sliding_window = kwargs.get("sliding_window")
-    meta.key_caches.wait_for_layer(layer)  # blocks swapped in this step (a GPU side stream) must have landed
+    meta.wait_for_layer(layer)
     key_cache = meta.key_caches[layer]
     value_cache = meta.value_caches[layer]
     backend = meta.backend

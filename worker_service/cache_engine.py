@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,19 +100,6 @@ def size_cache(
     return CacheSizing(num_gpu_blocks=num_gpu, num_cpu_blocks=swap_bytes // per_block)
 
 
-class LayerCaches(list[torch.Tensor]):
-    """One cache tensor per layer that also knows when each layer's swapped blocks are readable.
-
-    The attention function reaches the caches only through the lists handed to
-    ``build_inputs``; the per-layer swap wait travels with them, so layer ``i``
-    calls ``wait_for_layer(i)`` before it touches its cache.
-    """
-
-    def __init__(self, tensors: list[torch.Tensor], wait_for_layer: Callable[[int], None]) -> None:
-        super().__init__(tensors)
-        self.wait_for_layer = wait_for_layer
-
-
 class CacheEngine:
     """Owns the per-layer key/value caches on the device and in host memory.
 
@@ -143,8 +129,7 @@ class CacheEngine:
             self._swapper = LayerSwapper(shape.num_layers, device)
         args = (shape.num_layers, shape.num_kv_heads, shape.head_size, block_size, dtype)
         key_caches, value_caches = allocate_kv_cache(args[0], sizing.num_gpu_blocks, *args[1:], device=device)
-        self.key_caches = LayerCaches(key_caches, self.wait_for_layer)
-        self.value_caches = LayerCaches(value_caches, self.wait_for_layer)
+        self.key_caches, self.value_caches = key_caches, value_caches
         # Host blocks are pinned on a GPU so swaps run asynchronously.
         pin = device.type == "cuda"
         self.cpu_key_caches: list[torch.Tensor] = []

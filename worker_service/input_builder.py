@@ -11,6 +11,7 @@ Slot mapping: token at position p of a sequence lives in cache slot
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ def build_inputs(
     value_caches: list[torch.Tensor],
     block_size: int,
     device: torch.device,
+    wait_for_layer: Callable[[int], None],
 ) -> ModelInputs:
     """Orders the batch prefills-first and computes ids, positions and slots."""
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
@@ -122,6 +124,7 @@ def build_inputs(
         decode_block_tables=_block_table_tensor(decodes, device),
         decode_context_lens=torch.tensor(seq_lens[len(prefills):], dtype=torch.int32, device=device),
         decode_max_context_len=max(seq_lens[len(prefills):], default=0),
+        wait_for_layer=wait_for_layer,
     )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -108,7 +108,7 @@ class ModelRunner:
 
         inputs = build_inputs(
             scheduled, self.backend, self.cache.key_caches, self.cache.value_caches,
-            self.config.block_size, self.device,
+            self.config.block_size, self.device, self.cache.wait_for_layer,
         )
         hidden = self.decoder(
             input_ids=inputs.input_ids.unsqueeze(0),

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from kernels import KernelBackend, allocate_kv_cache
 from worker_service.attention import METADATA_KWARG, AttentionMetadata
-from worker_service.cache_engine import LayerCaches, MemoryProfile
+from worker_service.cache_engine import MemoryProfile
 from worker_service.model_loader import ModelShape
 
 # The scheduler's default step budget is max(max_model_len, 2048) tokens (vLLM's); the
@@ -61,9 +61,8 @@ def profile_step(
 
     meta = AttentionMetadata(
         backend=backend,
-        # No swaps during the pass: nothing to wait for.
-        key_caches=LayerCaches(key_caches, lambda layer: None),
-        value_caches=LayerCaches(value_caches, lambda layer: None),
+        key_caches=key_caches,
+        value_caches=value_caches,
         block_size=block_size,
         slot_mapping=tensor(slots, torch.int64),
         num_prefill_tokens=num_tokens,
