@@ -71,6 +71,8 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: model $(BENCH_STAMP)
 	$(PY) -m benchmarks.serving
+	$(PY) -m benchmarks.serving --dtype bfloat16 --concurrency --skip-static --skip-prefix-caching \
+		--output benchmarks/results/serving-bfloat16.json
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.report
 

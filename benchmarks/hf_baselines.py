@@ -20,8 +20,8 @@ from benchmarks.dataset import BenchRequest
 from benchmarks.metrics import RequestTiming, Summary, summarize
 
 
-def _load(model_dir: str, attn_implementation: str) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+def _load(model_dir: str, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
     model.eval()
     return model
 
@@ -32,9 +32,10 @@ def _greedy_config(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
                             eos_token_id=None, pad_token_id=pad_token_id)
 
 
-def run_static_batching(model_dir: str, requests: list[BenchRequest], batch_size: int) -> Summary:
+def run_static_batching(model_dir: str, requests: list[BenchRequest], batch_size: int,
+                        dtype: torch.dtype = torch.float32) -> Summary:
     """Batches in arrival order; output tokens counted as requested (what llmserve generates for them)."""
-    model = _load(model_dir, "sdpa")
+    model = _load(model_dir, "sdpa", dtype)
     pad = 0
     start = time.perf_counter()
     with torch.inference_mode():
@@ -56,9 +57,10 @@ def run_static_batching(model_dir: str, requests: list[BenchRequest], batch_size
     )
 
 
-def run_continuous_batching(model_dir: str, requests: list[BenchRequest]) -> tuple[Summary, list[RequestTiming]]:
+def run_continuous_batching(model_dir: str, requests: list[BenchRequest], dtype: torch.dtype = torch.float32
+                            ) -> tuple[Summary, list[RequestTiming]]:
     """transformers' continuous batching, all requests submitted at once (like llmserve's rate=inf run)."""
-    model = _load(model_dir, "paged|sdpa")
+    model = _load(model_dir, "paged|sdpa", dtype)
     config = _greedy_config(max(r.output_len for r in requests), 0)
     timings: dict[str, RequestTiming] = {}
     # The manager's worker thread writes tensors in place: not under inference_mode (transformers' own rule).

@@ -15,6 +15,7 @@ from typing import Any
 
 DOCS = Path("docs")
 SERVING = Path("benchmarks/results/serving.json")
+SERVING_BF16 = Path("benchmarks/results/serving-bfloat16.json")
 OVERHEAD = Path("benchmarks/results/overhead.json")
 
 
@@ -47,12 +48,12 @@ THROUGHPUT_HEADER = (
 def serving_section(r: dict[str, Any], plots: list[str]) -> str:
     arrivals = "all requests sent at once" if r["rate"] == float("inf") else f"Poisson arrivals at {r['rate']} req/s"
     lines = [
-        "## Serving throughput and latency",
+        f"## Serving throughput and latency, {r.get('dtype', 'float32')}",
         "",
         f"Run of {r['date']} on {r['machine']}. Workload: {r['workload']}; greedy, `ignore_eos`, {arrivals}. "
         "llmserve runs as separate processes (Redis, a CPU worker, a scheduler) and is driven through gRPC "
         "`Generate`; transformers runs in the benchmark process on the same weights (SmolLM2-135M-Instruct, "
-        "float32) and prompts.",
+        f"{r.get('dtype', 'float32')}) and prompts.",
         "",
         THROUGHPUT_HEADER,
         _throughput_row(r["llmserve"]),
@@ -60,14 +61,13 @@ def serving_section(r: dict[str, Any], plots: list[str]) -> str:
     for key in ("hf_continuous_batching", "hf_static_batching"):
         if key in r:
             lines.append(_throughput_row(r[key]))
-    if "ratio_vs_hf_continuous" in r:
-        lines += [
-            "",
-            f"**Output tokens/s, llmserve / transformers continuous batching: {r['ratio_vs_hf_continuous']:.2f}x; "
-            f"llmserve / transformers static batching: {r['ratio_vs_hf_static']:.2f}x.**",
-        ]
-    lines += ["", "### Throughput against concurrency", "", THROUGHPUT_HEADER.replace("| backend |", "| run |")]
-    lines += [_throughput_row(p) for p in r["concurrency_sweep"]]
+    ratios = [f"llmserve / transformers {name}: {r[key]:.2f}x" for key, name in (
+        ("ratio_vs_hf_continuous", "continuous batching"), ("ratio_vs_hf_static", "static batching")) if key in r]
+    if ratios:
+        lines += ["", f"**Output tokens/s, {'; '.join(ratios)}.**"]
+    if len(r.get("concurrency_sweep", [])) > 1:
+        lines += ["", "### Throughput against concurrency", "", THROUGHPUT_HEADER.replace("| backend |", "| run |")]
+        lines += [_throughput_row(p) for p in r["concurrency_sweep"]]
     pc = r.get("prefix_caching")
     if pc:
         ttft_without = pc["without"]["ttft_ms"]["median"]
@@ -170,7 +170,8 @@ def plots(r: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--serving", type=Path, default=SERVING)
+    parser.add_argument("--serving", type=Path, nargs="+", default=[SERVING, SERVING_BF16],
+                        help="serving results; the first one's plots are drawn")
     parser.add_argument("--overhead", type=Path, default=OVERHEAD)
     parser.add_argument("--output", type=Path, default=DOCS / "benchmarks.md")
     args = parser.parse_args()
@@ -178,10 +179,10 @@ def main() -> None:
     sections = ["# Benchmarks", "",
                 "Written by `make bench` (`benchmarks/serving.py`, `benchmarks/overhead.py`, then "
                 "`benchmarks/report.py`) from the results of one run of the code in this tree."]
-    if args.serving.exists():
-        serving = json.loads(args.serving.read_text())
-        sections += ["", serving_section(serving, plots(serving))]
-        if serving.get("kv_utilization"):
+    for index, path in enumerate(p for p in args.serving if p.exists()):
+        serving = json.loads(path.read_text())
+        sections += ["", serving_section(serving, plots(serving) if index == 0 else [])]
+        if index == 0 and serving.get("kv_utilization"):
             sections += ["", kv_section(serving["kv_utilization"])]
     if args.overhead.exists():
         sections += ["", overhead_section(json.loads(args.overhead.read_text()))]

@@ -49,9 +49,9 @@ def _kv_utilization(profile: Path) -> dict[str, float] | None:
     return {"mean_pct": sum(ratios) / len(ratios), "min_pct": min(ratios), "steps": len(ratios)}
 
 
-def _cluster(model: str, scheduler_args: list[str] | None = None) -> LocalCluster:
+def _cluster(model: str, dtype: str, scheduler_args: list[str] | None = None) -> LocalCluster:
     # Room for 64 concurrent requests of up to 384 tokens (64 * 24 blocks of 16), plus headroom.
-    worker_args = ["--num-gpu-blocks-override", "2048", "--max-model-len", "2048"]
+    worker_args = ["--num-gpu-blocks-override", "2048", "--max-model-len", "2048", "--dtype", dtype]
     return LocalCluster(ClusterSpec(model=model, worker_args=worker_args, scheduler_args=scheduler_args or []))
 
 
@@ -83,7 +83,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16],
                         help="concurrency limits of the sweep (2 x limit requests each)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and KV cache of llmserve and transformers alike")
     parser.add_argument("--skip-hf", action="store_true", help="llmserve only")
+    parser.add_argument("--skip-static", action="store_true", help="no transformers static batching run")
+    parser.add_argument("--skip-prefix-caching", action="store_true", help="no prefix-caching comparison")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -99,11 +103,12 @@ def main() -> None:
         "machine": f"{platform.machine()}, {_cpu_count()} CPU cores, torch {torch.__version__}",
         "workload": spec.describe(),
         "rate": args.rate,
+        "dtype": args.dtype,
         "max_concurrency": args.max_concurrency,
     }
     started = time.perf_counter()
     profile = Path(tempfile.mkdtemp()) / "steps.jsonl"
-    with _cluster(model, ["--profile-steps", str(profile)]) as cluster:
+    with _cluster(model, args.dtype, ["--profile-steps", str(profile)]) as cluster:
         _warm_up(cluster.address, vocab_size)
         main_run, main_timings = _llmserve(cluster.address, requests, "llmserve", args.rate, args.max_concurrency)
         results["llmserve"] = asdict(main_run)
@@ -119,16 +124,19 @@ def main() -> None:
         sweep.append({"concurrency": args.num_requests, **asdict(main_run)})
         results["concurrency_sweep"] = sweep
     results["kv_utilization"] = _kv_utilization(profile)
-    results["prefix_caching"] = _prefix_caching(model, vocab_size)
+    if not args.skip_prefix_caching:
+        results["prefix_caching"] = _prefix_caching(model, args.dtype, vocab_size)
+    torch_dtype = getattr(torch, args.dtype)
     if not args.skip_hf:
-        cb, cb_timings = run_continuous_batching(model, requests)
+        cb, cb_timings = run_continuous_batching(model, requests, torch_dtype)
+        _print(cb)
         results["latency_samples"]["hf continuous batching"] = _samples(cb_timings)  # type: ignore[index]
-        static = run_static_batching(model, requests, args.hf_batch_size)
-        for summary in (cb, static):
-            _print(summary)
         results["hf_continuous_batching"] = asdict(cb)
-        results["hf_static_batching"] = asdict(static)
         results["ratio_vs_hf_continuous"] = main_run.output_throughput / cb.output_throughput
+    if not args.skip_hf and not args.skip_static:
+        static = run_static_batching(model, requests, args.hf_batch_size, torch_dtype)
+        _print(static)
+        results["hf_static_batching"] = asdict(static)
         results["ratio_vs_hf_static"] = main_run.output_throughput / static.output_throughput
     results["total_seconds"] = time.perf_counter() - started
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -136,13 +144,13 @@ def main() -> None:
     print(f"wrote {args.output}")
 
 
-def _prefix_caching(model: str, vocab_size: int) -> dict[str, object]:
+def _prefix_caching(model: str, dtype: str, vocab_size: int) -> dict[str, object]:
     """TTFT of a shared-prefix workload (4 prefixes of 192 tokens), with and without prefix caching."""
     requests = shared_prefix_requests(32, prefix_len=192, suffix_len=32, output_len=16, vocab_size=vocab_size)
     out: dict[str, object] = {"workload": "32 requests, 4 shared prefixes of 192 tokens + 32 own, 16 output tokens, "
                                           "8 at a time"}
     for label, flags in (("without", []), ("with", ["--enable-prefix-caching"])):
-        with _cluster(model, flags) as cluster:
+        with _cluster(model, dtype, flags) as cluster:
             _warm_up(cluster.address, vocab_size)
             summary, _ = _llmserve(cluster.address, requests, f"prefix caching {label}", max_concurrency=8)
             out[label] = asdict(summary)
