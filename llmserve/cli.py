@@ -75,6 +75,17 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
+def _observability_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("observability")
+    g.add_argument("--otlp-endpoint", default="",
+                   help="send OpenTelemetry spans to this OTLP/gRPC collector (host:port; OTEL_EXPORTER_OTLP_ENDPOINT "
+                        "also works)")
+    g.add_argument("--trace-file", default="", metavar="PATH",
+                   help="append OpenTelemetry spans to this JSON-lines file (read by `llmserve trace show`)")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off; `up` gives the worker PORT+1)")
+
+
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
@@ -96,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded redis-server")
     p.add_argument("--log-dir", default="", help="where the services write their logs (default: a temp dir)")
-    _worker_flags(p), _scheduler_flags(p), _common_flags(p)
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also start the OpenAI-compatible HTTP API (`llmserve openai`) on this port")
+    _worker_flags(p), _scheduler_flags(p), _common_flags(p), _observability_flags(p)
 
     p = sub.add_parser("demo", help="start the local server, stream answers to a few chat prompts, stop")
     _model_flag(p)
@@ -108,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flag(p)
     p.add_argument("--host", default="0.0.0.0", help="address to bind")
     p.add_argument("--port", type=int, default=50061, help="port of the Worker API")
-    _worker_flags(p), _common_flags(p)
+    _worker_flags(p), _common_flags(p), _observability_flags(p)
 
     p = sub.add_parser("scheduler", help="run a scheduler replica (public API + engine loops)")
     _model_flag(p)
@@ -116,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
     p.add_argument("--redis-url", required=True, help="Redis holding the scheduling state (redis://host:port/db)")
     p.add_argument("--worker", action="append", default=[], help="worker address host:port (repeatable)")
-    _scheduler_flags(p), _common_flags(p)
+    _scheduler_flags(p), _common_flags(p), _observability_flags(p)
 
     p = sub.add_parser("generate", help="stream a completion from a running server")
     p.add_argument("--address", default="127.0.0.1:50051", help="scheduler address host:port")
@@ -124,6 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="append", default=[], help="user message, rendered with the chat template (repeatable: alternating user/assistant)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
     _sampling_flags(p)
+
+    p = sub.add_parser("openai", help="run the OpenAI-compatible HTTP API, a client of a scheduler's gRPC API")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--scheduler", default="127.0.0.1:50051", help="scheduler (or its load balancer) host:port")
+    p.add_argument("--served-model-name", action="append", default=[],
+                   help="model name clients send (repeatable; the first is the default); default: the name of the "
+                        "--tokenizer directory, else llmserve")
+    p.add_argument("--tokenizer", default="", help="checkpoint whose tokenizer names tokens in logprobs "
+                   "(default: none, tokens are named token_id:<id>)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+    p = sub.add_parser("trace", help="read the spans the services wrote with --trace-file")
+    show = p.add_subparsers(dest="trace_command", required=True).add_parser(
+        "show", help="draw one request's waterfall across scheduler steps and worker executions")
+    show.add_argument("request_id", help="the request id (gen_ai.request.id)")
+    show.add_argument("--trace-file", action="append", default=[], metavar="PATH", required=True,
+                      help="JSON-lines span file (repeatable: e.g. the scheduler's and the worker's)")
+    show.add_argument("--html", default="", metavar="OUT.html", help="also write the waterfall as an HTML page")
+    show.add_argument("--width", type=int, default=60, help="characters of the timeline bars")
+    _env_defaults(show)
 
     p = sub.add_parser("prepare-model", help="convert the bundled default model to safetensors (once)")
     for sp in sub.choices.values():
@@ -162,7 +196,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         kv_cache_memory_gib=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         swap_space_gib=args.swap_space, max_model_len=args.max_model_len, seed=args.seed,
-        num_threads=args.num_threads,
+        num_threads=args.num_threads, otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file,
+        metrics_port=args.metrics_port,
     )
     asyncio.run(serve(config, args.host, args.port))
     return 0
@@ -177,6 +212,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, profile_steps=args.profile_steps,
+        otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file, metrics_port=args.metrics_port,
     )
     asyncio.run(serve(config, args.host, args.port))
     return 0
@@ -195,9 +231,10 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-utilization",
-                "num-gpu-blocks-override", "swap-space", "seed", "num-threads", "max-model-len", "log-level"]
+                "num-gpu-blocks-override", "swap-space", "seed", "num-threads", "max-model-len", "log-level",
+                "otlp-endpoint", "trace-file"]
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
-                   "profile-steps", "max-model-len", "log-level"]
+                   "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port"]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -205,8 +242,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(
         model=_resolve_model(args.model), host=args.host, port=args.port, redis_url=args.redis_url,
-        worker_args=_passthrough(args, _WORKER_PASS), scheduler_args=_passthrough(args, _SCHEDULER_PASS),
-        log_dir=args.log_dir,
+        worker_args=_passthrough(args, _WORKER_PASS) + (["--metrics-port", str(args.metrics_port + 1)]
+                                                        if args.metrics_port else []),
+        scheduler_args=_passthrough(args, _SCHEDULER_PASS),
+        log_dir=args.log_dir, http_port=args.http_port,
     )
     stop = False
 
@@ -216,8 +255,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     with LocalCluster(spec) as cluster:
-        print(f"llmserve is up: Generation API on {cluster.address} (logs in {cluster.log_dir}); Ctrl-C stops it",
-              flush=True)
+        http = f", OpenAI API on {cluster.http_url}/v1" if cluster.http_url else ""
+        print(f"llmserve is up: Generation API on {cluster.address}{http} (logs in {cluster.log_dir}); "
+              "Ctrl-C stops it", flush=True)
         try:
             while not stop:
                 signal.pause()
@@ -256,6 +296,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_openai(args: argparse.Namespace) -> int:
+    from openai_api.server import FrontConfig, serve  # noqa: PLC0415
+
+    serve(FrontConfig(scheduler=args.scheduler, host=args.host, port=args.port,
+                      served_model_names=args.served_model_name, tokenizer=args.tokenizer), args.log_level)
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from shared.tracing_view import load_spans, render_html, render_text, request_waterfall  # noqa: PLC0415
+
+    waterfall = request_waterfall(load_spans(args.trace_file), args.request_id)
+    print(render_text(waterfall, width=args.width))
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(render_html(waterfall))
+        print(f"wrote {args.html}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from llmserve.demo import run_demo  # noqa: PLC0415
 
@@ -274,7 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(getattr(args, "log_level", "INFO"), name=args.command)
     handlers = {
         "up": _cmd_up, "demo": _cmd_demo, "worker": _cmd_worker, "scheduler": _cmd_scheduler,
-        "generate": _cmd_generate, "prepare-model": _cmd_prepare_model,
+        "generate": _cmd_generate, "openai": _cmd_openai, "prepare-model": _cmd_prepare_model,
+        "trace": _cmd_trace,
     }
     try:
         return handlers[args.command](args)

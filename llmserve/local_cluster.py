@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +44,27 @@ def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None]
     return False
 
 
+def wait_http_ok(url: str, timeout_s: float, check_alive: Callable[[], None]) -> bool:
+    """Polls `url` until it answers 200; False on timeout (check_alive as in wait_serving)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    return False
+
+
 @dataclass
 class ClusterSpec:
-    """What to run. Extra flags go verbatim to `llmserve worker` / `llmserve scheduler`."""
+    """What to run. Extra flags go verbatim to `llmserve worker` / `llmserve scheduler` / `llmserve openai`.
+
+    http_port: None runs no HTTP front; a port (0: a free one) also runs `llmserve openai` there.
+    """
 
     model: str
     host: str = "127.0.0.1"
@@ -53,6 +73,8 @@ class ClusterSpec:
     worker_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)
     log_dir: str = ""
+    http_port: int | None = None
+    http_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 300.0
 
 
@@ -67,6 +89,7 @@ class LocalCluster:
         self.spec = spec
         self.port = spec.port or free_port(spec.host)
         self.worker_port = free_port(spec.host)
+        self.http_port = None if spec.http_port is None else spec.http_port or free_port(spec.host)
         self._redis: RedisServer | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._args: dict[str, list[str]] = {}
@@ -78,6 +101,11 @@ class LocalCluster:
     def address(self) -> str:
         """host:port of the scheduler's public API."""
         return f"{self.spec.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """http://host:port of the OpenAI-compatible front, None when it is not running."""
+        return None if self.http_port is None else f"http://{self.spec.host}:{self.http_port}"
 
     @property
     def worker_address(self) -> str:
@@ -109,7 +137,15 @@ class LocalCluster:
             self._spawn("scheduler", ["--model", self.spec.model, "--host", self.spec.host,
                                       "--port", str(self.port), "--redis-url", self.redis_url,
                                       "--worker", self.worker_address, *self.spec.scheduler_args])
+            if self.http_port is not None:
+                # Started alongside the scheduler: it loads its tokenizer meanwhile and reports ready
+                # (/health) once the scheduler is.
+                self._spawn("openai", ["--scheduler", self.address, "--host", self.spec.host,
+                                       "--port", str(self.http_port), "--tokenizer", self.spec.model,
+                                       *self.spec.http_args])
             self._wait_ready()
+            if self.http_port is not None:
+                self._wait_http_ready()
         except BaseException:
             self.stop()
             raise
@@ -127,6 +163,12 @@ class LocalCluster:
                 f"{self.tail('scheduler')}\n{self.tail('worker')}"
             )
 
+    def _wait_http_ready(self) -> None:
+        if not wait_http_ok(f"{self.http_url}/health", self.spec.start_timeout_s, self._check_alive):
+            raise ClusterStartError(
+                f"the OpenAI front was not ready after {self.spec.start_timeout_s}s:\n{self.tail('openai')}"
+            )
+
     def kill(self, role: str) -> None:
         """SIGKILLs one service (fault tests): no clean shutdown, no final commit."""
         proc = self._procs[role]
@@ -136,7 +178,10 @@ class LocalCluster:
     def restart(self, role: str) -> None:
         """Starts a killed service again with the same command line and waits until the API is ready."""
         self._spawn(role, self._args[role])
-        self._wait_ready()
+        if role == "openai":
+            self._wait_http_ready()
+        else:
+            self._wait_ready()
 
     def tail(self, role: str, lines: int = 40) -> str:
         """The last lines of a process's log."""
@@ -146,8 +191,8 @@ class LocalCluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        """SIGTERM the services (scheduler first, it drives the worker), then Redis."""
-        for role in ("scheduler", "worker"):
+        """SIGTERM the services (HTTP front, then the scheduler, which drives the worker), then Redis."""
+        for role in ("openai", "scheduler", "worker"):
             proc = self._procs.get(role)
             if proc is not None and proc.poll() is None:
                 proc.terminate()

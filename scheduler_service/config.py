@@ -17,6 +17,9 @@ class SchedulerServiceConfig:
     enable_chunked_prefill: decodes and prompt chunks share each step's token budget.
     enable_prefix_caching: full KV blocks are shared between requests with the same prefix.
     profile_steps: append each engine-loop step's time split to this JSON-lines file (benchmarks).
+    otlp_endpoint: send OpenTelemetry spans to this OTLP/gRPC collector.
+    trace_file: append spans to this JSON-lines file (read by `llmserve trace show`).
+    metrics_port: serve Prometheus metrics on this port at /metrics (0 = off).
     """
 
     tokenizer: str
@@ -29,6 +32,9 @@ class SchedulerServiceConfig:
     enable_prefix_caching: bool = False
     worker_connect_timeout_s: float = 300.0
     profile_steps: str = ""
+    otlp_endpoint: str = ""
+    trace_file: str = ""
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -43,3 +49,5 @@ class SchedulerServiceConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}")

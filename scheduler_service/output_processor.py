@@ -6,6 +6,7 @@ the step's StepCommit, so clients see it only once Redis has it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
@@ -20,6 +21,7 @@ from scheduler_service.detokenizer import (
     streamable_text_length,
 )
 from scheduler_service.store import RestoredRequest, StepCommit
+from shared.metrics import RequestTimings
 from shared.sampling_proto import sampling_from_proto
 
 _FINISH_REASONS = {
@@ -27,6 +29,11 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
     SequenceStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
     SequenceStatus.FINISHED_IGNORED: common_pb2.FINISH_REASON_ERROR,
+}
+# vLLM's finished_reason label values.
+_REASON_LABELS = {
+    SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort", SequenceStatus.FINISHED_IGNORED: "error",
 }
 
 
@@ -75,9 +82,29 @@ class OutputProcessor:
         self._eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
         self._requests: dict[str, _RequestState] = {}
         self._beams = BeamProcessor(scheduler, self._eos_token_id)
+        # Per-request timings for metrics and traces, kept only when `record_timings` is set:
+        # request id -> [first scheduled, first token] (unix seconds; 0 = not yet).
+        self.record_timings = False
+        self._times: dict[str, list[float]] = {}
+        # Requests finished since the engine loop last took them (take_finished).
+        self._finished: list[tuple[str, RequestTimings]] = []
 
     def __len__(self) -> int:
         return len(self._requests)
+
+    # -- timings (metrics and traces) -----------------------------------------------------------
+
+    def mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
+        """Notes the first step each request was scheduled in (its time in queue ends there)."""
+        times = self._times
+        for item in out.scheduled:
+            if item.group.request_id not in times:
+                times[item.group.request_id] = [now, 0.0]
+
+    def take_finished(self) -> list[tuple[str, RequestTimings]]:
+        """(request id, timings) of the requests finished since the last call."""
+        finished, self._finished = self._finished, []
+        return finished
 
     # -- requests entering and leaving ---------------------------------------------------------
 
@@ -169,9 +196,24 @@ class OutputProcessor:
     ) -> None:
         msg.usage.prompt_tokens = len(group.seqs[0].prompt_token_ids)
         msg.usage.completion_tokens = sum(len(s.output_token_ids) for s in returned)
+        if self.record_timings:
+            self._record_finish(group, msg, returned)
         commit.outputs.append((group.request_id, msg))
         commit.finished_requests.append(group.request_id)
         commit.dropped_seqs.extend(s.seq_id for s in group.seqs)
+
+    def _record_finish(self, group: SequenceGroup, msg: generation_pb2.GenerateResponse, returned: list[Sequence]) -> None:
+        now = time.time()
+        scheduled, first_token = self._times.pop(group.request_id, (0.0, 0.0))
+        status = returned[0].status if returned else SequenceStatus.FINISHED_ABORTED
+        reason = "error" if msg.error else _REASON_LABELS.get(status, "abort")
+        self._finished.append((group.request_id, RequestTimings(
+            arrival_time=group.arrival_time, first_scheduled_time=scheduled or now,
+            # Beam search streams nothing before the end: its first token is its last.
+            first_token_time=first_token or now, finished_time=now,
+            prompt_tokens=msg.usage.prompt_tokens, generation_tokens=msg.usage.completion_tokens,
+            finished_reason=reason,
+        )))
 
     # -- step results --------------------------------------------------------------------------
 
@@ -197,6 +239,12 @@ class OutputProcessor:
             if group.sampling_params.logprobs is not None:
                 delta.logprobs.add(logprob=by_seq[seq.seq_id].logprob, top=by_seq[seq.seq_id].top_logprobs)
             deltas.setdefault(group.request_id, []).append(delta)
+        if self.record_timings:
+            now = time.time()
+            for request_id in deltas:
+                times = self._times.get(request_id)
+                if times is not None and not times[1]:
+                    times[1] = now
         for request_id, new in deltas.items():
             state = self._requests[request_id]
             group = state.group

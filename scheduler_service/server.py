@@ -22,6 +22,8 @@ from scheduler_service.servicer import GenerationServicer
 from scheduler_service.store import RedisStore
 from shared import grpc_server
 from shared.checkpoint import pretrained_source
+from shared.metrics import MetricsServer, SchedulerMetrics
+from shared.tracing import TracingConfig, make_tracer
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     worker_max_len = min(d.max_model_len for d in descs)
     max_len = min(config.max_model_len or worker_max_len, worker_max_len)
     admission = Admission(tokenizer, ModelLimits(max_model_len=max_len, vocab_size=min(d.vocab_size for d in descs)))
+    model_name = Path(descs[0].model).name or descs[0].model
+    tracer, provider = make_tracer(TracingConfig.from_env("llmserve-scheduler", config.otlp_endpoint, config.trace_file))
+    metrics = SchedulerMetrics(model_name) if config.metrics_port else None
 
     stop = asyncio.Event()
     loops = []
@@ -76,14 +81,16 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
         scheduler = _scheduler_for(config, desc)
         profile = Path(f"{config.profile_steps}.{len(loops)}") if len(config.workers) > 1 else Path(config.profile_steps)
         loops.append(EngineLoop(address, stub, store, scheduler, OutputProcessor(tokenizer, scheduler),
-                                profile if config.profile_steps else None))
-    servicer = GenerationServicer(admission, store, Router(config.workers))
+                                profile if config.profile_steps else None, tracer=tracer,
+                                metrics=metrics.engine(address) if metrics is not None else None))
+    servicer = GenerationServicer(admission, store, Router(config.workers), tracer=tracer, model_name=model_name)
     server = grpc_server.create_server()
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"scheduler could not bind {host}:{port}")
+    metrics_server = MetricsServer(metrics.registry, config.metrics_port, host) if metrics is not None else None
     tasks = [asyncio.create_task(loop.run(stop), name=f"engine-{loop.worker_id}") for loop in loops]
     await server.start()
     await grpc_server.mark_serving(health, [SERVICE_NAME])
@@ -111,3 +118,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
         for channel in channels:
             await channel.close()
         await store.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+        if provider is not None:
+            provider.shutdown()  # exports the spans still queued

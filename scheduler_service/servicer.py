@@ -8,11 +8,15 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from protos import generation_pb2, generation_pb2_grpc
-from scheduler_service.admission import Admission, to_record
+from scheduler_service.admission import Admission, AdmittedPrompt, to_record
 from scheduler_service.router import Router
 from scheduler_service.store import RedisStore
-from shared.errors import NotFoundError, UnavailableError, abort_with
+from shared.errors import NotFoundError, UnavailableError, abort_with, status_for
+from shared.tracing import context_from_metadata, to_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -23,41 +27,96 @@ READ_BLOCK_MS = 5000
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Thin: protobuf in, domain calls, protobuf out; errors mapped in one place."""
 
-    def __init__(self, admission: Admission, store: RedisStore, router: Router) -> None:
+    def __init__(self, admission: Admission, store: RedisStore, router: Router,
+                 tracer: trace.Tracer | None = None, model_name: str = "") -> None:
         self._admission = admission
         self._store = store
         self._router = router
+        self._tracer = tracer if tracer is not None else trace.NoOpTracer()
+        self._model_name = model_name
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        # One SERVER span per request; a caller's traceparent makes it part of the caller's trace.
+        span = self._tracer.start_span("llmserve.generate", context=context_from_metadata(context.invocation_metadata()),
+                                       kind=SpanKind.SERVER)
+        stream = self._stream(request, context, span, time.time())
+        try:
+            async for msg in stream:
+                yield msg
+        finally:
+            await stream.aclose()  # runs its clean-up now, not when garbage-collected
+            span.end()
+
+    async def _stream(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span,
+        started: float,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
             # Tokenizing can take milliseconds for long prompts: keep it off the event loop.
             admitted = await asyncio.to_thread(self._admission.admit, request)
+            self._describe(span, admitted)
             seq_ids = await self._store.reserve_seq_ids(admitted.sampling.num_sequences)
             worker_id = self._router.pick(admitted.request_id)
-            await self._store.admit(to_record(admitted, seq_ids, worker_id, time.time()))
+            record = to_record(admitted, seq_ids, worker_id, time.time())
+            record.traceparent = to_traceparent(span)
+            await self._store.admit(record)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
+            span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             await abort_with(context, exc)
             return
 
         request_id = admitted.request_id
         finished = False
+        first_token = False
         last_id = "0"
         try:
             while not finished:
                 for entry_id, msg in await self._store.read_outputs(request_id, last_id, READ_BLOCK_MS):
                     last_id = entry_id
+                    if not first_token and any(d.token_ids for d in msg.outputs):
+                        first_token = True
+                        span.set_attribute("gen_ai.latency.time_to_first_token", time.time() - started)
+                    if msg.HasField("usage"):
+                        self._finish(span, msg, started)
                     yield msg
                     if msg.HasField("usage"):
                         finished = True
                         break
         except UnavailableError as exc:
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
             await abort_with(context, exc)
         finally:
             if not finished:
+                span.set_attribute("llmserve.cancelled", True)
                 # The client went away (or the stream broke): free the request's blocks.
                 await asyncio.shield(self._abort_quietly(worker_id, request_id))
+
+    @staticmethod
+    def _finish(span: trace.Span, msg: generation_pb2.GenerateResponse, started: float) -> None:
+        span.set_attributes({
+            "gen_ai.usage.prompt_tokens": msg.usage.prompt_tokens,
+            "gen_ai.usage.completion_tokens": msg.usage.completion_tokens,
+            "gen_ai.latency.e2e": time.time() - started,
+        })
+        if msg.error:
+            span.set_status(Status(StatusCode.ERROR, msg.error))
+
+    def _describe(self, span: trace.Span, admitted: AdmittedPrompt) -> None:
+        """The request's gen_ai.* attributes (OpenTelemetry's GenAI conventions, as vLLM sets them)."""
+        if not span.is_recording():
+            return
+        params = admitted.sampling
+        span.set_attributes({
+            "gen_ai.request.id": admitted.request_id,
+            "gen_ai.request.model": self._model_name,
+            "gen_ai.request.max_tokens": params.max_tokens or 0,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.n": params.n,
+            "gen_ai.usage.prompt_tokens": len(admitted.prompt_token_ids),
+        })
 
     async def Abort(self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
         try:

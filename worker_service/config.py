@@ -22,6 +22,9 @@ class WorkerConfig:
     num_gpu_blocks_override: exact number of device blocks (tests, tuning).
     swap_space_gib: host memory for swapped-out blocks.
     max_model_len: longest sequence accepted; 0 takes the model's max_position_embeddings.
+    otlp_endpoint: send OpenTelemetry spans to this OTLP/gRPC collector.
+    trace_file: append spans to this JSON-lines file (read by `llmserve trace show`).
+    metrics_port: serve Prometheus metrics on this port at /metrics (0 = off).
     """
 
     model: str
@@ -35,6 +38,9 @@ class WorkerConfig:
     max_model_len: int = 0
     seed: int = 0
     num_threads: int = 0
+    otlp_endpoint: str = ""
+    trace_file: str = ""
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         is_gguf = self.model.lower().endswith(".gguf") and os.path.isfile(self.model)
@@ -56,6 +62,8 @@ class WorkerConfig:
             raise ValueError(f"swap_space_gib must be non-negative, got {self.swap_space_gib}.")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}.")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}.")
 
     @property
     def kv_cache_bytes(self) -> int:

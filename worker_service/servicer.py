@@ -7,9 +7,13 @@ import logging
 import uuid
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
-from shared.errors import StaleEpochError, abort_with
+from shared.errors import StaleEpochError, abort_with, status_for
+from shared.metrics import WorkerMetrics
+from shared.tracing import context_from_metadata
 from worker_service.model_runner import ModelRunner, StepOutput
 from worker_service.plan import plan_from_proto
 
@@ -51,8 +55,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     responsive during a long step; a lock keeps steps strictly sequential.
     """
 
-    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+    def __init__(self, runner: ModelRunner, model_name: str, tracer: trace.Tracer | None = None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self._runner = runner
+        self._tracer = tracer if tracer is not None else trace.NoOpTracer()
+        self._metrics = metrics
         self._model_name = model_name
         self._instance_id = uuid.uuid4().hex
         self._epoch = 0
@@ -88,15 +95,45 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
     async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
+        # A child of the engine loop's step span: its context comes in the call's metadata.
+        span = self._tracer.start_span("llmserve.worker.execute_step", kind=SpanKind.SERVER,
+                                       context=context_from_metadata(context.invocation_metadata()))
         try:
             async with self._lock:
                 self._fence(request.epoch)
                 plan = plan_from_proto(request)
                 out = await asyncio.to_thread(self._runner.execute, plan)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server stays up
+            span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
+            span.end()
             await abort_with(context, exc)
             raise  # unreachable: abort raises
+        self._observe(request, out, span)
         return _step_result(out)
+
+    def _observe(self, plan: worker_pb2.StepPlan, out: StepOutput, span: trace.Span) -> None:
+        """The step's span attributes and metrics (execute_seconds is the runner's own measurement)."""
+        m = self._metrics
+        if not span.is_recording() and m is None:
+            return
+        tokens = sum(s.num_new_tokens for s in plan.new_sequences) + sum(s.num_new_tokens for s in plan.cached_sequences)
+        used = self._runner.seqs.num_used_blocks()
+        if span.is_recording():
+            span.set_attributes({
+                "llmserve.step_id": plan.step_id, "llmserve.epoch": plan.epoch,
+                "llmserve.worker.new_sequences": len(plan.new_sequences),
+                "llmserve.worker.cached_sequences": len(plan.cached_sequences),
+                "llmserve.worker.tokens": tokens, "llmserve.worker.sampled": len(out.sampled),
+                "llmserve.worker.swap_in_blocks": len(plan.swap_in), "llmserve.worker.swap_out_blocks": len(plan.swap_out),
+                "llmserve.worker.copy_blocks": len(plan.copy), "llmserve.worker.blocks_in_use": used,
+                "llmserve.worker.execute_s": out.execute_seconds,
+            })
+        span.end()
+        if m is not None:
+            m.step_time.observe(out.execute_seconds)
+            m.tokens.inc(tokens)
+            m.sampled.inc(len(out.sampled))
+            m.blocks_used.set(used)
 
     async def Reset(self, request: worker_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ResetResponse:
         try:

@@ -1,0 +1,102 @@
+"""The front's connection to the scheduler's public gRPC API.
+
+A stream is opened by reading its first message before any HTTP status is sent: admission errors
+(INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE) then become proper 400 / 429 / 503 answers
+instead of an error in the middle of a 200 event stream. Cancelling a stream cancels its gRPC
+call, which makes the scheduler abort the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from openai_api.errors import OpenAIError, from_rpc_error
+from protos import generation_pb2, generation_pb2_grpc
+from shared.grpc_server import CHANNEL_OPTIONS
+
+
+class GenerationStream:
+    """The responses of one Generate call, its first already received."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, first: generation_pb2.GenerateResponse) -> None:
+        self._call = call
+        self._first: generation_pb2.GenerateResponse | None = first
+
+    async def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """Yields every response; a broken call raises OpenAIError (e.g. 503 when the scheduler went away)."""
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                yield first
+                if first.HasField("usage"):
+                    return
+            while True:
+                msg = await self._call.read()
+                if msg is grpc.aio.EOF:
+                    return
+                yield msg
+                if msg.HasField("usage"):
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Ends the call (a no-op when it has finished); the scheduler aborts an unfinished request."""
+        self._call.cancel()
+
+
+class EngineClient:
+    """An asyncio gRPC channel to one scheduler address (a load balancer or a replica)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def open(self, request: generation_pb2.GenerateRequest) -> GenerationStream:
+        """Starts a Generate call and waits for its first response; raises OpenAIError on failure.
+
+        No wait_for_ready: with the scheduler down the caller gets a 503 at once, not a hang.
+        """
+        call = self._stub.Generate(request)
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF:
+            raise OpenAIError(502, "the scheduler ended the stream without a response", "server_error")
+        return GenerationStream(call, first)
+
+    async def open_all(self, requests: list[generation_pb2.GenerateRequest]) -> list[GenerationStream]:
+        """Opens one stream per request concurrently; if any fails, the others are cancelled."""
+        tasks = [asyncio.ensure_future(self.open(r)) for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result().cancel()
+                else:
+                    task.cancel()
+            raise
+
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        """Whether the scheduler reports SERVING on grpc.health.v1."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self._channel.close()

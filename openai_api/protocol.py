@@ -1,0 +1,127 @@
+"""Request and response models of the OpenAI API subset the front serves.
+
+As in vLLM, fields the front does not know are accepted and ignored (they are listed in a warning
+log line), fields it knows but cannot honour (`suffix`, `echo`, `logit_bias`, tools, a non-text
+`response_format`) are rejected with a 400, and vLLM's extra sampling parameters (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `use_beam_search`, ...) are
+accepted too (`extra_body=` in the openai client).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OpenAIBaseModel(BaseModel):
+    """Unknown fields are kept (not an error) so `unknown_fields` can name them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        """Names of the request fields this model does not define."""
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(OpenAIBaseModel):
+    """`stream_options`: include_usage adds a last chunk with usage and no choices."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields completions and chat completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling parameters.
+    best_of: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. A list prompt is a batch: one choice group of n per prompt."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(OpenAIBaseModel):
+    """One part of a message's content; only text parts are served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message of `messages`."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class Usage(BaseModel):
+    """Token counts of a request (summed over its prompts and sequences)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    def add(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Adds one gRPC request's counts."""
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llmserve"
+    root: str | None = None
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)

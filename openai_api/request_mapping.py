@@ -1,0 +1,139 @@
+"""OpenAI request fields -> GenerateRequest / SamplingParams of the public gRPC API.
+
+Only what the wire types force is checked here (signs of unsigned fields, field combinations only
+OpenAI's API has); ranges and the rest are the scheduler's admission's job, so gRPC and HTTP
+clients get the same validation and the same messages (a 400 here, INVALID_ARGUMENT there).
+"""
+
+from __future__ import annotations
+
+from protos import common_pb2, generation_pb2
+from openai_api.errors import invalid_request
+from openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+
+_UINT64 = 1 << 64
+# OpenAI's "developer" role is the system prompt of newer models; chat templates know "system".
+_ROLE_ALIASES = {"developer": "system"}
+
+
+def _non_negative(value: int | None, param: str, minimum: int = 0) -> int | None:
+    if value is not None and value < minimum:
+        raise invalid_request(f"{param} must be at least {minimum}, got {value}", param)
+    return value
+
+
+def _reject_unsupported(req: SamplingRequest) -> None:
+    if req.logit_bias:
+        raise invalid_request("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request("stream_options can only be set when stream is true", "stream_options")
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
+    """The SamplingParams message for the shared fields; None leaves a field at the scheduler's default.
+
+    max_tokens: None = the scheduler's default (16); 0 = up to the model's context length.
+    """
+    _reject_unsupported(req)
+    msg = common_pb2.SamplingParams(
+        n=_non_negative(req.n, "n", 1) or 1,
+        best_of=_non_negative(req.best_of, "best_of", 1) or 0,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        min_tokens=_non_negative(req.min_tokens, "min_tokens") or 0,
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        use_beam_search=req.use_beam_search,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+    )
+    for token_id in req.stop_token_ids or []:
+        _non_negative(token_id, "stop_token_ids")
+    msg.stop_token_ids.extend(req.stop_token_ids or [])
+    if max_tokens is not None:
+        msg.max_tokens = max_tokens
+    if req.temperature is not None:
+        msg.temperature = req.temperature
+    if req.top_p is not None:
+        msg.top_p = req.top_p
+    if req.seed is not None:
+        # OpenAI seeds are any integer; the engine's are uint64. Wrapping keeps each seed reproducible.
+        msg.seed = req.seed % _UINT64
+    if req.repetition_penalty is not None:
+        msg.repetition_penalty = req.repetition_penalty
+    if req.length_penalty is not None:
+        msg.length_penalty = req.length_penalty
+    if not req.skip_special_tokens:
+        msg.skip_special_tokens = False
+    if logprobs is not None:
+        msg.logprobs = logprobs
+    return msg
+
+
+def completion_requests(req: CompletionRequest, request_id: str) -> list[generation_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt of the batch, with ids `request_id-<i>` when there are several."""
+    if req.echo:
+        raise invalid_request("echo is not supported", "echo")
+    if req.suffix:
+        raise invalid_request("suffix is not supported", "suffix")
+    max_tokens = _non_negative(req.max_tokens, "max_tokens", 1)
+    sampling = sampling_params(req, max_tokens, _non_negative(req.logprobs, "logprobs"))
+    prompts = _prompt_batch(req.prompt)
+    out = []
+    for i, prompt in enumerate(prompts):
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        if isinstance(prompt, str):
+            out.append(generation_pb2.GenerateRequest(request_id=rid, prompt=prompt, sampling=sampling))
+        else:
+            for token_id in prompt:
+                _non_negative(token_id, "prompt")
+            out.append(generation_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling))
+    return out
+
+
+def _prompt_batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A single prompt (text or token ids) or a batch of them, as a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    """The GenerateRequest of a chat completion; the scheduler renders the chat template."""
+    if req.tools:
+        raise invalid_request("tools are not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise invalid_request("only response_format {'type': 'text'} is supported", "response_format")
+    # max_completion_tokens replaced max_tokens in OpenAI's chat API; unset = up to the context length.
+    max_tokens = _non_negative(req.max_completion_tokens, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _non_negative(req.max_tokens, "max_tokens", 1) or 0
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    logprobs = (_non_negative(req.top_logprobs, "top_logprobs") or 0) if req.logprobs else None
+    return generation_pb2.GenerateRequest(
+        request_id=request_id,
+        messages=[_chat_message(m, i) for i, m in enumerate(req.messages)],
+        sampling=sampling_params(req, max_tokens, logprobs),
+    )
+
+
+def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessage:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise invalid_request(
+                    f"messages[{index}].content: only text parts are supported, got {part.type!r}",
+                    f"messages[{index}].content",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    role = _ROLE_ALIASES.get(message.role, message.role)
+    return generation_pb2.ChatMessage(role=role, content=content or "")

@@ -1,0 +1,191 @@
+"""The FastAPI application: routes, and every error rendered in OpenAI's format."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openai_api import chat, completions
+from openai_api.engine_client import EngineClient, GenerationStream
+from openai_api.errors import OpenAIError, invalid_request, model_not_found
+from openai_api.logprobs import TokenNamer
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest
+from openai_api.request_mapping import chat_request, completion_requests
+from openai_api.streaming import MEDIA_TYPE, ChunkHeader, sse_stream
+
+log = logging.getLogger(__name__)
+
+# How often a non-streaming request checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class FrontState:
+    """What the routes need; built by the server at startup."""
+
+    engine: EngineClient
+    namer: TokenNamer
+    model_names: list[str]
+    model_root: str | None = None
+    created: int = 0
+
+
+def _state(request: Request) -> FrontState:
+    return request.app.state.front
+
+
+def _model_name(state: FrontState, req: SamplingRequest) -> str:
+    """The served name a request addresses (the first one when it names none); 404 for another model."""
+    if req.model is None or req.model == "":
+        return state.model_names[0]
+    if req.model not in state.model_names:
+        raise model_not_found(req.model)
+    return req.model
+
+
+def _warn_unknown(req: SamplingRequest, route: str) -> None:
+    if req.unknown_fields():
+        log.warning("%s: ignoring unknown fields %s", route, ", ".join(req.unknown_fields()))
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """Awaits `work`, cancelling it (which aborts its gRPC calls) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise OpenAIError(499, "the client disconnected", "invalid_request_error", None, "client_disconnected")
+    finally:
+        task.cancel()
+
+
+async def _respond(
+    request: Request,
+    streams: list[GenerationStream],
+    stream: bool,
+    chunks: Callable[[], AsyncIterator[dict[str, Any]]],
+    body: Callable[[], Awaitable[dict[str, Any]]],
+) -> Response:
+    def cancel_all() -> None:
+        for s in streams:
+            s.cancel()
+
+    if stream:
+        # The background task runs after the response ends, even when a disconnect cut it short.
+        return StreamingResponse(sse_stream(chunks()), media_type=MEDIA_TYPE, background=BackgroundTask(cancel_all))
+    try:
+        return JSONResponse(await _unless_disconnected(request, body()))
+    finally:
+        cancel_all()
+
+
+def _header(request_id: str, model: str, obj: str, req: SamplingRequest) -> ChunkHeader:
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    return ChunkHeader(request_id, int(time.time()), model, obj, include_usage)
+
+
+async def create_completion(req: CompletionRequest, request: Request) -> Response:
+    """POST /v1/completions."""
+    state = _state(request)
+    model = _model_name(state, req)
+    _warn_unknown(req, "completions")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await state.engine.open_all(completion_requests(req, request_id))
+    obj = completions.OBJECT
+    header = _header(request_id, model, obj, req)
+    return await _respond(
+        request, streams, req.stream,
+        lambda: completions.completion_chunks(req, streams, header, state.namer),
+        lambda: completions.completion_body(req, streams, header, state.namer),
+    )
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    state = _state(request)
+    model = _model_name(state, req)
+    _warn_unknown(req, "chat completions")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    (stream,) = await state.engine.open_all([chat_request(req, request_id)])
+    obj = chat.CHUNK_OBJECT if req.stream else chat.OBJECT
+    header = _header(request_id, model, obj, req)
+    return await _respond(
+        request, [stream], req.stream,
+        lambda: chat.chat_chunks(req, stream, header, state.namer),
+        lambda: chat.chat_body(req, stream, header, state.namer),
+    )
+
+
+async def list_models(request: Request) -> ModelList:
+    """GET /v1/models: the served model names."""
+    state = _state(request)
+    return ModelList(data=[ModelCard(id=name, created=state.created, root=state.model_root)
+                           for name in state.model_names])
+
+
+async def health(request: Request) -> Response:
+    """GET /health: 200 when the scheduler behind the front is SERVING, else 503."""
+    if await _state(request).engine.healthy():
+        return Response(status_code=200)
+    return JSONResponse(OpenAIError(503, "the scheduler is not serving", "service_unavailable_error").body(), 503)
+
+
+def _error_response(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _openai_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OpenAIError)
+    return _error_response(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """Malformed bodies are 400s, as OpenAI's (FastAPI's default would be a 422)."""
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid request"))
+    return _error_response(invalid_request(message, param))
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error_response(OpenAIError(exc.status_code, str(exc.detail), kind))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("internal error", exc_info=exc)
+    return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+
+def build_app(state: FrontState | None = None, lifespan: Any = None) -> FastAPI:
+    """The application; `state` is set here or by the lifespan (app.state.front)."""
+    app = FastAPI(title="llmserve OpenAI-compatible API", lifespan=lifespan)
+    if state is not None:
+        app.state.front = state
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"], response_model=None)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    return app

@@ -1,0 +1,79 @@
+"""Runs the OpenAI-compatible front with uvicorn (`llmserve openai`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from openai_api.engine_client import EngineClient
+from openai_api.logprobs import TokenNamer
+from openai_api.routes import FrontState, build_app
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FrontConfig:
+    """scheduler: host:port of the public gRPC API (a replica or a load balancer in front of them).
+    served_model_names: names clients put in `model`; the first is the default. Empty: the
+        tokenizer directory's name, else "llmserve".
+    tokenizer: checkpoint whose tokenizer names tokens in logprobs; empty: `token_id:<id>` names.
+    """
+
+    scheduler: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=list)
+    tokenizer: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.scheduler:
+            raise ValueError("scheduler must be a host:port address, got ''")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.served_model_names:
+            name = Path(self.tokenizer.rstrip("/")).name.removesuffix(".gguf") if self.tokenizer else ""
+            self.served_model_names = [name or "llmserve"]
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer  # noqa: PLC0415 - only when logprob names are wanted
+
+    from shared.checkpoint import pretrained_source  # noqa: PLC0415
+
+    source, kwargs = pretrained_source(path)
+    return AutoTokenizer.from_pretrained(source, **kwargs)
+
+
+def make_app(config: FrontConfig) -> FastAPI:
+    """The app with a lifespan that connects to the scheduler (and loads the tokenizer) at startup."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer) if config.tokenizer else None
+        engine = EngineClient(config.scheduler)
+        app.state.front = FrontState(engine, TokenNamer(tokenizer), config.served_model_names,
+                                     config.tokenizer or None, int(time.time()))
+        log.info("OpenAI-compatible API for %s, backed by the scheduler at %s",
+                 ", ".join(config.served_model_names), config.scheduler)
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    return build_app(lifespan=lifespan)
+
+
+def serve(config: FrontConfig, log_level: str = "info") -> None:
+    """Serves until SIGINT / SIGTERM (uvicorn handles both)."""
+    uvicorn.run(make_app(config), host=config.host, port=config.port, log_level=log_level.lower(),
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,154 @@
+"""End to end through the OpenAI-compatible HTTP front, with the official `openai` client.
+
+Redis + worker + scheduler + `llmserve openai` run as real processes on a tiny random Llama; the
+front reaches the engine only through the scheduler's public gRPC API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmserve.local_cluster import ClusterSpec, LocalCluster
+from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(
+        model=str(tiny_llama_dir),
+        worker_args=["--num-gpu-blocks-override", "64", "--max-model-len", "512", "--num-threads", "1"],
+        http_port=0,
+        http_args=["--served-model-name", MODEL],
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: LocalCluster) -> Iterator["openai.OpenAI"]:
+    # No retries: a 4xx/5xx must reach the test as it is.
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_models_lists_the_served_name(client: "openai.OpenAI") -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_streamed_chat_completion(client: "openai.OpenAI", cluster: LocalCluster) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, temperature=0.0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # The same request, whole: the greedy text is the streamed one.
+    whole = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello"}], max_completion_tokens=8, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0
+    assert_all_blocks_free(cluster)
+
+
+def test_streamed_completion(client: "openai.OpenAI") -> None:
+    stream = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0.0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks and all(c.object == "text_completion" for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    whole = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == text
+
+
+def test_completion_with_usage_logprobs_and_batch(client: "openai.OpenAI") -> None:
+    out = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8], [9, 10, 11]], max_tokens=5,
+                                    temperature=0.0, logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 10
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+def test_seeded_n_choices_are_reproducible(client: "openai.OpenAI") -> None:
+    base = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=2, seed=11,
+                extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**base), client.completions.create(**base)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param_or_message"),
+    [
+        ({"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 100000}, "lower max_tokens"),
+    ],
+)
+def test_invalid_parameters_are_400_in_openai_format(
+    cluster: LocalCluster, body: dict, param_or_message: str
+) -> None:
+    reply = httpx.post(f"{cluster.http_url}/v1/completions", json={"model": MODEL, **body}, timeout=30)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert param_or_message in error["message"] or param_or_message == error["param"]
+
+
+def test_openai_client_raises_bad_request_and_not_found(client: "openai.OpenAI") -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1)
+    assert "temperature must be non-negative" in info.value.message
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def _seconds_until_idle(cluster: LocalCluster, timeout_s: float = 30.0) -> float:
+    start = time.monotonic()
+    while True:
+        state = redis_state(cluster)
+        if not state["request_keys"] and state["blocks"]["free"] == state["blocks"]["total"]:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, state
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_the_request(client: "openai.OpenAI", cluster: LocalCluster) -> None:
+    """A stream closed after its first chunk (or a plain request whose client gives up) frees its blocks
+    long before the request could have finished: its gRPC call is cancelled and the scheduler aborts it."""
+    body = dict(model=MODEL, prompt="Tell me a long story", max_tokens=300, temperature=0.0,
+                extra_body={"ignore_eos": True})
+    start = time.monotonic()
+    assert client.completions.create(**body).usage.completion_tokens == 300
+    full_s = time.monotonic() - start
+
+    stream = client.completions.create(**body, stream=True)
+    next(iter(stream))
+    stream.close()
+    assert _seconds_until_idle(cluster) < full_s / 2
+
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=full_s / 4).completions.create(**body)
+    assert _seconds_until_idle(cluster) < full_s / 2
+    assert_all_blocks_free(cluster)

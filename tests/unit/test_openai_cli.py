@@ -1,0 +1,30 @@
+"""`llmserve openai`, `llmserve up --http-port`, and the front's config defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from openai_api.server import FrontConfig
+from llmserve.cli import build_parser
+
+
+def test_openai_command_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["openai", "--port", "9000", "--scheduler", "s:1", "--served-model-name", "a",
+                                      "--served-model-name", "b"])
+    assert (args.port, args.scheduler, args.served_model_name) == (9000, "s:1", ["a", "b"])
+    monkeypatch.setenv("LLMSERVE_SCHEDULER", "env:50051")
+    assert build_parser().parse_args(["openai"]).scheduler == "env:50051"
+
+
+def test_up_starts_the_http_front_only_when_asked() -> None:
+    assert build_parser().parse_args(["up"]).http_port is None
+    assert build_parser().parse_args(["up", "--http-port", "8000"]).http_port == 8000
+
+
+def test_served_model_name_defaults() -> None:
+    assert FrontConfig(scheduler="s:1", tokenizer="/models/SmolLM2-135M-Instruct/").served_model_names == [
+        "SmolLM2-135M-Instruct"]
+    assert FrontConfig(scheduler="s:1", tokenizer="/m/model.Q4.gguf").served_model_names == ["model.Q4"]
+    assert FrontConfig(scheduler="s:1").served_model_names == ["llmserve"]
+    with pytest.raises(ValueError, match="port must be in"):
+        FrontConfig(scheduler="s:1", port=70000)

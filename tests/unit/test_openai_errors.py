@@ -1,0 +1,99 @@
+"""gRPC status -> HTTP status and OpenAI's error body, and the app's error responses (no engine needed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+
+from openai_api.errors import from_grpc, model_not_found
+from openai_api.logprobs import TokenNamer
+from openai_api.routes import FrontState, build_app
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "kind"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
+        (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
+        (grpc.StatusCode.INTERNAL, 500, "server_error"),
+        (grpc.StatusCode.UNKNOWN, 500, "server_error"),
+    ],
+)
+def test_grpc_codes_map_to_http(code: grpc.StatusCode, status: int, kind: str) -> None:
+    err = from_grpc(code, "details here")
+    assert (err.status, err.type, err.code) == (status, kind, code.name.lower())
+    assert err.body() == {"error": {"message": "details here", "type": kind, "param": None, "code": code.name.lower()}}
+
+
+def test_model_not_found_is_openais_404() -> None:
+    err = model_not_found("gpt-9")
+    assert err.status == 404 and err.body()["error"]["code"] == "model_not_found" and "gpt-9" in err.message
+
+
+class _NoEngine:
+    """Routes that fail before reaching the engine never call it."""
+
+    async def open_all(self, requests: list) -> list:
+        raise AssertionError("the engine must not be called")
+
+    async def healthy(self) -> bool:
+        return False
+
+
+def _post(path: str, body: object) -> httpx.Response:
+    app = build_app(FrontState(_NoEngine(), TokenNamer(), ["m"]))  # type: ignore[arg-type]
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"model": "m"}, 400, "prompt"),  # missing field: 400, not FastAPI's 422
+        ("/v1/completions", {"model": "m", "prompt": "hi", "n": "two"}, 400, "n"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "echo": True}, 400, "echo"),
+        ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "other", "messages": []}, 404, "model"),
+    ],
+)
+def test_app_errors_use_openais_format(path: str, body: dict, status: int, param: str) -> None:
+    reply = _post(path, body)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+def test_health_is_503_when_the_scheduler_is_not_serving() -> None:
+    app = build_app(FrontState(_NoEngine(), TokenNamer(), ["m"]))  # type: ignore[arg-type]
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.get("/health")
+
+    assert asyncio.run(go()).status_code == 503
+
+
+def test_an_error_mid_stream_is_an_error_event_then_done() -> None:
+    from openai_api.errors import OpenAIError
+    from openai_api.streaming import DONE, sse_stream
+
+    async def chunks():
+        yield {"n": 1}
+        raise OpenAIError(503, "scheduler went away", "service_unavailable_error")
+
+    async def go() -> list[str]:
+        return [event async for event in sse_stream(chunks())]
+
+    events = asyncio.run(go())
+    assert events[0] == 'data: {"n":1}\n\n' and events[-1] == DONE
+    assert '"message":"scheduler went away"' in events[1] and events[1].startswith('data: {"error":')

@@ -1,0 +1,109 @@
+"""OpenAI request fields -> the public gRPC API's GenerateRequest and SamplingParams."""
+
+from __future__ import annotations
+
+import pytest
+
+from openai_api.errors import OpenAIError
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from openai_api.request_mapping import chat_request, completion_requests
+from shared.sampling_proto import sampling_from_proto
+
+
+def _completion(**fields: object) -> list:
+    return completion_requests(CompletionRequest(**{"prompt": "hi", **fields}), "cmpl-1")
+
+
+def _chat(**fields: object):
+    return chat_request(ChatCompletionRequest(**{"messages": [{"role": "user", "content": "hi"}], **fields}), "chat-1")
+
+
+def test_completion_sampling_fields_map_one_to_one() -> None:
+    (req,) = _completion(max_tokens=7, temperature=0.5, top_p=0.75, n=2, stop="END", seed=3, presence_penalty=0.5,
+                         frequency_penalty=-0.5, logprobs=2, best_of=3)
+    assert req.request_id == "cmpl-1" and req.prompt == "hi"
+    params = sampling_from_proto(req.sampling)
+    assert (params.max_tokens, params.temperature, params.top_p, params.n, params.best_of) == (7, 0.5, 0.75, 2, 3)
+    assert params.stop == ["END"] and params.seed == 3 and params.logprobs == 2
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+
+
+def test_unset_fields_keep_the_engine_defaults() -> None:
+    (req,) = _completion()
+    assert not req.sampling.HasField("max_tokens")  # completions: OpenAI's and the engine's default of 16
+    assert not req.sampling.HasField("temperature") and not req.sampling.HasField("logprobs")
+    assert sampling_from_proto(req.sampling).max_tokens == 16
+
+
+def test_vllm_extra_parameters_are_honoured() -> None:
+    (req,) = _completion(top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[9],
+                         ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False)
+    params = sampling_from_proto(req.sampling)
+    assert (params.top_k, params.min_tokens, params.stop_token_ids) == (5, 2, [9])
+    assert params.min_p == pytest.approx(0.1) and params.repetition_penalty == pytest.approx(1.2)
+    assert params.ignore_eos and params.include_stop_str_in_output and not params.skip_special_tokens
+
+
+def test_prompt_forms_and_batches() -> None:
+    assert [r.prompt_token_ids for r in _completion(prompt=[1, 2, 3])] == [[1, 2, 3]]
+    batch = _completion(prompt=["a", "b"])
+    assert [(r.request_id, r.prompt) for r in batch] == [("cmpl-1-0", "a"), ("cmpl-1-1", "b")]
+    assert [list(r.prompt_token_ids) for r in _completion(prompt=[[1], [2, 3]])] == [[1], [2, 3]]
+
+
+def test_negative_seed_wraps_into_uint64() -> None:
+    (req,) = _completion(seed=-1)
+    assert req.sampling.seed == 2**64 - 1
+
+
+def test_chat_messages_and_max_tokens() -> None:
+    req = chat_request(ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None},
+    ]), "c")
+    assert [(m.role, m.content) for m in req.messages] == [("system", "Be brief."), ("user", "Hello there"),
+                                                         ("assistant", "")]
+    # Chat without a limit generates up to the context length (0), as OpenAI's chat API.
+    assert req.sampling.HasField("max_tokens") and req.sampling.max_tokens == 0
+    assert _chat(max_tokens=5).sampling.max_tokens == 5
+    assert _chat(max_tokens=5, max_completion_tokens=9).sampling.max_tokens == 9
+
+
+def test_chat_logprobs() -> None:
+    assert not _chat().sampling.HasField("logprobs")
+    assert _chat(logprobs=True).sampling.logprobs == 0
+    assert _chat(logprobs=True, top_logprobs=4).sampling.logprobs == 4
+
+
+@pytest.mark.parametrize(
+    ("build", "fields", "param"),
+    [
+        (_completion, dict(max_tokens=0), "max_tokens"),
+        (_completion, dict(n=0), "n"),
+        (_completion, dict(logprobs=-1), "logprobs"),
+        (_completion, dict(prompt=[]), "prompt"),
+        (_completion, dict(prompt=[1, -2]), "prompt"),
+        (_completion, dict(echo=True), "echo"),
+        (_completion, dict(suffix="x"), "suffix"),
+        (_completion, dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (_completion, dict(stream_options={"include_usage": True}), "stream_options"),
+        (_completion, dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (_chat, dict(top_logprobs=2), "top_logprobs"),
+        (_chat, dict(max_completion_tokens=0), "max_completion_tokens"),
+        (_chat, dict(tools=[{"type": "function"}]), "tools"),
+        (_chat, dict(response_format={"type": "json_object"}), "response_format"),
+        (_chat, dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
+    ],
+)
+def test_fields_the_front_rejects_are_400(build, fields: dict, param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        build(**fields)
+    assert info.value.status == 400 and info.value.param == param
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_fields_are_accepted_and_named() -> None:
+    req = CompletionRequest(prompt="hi", frobnicate=1, zeta=2)
+    assert req.unknown_fields() == ["frobnicate", "zeta"]
+    assert len(completion_requests(req, "x")) == 1
