@@ -21,18 +21,19 @@ from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
-from protos import state_pb2, worker_pb2, worker_pb2_grpc
+from protos import worker_pb2, worker_pb2_grpc
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
 from scheduler_service.step_profile import StepProfile, StepProfileWriter
+from scheduler_service.step_telemetry import StepTelemetry
 from scheduler_service.store import CacheStats, Pickup, RedisStore, StepCommit
 from shared.metrics import EngineMetrics
-from shared.tracing import PerfClock, child_span, from_traceparent, metadata_for, remote_parent
+from shared.tracing import PerfClock, metadata_for
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +82,9 @@ class EngineLoop:
         self._last_stats: CacheStats | None = None
         self._profiles = StepProfileWriter(profile_path) if profile_path is not None else None
         # Spans and metrics are built from the same per-step measurements as --profile-steps.
-        self._tracer = tracer if tracer is not None else trace.NoOpTracer()
-        self._tracing = not isinstance(self._tracer, trace.NoOpTracer)
-        self._metrics = metrics
-        self._measure = self._profiles is not None or self._tracing or metrics is not None
-        processor.record_timings = self._tracing or metrics is not None
-        # request id -> its `llmserve.generate` span (other process): step spans link to it.
-        self._request_spans: dict[str, SpanContext] = {}
-        self._last_step: SpanContext | None = None
+        self._telemetry = StepTelemetry(worker_id, scheduler, processor, tracer, metrics)
+        self._measure = self._profiles is not None or self._telemetry.enabled
+        processor.record_timings = self._telemetry.enabled
 
     async def _take_ownership(self) -> None:
         epoch = await self._store.next_epoch(self.worker_id)
@@ -169,7 +165,7 @@ class EngineLoop:
     def _ingest(self, pickup: Pickup, commit: StepCommit) -> None:
         for record in pickup.admitted:
             self._processor.add(record)
-            self._remember_span(record)
+            self._telemetry.remember(record)
         for request_id in pickup.aborts:
             self._processor.abort(request_id, commit)
 
@@ -182,7 +178,7 @@ class EngineLoop:
         restored = await self._store.load_picked_up(self.worker_id)
         for request in restored:
             self._processor.restore(request)
-            self._remember_span(request.record)
+            self._telemetry.remember(request.record)
             commit.dropped_block_tables.extend(request.record.seq_ids)
         if restored:
             log.info("worker %s: continuing %d request(s) of the previous owner", self.worker_id, len(restored))
@@ -202,7 +198,7 @@ class EngineLoop:
     async def _steps(self, stop: asyncio.Event, pending: StepCommit, pickup: Pickup) -> None:
         while not stop.is_set():
             started = time.perf_counter()
-            clock = PerfClock(started) if self._tracing else None
+            clock = PerfClock(started) if self._telemetry.tracing else None
             profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
             self._ingest(pickup, pending)
             ingested = time.perf_counter()
@@ -210,7 +206,7 @@ class EngineLoop:
             if plan is not None:
                 if self._processor.record_timings:
                     self._processor.mark_scheduled(out, time.time())
-                span = self._start_step_span(out, clock, started)
+                span = self._telemetry.start_step(out, clock, started)
                 # The RPC starts when the call is created: time it from here to its done callback.
                 sent = time.perf_counter()
                 step = asyncio.ensure_future(
@@ -242,113 +238,18 @@ class EngineLoop:
                         profile.process_s, profile.wall_s = done - processing, done - started
                         if self._profiles is not None:
                             self._profiles.write(profile)
-                        self._observe_step(profile, out, result, span, clock, ingested, commit_start, processing)
+                        self._telemetry.observe_step(profile, out, result, span, clock, ingested, commit_start,
+                                                     processing)
             elif not pending.is_empty():
                 pickup, commit_start, commit_s = await _timed(self._store.commit(pending))
                 pending = StepCommit(self.worker_id)
-                self._observe_idle_commit(commit_start, commit_s, clock)
+                self._telemetry.observe_idle_commit(self.steps, commit_start, commit_s, clock)
             else:
                 if self._profiles is not None:
                     self._profiles.flush()  # idle: a reader sees every step so far
                 pickup = await self._store.wait_for_work(self.worker_id, IDLE_WAIT_SECONDS)
         if not pending.is_empty():
             await self._store.commit(pending)
-
-    # -- traces and metrics, from the step's measurements ------------------------------------------
-
-    def _remember_span(self, record: state_pb2.AdmittedRequest) -> None:
-        if self._tracing and record.traceparent:
-            ctx = from_traceparent(record.traceparent)
-            if ctx is not None:
-                self._request_spans[record.request_id] = ctx
-
-    def _start_step_span(self, out: SchedulerOutput, clock: PerfClock | None, started: float) -> trace.Span:
-        """A step's span (its own trace), linked to the request span of every request in the step."""
-        if clock is None:
-            return trace.INVALID_SPAN
-        request_ids = list(dict.fromkeys(item.group.request_id for item in out.scheduled))
-        links = [Link(self._request_spans[r], {"gen_ai.request.id": r}) for r in request_ids if r in self._request_spans]
-        bm = self._scheduler.block_manager
-        # Blocks as planned: the step's finished requests free theirs when it is postprocessed.
-        attributes = {"llmserve.request_ids": request_ids, "llmserve.step.blocks_total": bm.num_gpu_blocks,
-                      "llmserve.step.blocks_in_use": bm.num_gpu_blocks - bm.num_free_gpu_blocks}
-        return self._tracer.start_span("llmserve.step", kind=SpanKind.INTERNAL, links=links,
-                                       start_time=clock.ns(started), attributes=attributes)
-
-    def _observe_step(self, p: StepProfile, out: SchedulerOutput, result: worker_pb2.StepResult, span: trace.Span,
-                      clock: PerfClock | None, ingested: float, commit_start: float, processing: float) -> None:
-        """Records one finished step as spans and metrics (all times from its StepProfile)."""
-        if clock is not None:
-            span.set_attributes({
-                "llmserve.step": p.step, "llmserve.worker": self.worker_id, "llmserve.step.num_seqs": p.num_seqs,
-                "llmserve.step.prefill_tokens": p.num_prefill_tokens, "llmserve.step.decode_tokens": p.num_decode_tokens,
-                "llmserve.step.preemptions": len(out.preempted),
-                "llmserve.step.swap_in_blocks": len(out.blocks_to_swap_in),
-                "llmserve.step.swap_out_blocks": len(out.blocks_to_swap_out),
-                "llmserve.step.rpc_s": p.rpc_s, "llmserve.step.worker_s": p.worker_s,
-                "llmserve.step.commit_wait_s": p.commit_wait_s,
-            })
-            parent = span
-            child_span(self._tracer, "llmserve.schedule", parent, clock.ns(ingested),
-                       clock.ns(ingested + p.schedule_s + p.plan_s), {"llmserve.schedule_s": p.schedule_s})
-            child_span(self._tracer, "llmserve.redis_commit", parent, clock.ns(commit_start),
-                       clock.ns(commit_start + p.commit_s), {"llmserve.committed_step": p.step - 1},
-                       links=[Link(self._last_step)] if self._last_step is not None else None)
-            child_span(self._tracer, "llmserve.postprocess", parent, clock.ns(processing), clock.ns(processing + p.process_s))
-            span.end(end_time=clock.ns(processing + p.process_s))
-            self._last_step = span.get_span_context()
-        m = self._metrics
-        if m is not None:
-            m.step_time.observe(p.wall_s)
-            m.commit_time.observe(p.commit_s)
-            if p.num_prefill_tokens:
-                m.prompt_tokens.inc(p.num_prefill_tokens)
-            m.generation_tokens.inc(len(result.sampled))
-            if out.preempted:
-                m.preemptions.inc(len(out.preempted))
-        self._observe_state()
-
-    def _observe_idle_commit(self, commit_start: float, commit_s: float, clock: PerfClock | None) -> None:
-        """The commit of the last step before the loop went idle (no step overlaps it)."""
-        if clock is not None:
-            links = [Link(self._last_step)] if self._last_step is not None else None
-            span = self._tracer.start_span("llmserve.redis_commit", start_time=clock.ns(commit_start), links=links,
-                                           attributes={"llmserve.committed_step": self.steps,
-                                                       "llmserve.worker": self.worker_id})
-            span.end(end_time=clock.ns(commit_start + commit_s))
-        if self._metrics is not None:
-            self._metrics.commit_time.observe(commit_s)
-        self._observe_state()
-
-    def _observe_state(self) -> None:
-        """Queue gauges, and the requests that finished: histograms and their engine-side spans."""
-        m = self._metrics
-        if m is not None:
-            sched, bm = self._scheduler, self._scheduler.block_manager
-            m.running.set(len(sched.running))
-            m.waiting.set(len(sched.waiting))
-            m.swapped.set(len(sched.swapped))
-            m.cache_usage.set(1.0 - bm.num_free_gpu_blocks / bm.num_gpu_blocks if bm.num_gpu_blocks else 0.0)
-            m.cpu_cache_usage.set(bm.get_num_used_cpu_blocks() / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0)
-        for request_id, t in self._processor.take_finished():
-            if m is not None:
-                m.finished(t)
-            parent = self._request_spans.pop(request_id, None)
-            if parent is None:
-                continue
-            # The request's life as the engine saw it, as a child of its llmserve.generate span.
-            attributes: dict[str, object] = {
-                "gen_ai.request.id": request_id, "llmserve.worker": self.worker_id,
-                "gen_ai.latency.time_in_queue": t.time_in_queue,
-                "gen_ai.latency.time_to_first_token": t.time_to_first_token, "gen_ai.latency.e2e": t.e2e,
-                "gen_ai.usage.prompt_tokens": t.prompt_tokens, "gen_ai.usage.completion_tokens": t.generation_tokens,
-                "llmserve.finished_reason": t.finished_reason,
-            }
-            if t.time_per_output_token is not None:
-                attributes["llmserve.time_per_output_token"] = t.time_per_output_token
-            span = self._tracer.start_span("llmserve.request", context=remote_parent(parent),
-                                           start_time=int(t.arrival_time * 1e9), attributes=attributes)  # type: ignore[arg-type]
-            span.end(end_time=int(t.finished_time * 1e9))
 
     async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit) -> None:
         """The worker's cache can no longer be trusted: recompute what ran, reset, go on.

@@ -197,9 +197,16 @@ def test_metrics_count_a_known_workload(observed: Observed) -> None:
         assert d[f"{name}_sum"] > 0 or name == "vllm:request_queue_time_seconds", name
     assert d["vllm:num_preemptions_total"] == 0
     assert after_s["vllm:num_requests_swapped"] == 0
-    # Every engine step is one ExecuteStep on the worker.
-    steps = d["llmserve:engine_step_seconds_count"]
-    assert steps >= 8 and delta(after_w, before_w, "llmserve:worker_step_seconds_count") == steps
+    # Every engine step is one ExecuteStep on the worker. The plan that lets the worker drop the
+    # finished sequences comes after the engine went idle, and the engine records a step only once
+    # its answer is back: compare once both sides have counted it.
+    worker_steps = delta(after_w, before_w, "llmserve:worker_step_seconds_count")
+    steps = _wait_for(
+        lambda: (n := delta(_scrape(observed.scheduler_metrics), before_s, "llmserve:engine_step_seconds_count"))
+        == worker_steps and n,
+        "the engine to count the worker's steps",
+    )
+    assert steps >= 8
     assert delta(after_w, before_w, "llmserve:worker_sampled_tokens_total") == 18
     # Prefill computes every prompt token, each later decode one token.
     assert delta(after_w, before_w, "llmserve:worker_tokens_total") == 21 + (18 - 3)
