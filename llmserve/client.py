@@ -50,6 +50,18 @@ class GenerationClient:
         """The raw response stream."""
         return self._stub.Generate(request, timeout=timeout, wait_for_ready=True)
 
+    def model_info(self, timeout: float = 30) -> generation_pb2.ModelInfoResponse:
+        """The served model and its limits."""
+        return self._stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    def tokenize(self, prompt: str = "", messages: list[tuple[str, str]] | None = None,
+                 timeout: float = 30) -> generation_pb2.TokenizeResponse:
+        """The tokens Generate would compute for a prompt or chat messages."""
+        request = generation_pb2.TokenizeRequest(
+            prompt=prompt, messages=[generation_pb2.ChatMessage(role=r, content=c) for r, c in messages or []]
+        )
+        return self._stub.Tokenize(request, timeout=timeout, wait_for_ready=True)
+
     def abort(self, request_id: str, timeout: float = 30) -> None:
         """Aborts a live request; its stream ends with FINISH_REASON_ABORT."""
         self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=timeout)

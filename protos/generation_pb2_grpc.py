@@ -45,6 +45,16 @@ class GenerationStub:
                 request_serializer=protos_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.ModelInfo = channel.unary_unary(
+                '/llmserve.v1.Generation/ModelInfo',
+                request_serializer=protos_dot_generation__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_generation__pb2.ModelInfoResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/llmserve.v1.Generation/Tokenize',
+                request_serializer=protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -69,6 +79,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelInfo(self, request, context):
+        """The model this replica serves and its limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Tokenizes a prompt or chat messages exactly as Generate would (chat template included).
+        INVALID_ARGUMENT for an empty prompt or an unknown chat role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +106,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_generation__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_generation__pb2.AbortResponse.SerializeToString,
+            ),
+            'ModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelInfo,
+                    request_deserializer=protos_dot_generation__pb2.ModelInfoRequest.FromString,
+                    response_serializer=protos_dot_generation__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +173,60 @@ class Generation:
             '/llmserve.v1.Generation/Abort',
             protos_dot_generation__pb2.AbortRequest.SerializeToString,
             protos_dot_generation__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/ModelInfo',
+            protos_dot_generation__pb2.ModelInfoRequest.SerializeToString,
+            protos_dot_generation__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/Tokenize',
+            protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

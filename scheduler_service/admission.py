@@ -51,6 +51,21 @@ class Admission:
         sampling = self._sampling(req, len(token_ids))
         return AdmittedPrompt(request_id, token_ids, sampling)
 
+    def tokenize(self, req: generation_pb2.TokenizeRequest) -> tuple[list[int], list[str]]:
+        """Token ids and their strings for a prompt or chat messages, as Generate would compute them."""
+        ids = self._prompt_tokens(generation_pb2.GenerateRequest(prompt=req.prompt, messages=req.messages))
+        return ids, list(self._tok.convert_ids_to_tokens(ids))  # type: ignore[attr-defined]
+
+    def model_info(self) -> dict[str, object]:
+        """The limits admission checks against, and what the tokenizer offers."""
+        eos = getattr(self._tok, "eos_token_id", None)
+        return {
+            "max_model_len": self._limits.max_model_len,
+            "vocab_size": self._limits.vocab_size,
+            "eos_token_id": eos,
+            "has_chat_template": getattr(self._tok, "chat_template", None) is not None,
+        }
+
     def _prompt_tokens(self, req: generation_pb2.GenerateRequest) -> list[int]:
         given = [name for name, present in (
             ("prompt", bool(req.prompt)),

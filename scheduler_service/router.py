@@ -18,6 +18,10 @@ class Router:
             raise ValueError("the router needs at least one worker")
         self._workers = list(worker_ids)
 
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
     def pick(self, request_id: str) -> str:
         """The worker id for a request."""
         return self._workers[zlib.crc32(request_id.encode()) % len(self._workers)]

@@ -128,6 +128,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await abort_with(context, exc)
         return generation_pb2.AbortResponse()
 
+    async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
+        info = self._admission.model_info()
+        msg = generation_pb2.ModelInfoResponse(
+            model=self._model_name, max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],  # type: ignore[arg-type]
+            has_chat_template=bool(info["has_chat_template"]), num_workers=self._router.num_workers,
+        )
+        if info["eos_token_id"] is not None:
+            msg.eos_token_id = info["eos_token_id"]  # type: ignore[assignment]
+        return msg
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
+        try:
+            ids, tokens = await asyncio.to_thread(self._admission.tokenize, request)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
+            await abort_with(context, exc)
+        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
+
     async def _abort_quietly(self, worker_id: str, request_id: str) -> None:
         try:
             await self._store.request_abort(worker_id, request_id)

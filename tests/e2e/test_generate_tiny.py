@@ -380,3 +380,27 @@ def test_min_tokens_holds_back_stop_tokens_end_to_end(cluster: LocalCluster, ref
     assert held.token_ids[0] == second_best and len(held.token_ids) >= 3
     assert first not in held.token_ids[:3]
     assert_all_blocks_free(cluster)
+
+
+def test_model_info_and_tokenize(cluster: LocalCluster, tiny_llama_dir: Path) -> None:
+    """ModelInfo reports the limits admission uses; Tokenize gives exactly the tokens Generate computes."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    with GenerationClient(cluster.address) as client:
+        info = client.model_info()
+        assert (info.max_model_len, info.vocab_size, info.num_workers) == (512, len(tokenizer), 1)
+        assert info.eos_token_id == tokenizer.eos_token_id and info.has_chat_template
+        text = client.tokenize(prompt="The quick brown fox")
+        assert list(text.token_ids) == tokenizer("The quick brown fox").input_ids
+        assert list(text.tokens) == tokenizer.convert_ids_to_tokens(list(text.token_ids))
+        chat = client.tokenize(messages=[("user", "Hi there")])
+        done = client.generate(make_request(messages=[("user", "Hi there")], max_tokens=1, temperature=0.0))
+        assert done.prompt_tokens == len(chat.token_ids) and chat.tokens[-1] == tokenizer.convert_ids_to_tokens(
+            chat.token_ids[-1])
+        with pytest.raises(grpc.RpcError) as err:
+            client.tokenize(messages=[("robot", "beep")])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            client.tokenize()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
