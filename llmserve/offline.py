@@ -1,0 +1,198 @@
+"""Offline inference in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+    from llmserve import LLM, SamplingParams
+
+    with LLM(model="path/to/checkpoint", max_model_len=1024) as llm:
+        outputs = llm.generate(["Hello, my name is", "The capital of France is"],
+                               SamplingParams(temperature=0.0, max_tokens=16))
+    for out in outputs:
+        print(out.prompt, "->", out.outputs[0].text)
+
+The services run locally, as separate processes, exactly as `llmserve up`
+starts them (Redis, one worker, one scheduler); the prompts are submitted
+together through gRPC `Generate`, so the engine batches them continuously, and
+the outputs come back in prompt order with a progress bar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import grpc
+from tqdm import tqdm
+
+from llmserve.local_cluster import ClusterSpec, LocalCluster
+from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from shared.grpc_server import CHANNEL_OPTIONS
+from shared.sampling_params import SamplingParams
+from shared.sampling_proto import sampling_to_proto
+
+# Engine arguments by service: each becomes the service's --flag (underscores as dashes).
+_WORKER_ARGS = {"dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space",
+                "num_gpu_blocks_override", "max_model_len", "seed", "num_threads"}
+_SCHEDULER_ARGS = {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
+                   "max_model_len"}
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # One entry per token when the request asked for logprobs: (token's logprob, {top token id: logprob}).
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A prompt and what was generated for it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    error: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
+
+
+def _flags(args: dict[str, object], names: set[str]) -> list[str]:
+    flags: list[str] = []
+    for name, value in args.items():
+        if name not in names or value is None or value is False:
+            continue
+        flags.append(f"--{name.replace('_', '-')}")
+        if value is not True:
+            flags.append(str(value))
+    return flags
+
+
+class LLM:
+    """A local llmserve (Redis + worker + scheduler processes) for batch inference.
+
+    model: a checkpoint directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).
+    engine_args: the worker's and scheduler's flags by their Python names, e.g. dtype="bfloat16",
+    max_model_len=2048, enable_prefix_caching=True, max_num_seqs=64.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        unknown = set(engine_args) - _WORKER_ARGS - _SCHEDULER_ARGS
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(sorted(_WORKER_ARGS | _SCHEDULER_ARGS))}")
+        if model is None:
+            from shared.default_model import prepare_default_model  # noqa: PLC0415 - converts once, slow
+
+            model = str(prepare_default_model())
+        self.model = model
+        spec = ClusterSpec(model=model, worker_args=_flags(engine_args, _WORKER_ARGS),
+                           scheduler_args=_flags(engine_args, _SCHEDULER_ARGS))
+        self._cluster = LocalCluster(spec).start()
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids) at once; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        requests = [self._request(p, None) for p in prompts]  # type: ignore[arg-type]
+        return self._run(requests, list(prompts), sampling_params, use_tqdm)  # type: ignore[arg-type]
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One answer per conversation (role / content messages, rendered with the model's chat template)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        requests = [self._request(None, conv) for conv in conversations]  # type: ignore[arg-type]
+        return self._run(requests, [None] * len(requests), sampling_params, use_tqdm)
+
+    def _request(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None
+                 ) -> generation_pb2.GenerateRequest:
+        self._next_id += 1
+        req = generation_pb2.GenerateRequest(request_id=f"offline-{id(self):x}-{self._next_id}")
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        elif prompt is not None:
+            req.prompt_token_ids.extend(prompt)
+        for m in messages or []:
+            req.messages.add(role=m["role"], content=m["content"])
+        return req
+
+    def _run(self, requests: list[generation_pb2.GenerateRequest], prompts: list[str | list[int] | None],
+             sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(
+            requests)
+        if len(params) != len(requests):
+            raise ValueError(f"got {len(params)} sampling params for {len(requests)} prompts")
+        for req, p in zip(requests, params):
+            req.sampling.CopyFrom(sampling_to_proto(p))
+        return asyncio.run(self._gather(requests, prompts, use_tqdm))
+
+    async def _gather(self, requests: list[generation_pb2.GenerateRequest], prompts: list[str | list[int] | None],
+                      use_tqdm: bool) -> list[RequestOutput]:
+        async with grpc.aio.insecure_channel(self._cluster.address, options=CHANNEL_OPTIONS) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            tokenize = {i: stub.Tokenize(generation_pb2.TokenizeRequest(prompt=p)) for i, p in enumerate(prompts)
+                        if isinstance(p, str)}
+            with tqdm(total=len(requests), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as bar:
+                outputs = await asyncio.gather(*(self._one(stub, req, bar) for req in requests))
+            for i, out in enumerate(outputs):
+                prompt = prompts[i]
+                out.prompt = prompt if isinstance(prompt, str) else None
+                if i in tokenize:
+                    out.prompt_token_ids = list((await tokenize[i]).token_ids)
+                elif isinstance(prompt, list):
+                    out.prompt_token_ids = list(prompt)
+            return list(outputs)
+
+    @staticmethod
+    async def _one(stub: generation_pb2_grpc.GenerationStub, req: generation_pb2.GenerateRequest,
+                   bar: tqdm) -> RequestOutput:
+        outputs: dict[int, CompletionOutput] = {}
+        error = ""
+        try:
+            async for msg in stub.Generate(req):
+                for delta in msg.outputs:
+                    out = outputs.setdefault(delta.index, CompletionOutput(delta.index))
+                    out.text += delta.text
+                    out.token_ids.extend(delta.token_ids)
+                    out.logprobs.extend((lp.logprob, {t.token_id: t.logprob for t in lp.top}) for lp in delta.logprobs)
+                    if delta.finish_reason:
+                        out.finish_reason = _FINISH.get(delta.finish_reason)
+                        out.stop_reason = delta.stop_reason or None
+                error = msg.error or error
+        except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+        bar.update(1)
+        return RequestOutput(req.request_id, None, [], [outputs[i] for i in sorted(outputs)], error)
+
+    def shutdown(self) -> None:
+        """Stops the local services."""
+        self._cluster.stop()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
