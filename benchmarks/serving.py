@@ -72,8 +72,13 @@ def _warm_up(address: str, vocab_size: int) -> None:
                                           vocab_size), label="warm-up")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llmserve bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--address", default="",
+                        help="benchmark a running scheduler (HOST:PORT) instead of starting one; transformers "
+                             "baselines then load --model, which must be what that server serves")
+    parser.add_argument("--model", default="", help="checkpoint (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
@@ -89,10 +94,10 @@ def main() -> None:
     parser.add_argument("--skip-static", action="store_true", help="no transformers static batching run")
     parser.add_argument("--skip-prefix-caching", action="store_true", help="no prefix-caching comparison")
     parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model = str(prepare_default_model())
+    model = args.model or str(prepare_default_model())
     spec = WorkloadSpec(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed)
     from transformers import AutoConfig
 
@@ -107,23 +112,15 @@ def main() -> None:
         "max_concurrency": args.max_concurrency,
     }
     started = time.perf_counter()
-    profile = Path(tempfile.mkdtemp()) / "steps.jsonl"
-    with _cluster(model, args.dtype, ["--profile-steps", str(profile)]) as cluster:
-        _warm_up(cluster.address, vocab_size)
-        main_run, main_timings = _llmserve(cluster.address, requests, "llmserve", args.rate, args.max_concurrency)
-        results["llmserve"] = asdict(main_run)
-        results["latency_samples"] = {"llmserve": _samples(main_timings)}
-        _print(main_run)
-        sweep = []
-        for limit in args.concurrency:
-            subset = random_requests(WorkloadSpec(2 * limit, spec.input_len, spec.output_len, args.seed + limit),
-                                     vocab_size)
-            point, _ = _llmserve(cluster.address, subset, f"llmserve, concurrency {limit}", max_concurrency=limit)
-            sweep.append({"concurrency": limit, **asdict(point)})
-            _print(point)
-        sweep.append({"concurrency": args.num_requests, **asdict(main_run)})
-        results["concurrency_sweep"] = sweep
-    results["kv_utilization"] = _kv_utilization(profile)
+    if args.address:
+        # Someone else's server: no step profiles, no restarts with other flags.
+        main_run = _llmserve_suite(args.address, requests, spec, vocab_size, args, results)
+        args.skip_prefix_caching = True
+    else:
+        profile = Path(tempfile.mkdtemp()) / "steps.jsonl"
+        with _cluster(model, args.dtype, ["--profile-steps", str(profile)]) as cluster:
+            main_run = _llmserve_suite(cluster.address, requests, spec, vocab_size, args, results)
+        results["kv_utilization"] = _kv_utilization(profile)
     if not args.skip_prefix_caching:
         results["prefix_caching"] = _prefix_caching(model, args.dtype, vocab_size)
     torch_dtype = getattr(torch, args.dtype)
@@ -142,6 +139,26 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.output}")
+
+
+def _llmserve_suite(address: str, requests: list[BenchRequest], spec: WorkloadSpec, vocab_size: int,
+                    args: argparse.Namespace, results: dict[str, object]) -> Summary:
+    """The main run and the concurrency sweep against one server; returns the main run."""
+    _warm_up(address, vocab_size)
+    main_run, main_timings = _llmserve(address, requests, "llmserve", args.rate, args.max_concurrency)
+    results["llmserve"] = asdict(main_run)
+    results["latency_samples"] = {"llmserve": _samples(main_timings)}
+    _print(main_run)
+    sweep = []
+    for limit in args.concurrency:
+        subset = random_requests(WorkloadSpec(2 * limit, spec.input_len, spec.output_len, args.seed + limit),
+                                 vocab_size)
+        point, _ = _llmserve(address, subset, f"llmserve, concurrency {limit}", max_concurrency=limit)
+        sweep.append({"concurrency": limit, **asdict(point)})
+        _print(point)
+    sweep.append({"concurrency": args.num_requests, **asdict(main_run)})
+    results["concurrency_sweep"] = sweep
+    return main_run
 
 
 def _prefix_caching(model: str, dtype: str, vocab_size: int) -> dict[str, object]:

@@ -159,10 +159,26 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--width", type=int, default=60, help="characters of the timeline bars")
     _env_defaults(show)
 
+    # Listed here for `llmserve --help`; main() hands its arguments to benchmarks.serving, whose
+    # parser documents them (`llmserve bench --help`).
+    sub.add_parser("bench", add_help=False,
+                   help="serving benchmark (vLLM's metrics) against transformers, or against --address")
+
     p = sub.add_parser("prepare-model", help="convert the bundled default model to safetensors (once)")
     for sp in sub.choices.values():
         _env_defaults(sp)
     return parser
+
+
+def _cmd_bench(bench_args: list[str]) -> int:
+    try:
+        from benchmarks.serving import main as serving_main  # noqa: PLC0415 - heavy: transformers, torch
+    except ImportError as exc:
+        print(f"llmserve bench: error: the benchmarks are not installed with this copy of llmserve ({exc})",
+              file=sys.stderr)
+        return 2
+    serving_main(bench_args)
+    return 0
 
 
 def _resolve_model(model: str) -> str:
@@ -328,6 +344,9 @@ def _cmd_prepare_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     from shared.logging_setup import setup_logging  # noqa: PLC0415
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.cli import _SCHEDULER_PASS, _WORKER_PASS, _passthrough, build_parser
+from llmserve.cli import _SCHEDULER_PASS, _WORKER_PASS, _passthrough, build_parser, main
 
 
 def test_every_command_is_there() -> None:
@@ -47,3 +47,11 @@ def test_up_forwards_each_flag_to_its_service() -> None:
     assert "--enable-chunked-prefill" in scheduler and "--enable-prefix-caching" not in scheduler
     assert scheduler[scheduler.index("--max-num-seqs") + 1] == "4"
     assert "--max-model-len" in worker and "--max-model-len" in scheduler
+
+
+def test_bench_hands_its_arguments_to_the_serving_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: llmserve bench") and "--address" in usage and "--num-requests" in usage
