@@ -404,3 +404,34 @@ def test_model_info_and_tokenize(cluster: LocalCluster, tiny_llama_dir: Path) ->
         with pytest.raises(grpc.RpcError) as err:
             client.tokenize()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_deadline_ends_the_call_and_frees_the_request(cluster: LocalCluster) -> None:
+    """A client deadline cancels the call with DEADLINE_EXCEEDED; the request is aborted, its blocks freed."""
+    request = make_request(prompt_token_ids=list(range(3000, 3100)), max_tokens=400, temperature=0.0, ignore_eos=True)
+    received = 0
+    with GenerationClient(cluster.address) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            for msg in client.stream(request, timeout=1.0):
+                received += sum(len(d.token_ids) for d in msg.outputs)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert received < 400
+    assert_all_blocks_free(cluster)
+
+
+def test_health_and_reflection_on_every_service(cluster: LocalCluster) -> None:
+    """grpc.health.v1 reports SERVING for each service; reflection lists them."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for address, service in ((cluster.address, "llmserve.v1.Generation"), (cluster.worker_address, "llmserve.v1.Worker")):
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", service):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, (address, name)
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            (answer,) = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                        timeout=10)
+            names = {s.name for s in answer.list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= names, names
