@@ -32,6 +32,7 @@ from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests, shar
 from benchmarks.hf_baselines import run_continuous_batching, run_static_batching
 from benchmarks.llmserve_driver import run_llmserve
 from benchmarks.metrics import RequestTiming, Summary, summarize
+from llmserve.cli import env_defaults
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from scheduler_service.step_profile import read_profiles
 from shared.default_model import prepare_default_model
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-static", action="store_true", help="no transformers static batching run")
     parser.add_argument("--skip-prefix-caching", action="store_true", help="no prefix-caching comparison")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    env_defaults(parser)  # LLMSERVE_<FLAG>, as for every llmserve command
     args = parser.parse_args(argv)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 ENV_PREFIX = "LLMSERVE_"
 
 
-def _env_defaults(parser: argparse.ArgumentParser) -> None:
+def env_defaults(parser: argparse.ArgumentParser) -> None:
     """Fills flag defaults from LLMSERVE_* variables (read when the CLI runs, never at import)."""
     for action in parser._actions:  # noqa: SLF001 - argparse has no public iterator over actions
         if not action.option_strings or action.dest in ("help",):
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="JSON-lines span file (repeatable: e.g. the scheduler's and the worker's)")
     show.add_argument("--html", default="", metavar="OUT.html", help="also write the waterfall as an HTML page")
     show.add_argument("--width", type=int, default=60, help="characters of the timeline bars")
-    _env_defaults(show)
+    env_defaults(show)
 
     # Listed here for `llmserve --help`; main() hands its arguments to benchmarks.serving, whose
     # parser documents them (`llmserve bench --help`).
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare-model", help="convert the bundled default model to safetensors (once)")
     for sp in sub.choices.values():
-        _env_defaults(sp)
+        env_defaults(sp)
     return parser
 
 
