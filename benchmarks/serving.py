@@ -80,21 +80,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="benchmark a running scheduler (HOST:PORT) instead of starting one; transformers "
                              "baselines then load --model, which must be what that server serves")
     parser.add_argument("--model", default="", help="checkpoint (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-requests", type=int, default=64, help="requests in the main run")
+    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
+                        help="prompt length range (tokens)")
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"),
+                        help="output length range (tokens, generated exactly: ignore_eos)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random workload and arrivals")
     parser.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson); inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: all)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16],
                         help="concurrency limits of the sweep (2 x limit requests each)")
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-batch-size", type=int, default=16, help="batch size of transformers' static batching")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and KV cache of llmserve and transformers alike")
     parser.add_argument("--skip-hf", action="store_true", help="llmserve only")
     parser.add_argument("--skip-static", action="store_true", help="no transformers static batching run")
     parser.add_argument("--skip-prefix-caching", action="store_true", help="no prefix-caching comparison")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
     env_defaults(parser)  # LLMSERVE_<FLAG>, as for every llmserve command
     args = parser.parse_args(argv)
 
