@@ -68,6 +68,14 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-steps", default="", metavar="PATH",
                    help="append each engine step's time split (schedule, plan, RPC, worker, commit, postprocess) "
                         "to this JSON-lines file")
+    g.add_argument("--max-num-queued-requests", type=int, default=0,
+                   help="per worker, the most requests admitted but not yet scheduled (0 = unbounded); beyond it "
+                        "Generate answers RESOURCE_EXHAUSTED at once")
+    g.add_argument("--max-queued-tokens", type=int, default=0,
+                   help="per worker, the most prompt tokens of requests admitted but not yet scheduled "
+                        "(0 = unbounded); an empty queue always takes one request")
+    g.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="deadline of one worker step; a step past it is handled as a worker failure")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -229,6 +237,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, profile_steps=args.profile_steps,
         otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file, metrics_port=args.metrics_port,
+        max_num_queued_requests=args.max_num_queued_requests, max_queued_tokens=args.max_queued_tokens,
+        step_timeout_s=args.step_timeout,
     )
     asyncio.run(serve(config, args.host, args.port))
     return 0
@@ -250,7 +260,8 @@ _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-
                 "num-gpu-blocks-override", "swap-space", "seed", "num-threads", "max-model-len", "log-level",
                 "otlp-endpoint", "trace-file"]
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
-                   "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port"]
+                   "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port",
+                   "max-num-queued-requests", "max-queued-tokens", "step-timeout"]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ INVALID_ARGUMENT with a message that says what to change.
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -16,6 +17,9 @@ from shared.sampling_proto import sampling_from_proto, sampling_to_proto
 
 _MAX_REQUEST_ID_LEN = 256
 _CHAT_ROLES = ("system", "user", "assistant")
+# Float sampling fields: NaN and infinities pass some range checks (NaN compares false); they are refused after them.
+_FLOAT_FIELDS = ("temperature", "top_p", "length_penalty", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
 
 
 @dataclass
@@ -24,6 +28,8 @@ class ModelLimits:
 
     max_model_len: int
     vocab_size: int
+    # Most sequences in one step (--max-num-seqs): a request with more (n, best_of) could never run. 0 = no check.
+    max_num_seqs: int = 0
 
 
 @dataclass
@@ -108,6 +114,17 @@ class Admission:
             params = sampling_from_proto(req.sampling)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
+        for name in _FLOAT_FIELDS:
+            value = getattr(req.sampling, name)
+            if not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value}")
+        max_seqs = self._limits.max_num_seqs
+        width = params.best_of or params.n  # beam search runs best_of beams at once
+        if max_seqs and width > max_seqs:
+            raise InvalidRequestError(
+                f"the request runs {width} sequences at once (n / best_of), but a step runs at most "
+                f"{max_seqs} (--max-num-seqs); lower n or best_of"
+            )
         max_len = self._limits.max_model_len
         if prompt_len >= max_len:
             raise InvalidRequestError(

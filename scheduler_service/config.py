@@ -20,6 +20,11 @@ class SchedulerServiceConfig:
     otlp_endpoint: send OpenTelemetry spans to this OTLP/gRPC collector.
     trace_file: append spans to this JSON-lines file (read by `llmserve trace show`).
     metrics_port: serve Prometheus metrics on this port at /metrics (0 = off).
+    max_num_queued_requests: per worker, the most requests admitted but not yet scheduled (0 = unbounded);
+      beyond it Generate answers RESOURCE_EXHAUSTED at once.
+    max_queued_tokens: per worker, the most prompt tokens of those requests (0 = unbounded); a request is
+      always admitted into an empty queue, so one prompt above the bound is not refused forever.
+    step_timeout_s: deadline of one worker step (ExecuteStep); a step past it counts as a worker failure.
     """
 
     tokenizer: str
@@ -35,6 +40,9 @@ class SchedulerServiceConfig:
     otlp_endpoint: str = ""
     trace_file: str = ""
     metrics_port: int = 0
+    max_num_queued_requests: int = 0
+    max_queued_tokens: int = 0
+    step_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -51,3 +59,9 @@ class SchedulerServiceConfig:
             raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}")
+        if self.max_num_queued_requests < 0:
+            raise ValueError(f"max_num_queued_requests must be non-negative (0 = unbounded), got {self.max_num_queued_requests}")
+        if self.max_queued_tokens < 0:
+            raise ValueError(f"max_queued_tokens must be non-negative (0 = unbounded), got {self.max_queued_tokens}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")

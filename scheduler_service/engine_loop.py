@@ -50,8 +50,10 @@ async def _timed(awaitable: Awaitable[_T]) -> tuple[_T, float, float]:
     result = await awaitable
     return result, started, time.perf_counter() - started
 
-# A step that takes longer than this is treated as a failed worker.
-STEP_TIMEOUT_SECONDS = 600.0
+# Every worker RPC has a deadline. A step that takes longer than the step timeout (--step-timeout) is
+# treated as a failed worker: its running requests are recomputed after a Reset.
+STEP_TIMEOUT_SECONDS = 60.0
+RESET_TIMEOUT_SECONDS = 30.0
 IDLE_WAIT_SECONDS = 1.0
 
 
@@ -68,8 +70,10 @@ class EngineLoop:
         profile_path: Path | None = None,
         tracer: trace.Tracer | None = None,
         metrics: EngineMetrics | None = None,
+        step_timeout_s: float = STEP_TIMEOUT_SECONDS,
     ) -> None:
         self.worker_id = worker_id
+        self._step_timeout_s = step_timeout_s
         self._stub = stub
         self._store = store
         self._scheduler = scheduler
@@ -88,7 +92,7 @@ class EngineLoop:
 
     async def _take_ownership(self) -> None:
         epoch = await self._store.next_epoch(self.worker_id)
-        await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=30)
+        await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=RESET_TIMEOUT_SECONDS)
         self._planner.reset(epoch)
         # The worker's KV is gone: cached prefix blocks no longer hold what their hashes say.
         self._scheduler.reset_prefix_cache()
@@ -210,7 +214,7 @@ class EngineLoop:
                 # The RPC starts when the call is created: time it from here to its done callback.
                 sent = time.perf_counter()
                 step = asyncio.ensure_future(
-                    self._stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_SECONDS, metadata=metadata_for(span)))
+                    self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span)))
                 answered: list[float] = []
                 step.add_done_callback(functools.partial(_record_time, answered))
                 committed = asyncio.ensure_future(_timed(self._store.commit(pending)))

@@ -65,3 +65,13 @@ def seq_tokens(seq_id: int) -> str:
 def seq_blocks(seq_id: int) -> str:
     """List: the sequence's block table (physical block ids in logical order)."""
     return f"{PREFIX}:seq:{seq_id}:blocks"
+
+
+def queue(worker_id: str) -> str:
+    """Hash: `requests` and `tokens` (prompt tokens) admitted to the worker and not yet scheduled once."""
+    return f"{PREFIX}:w:{worker_id}:queue"
+
+
+def queued(worker_id: str) -> str:
+    """Hash: request id -> prompt tokens, for each request counted in `queue(worker_id)`."""
+    return f"{PREFIX}:w:{worker_id}:queued"

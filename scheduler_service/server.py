@@ -19,7 +19,7 @@ from scheduler_service.engine_loop import EngineLoop
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.router import Router
 from scheduler_service.servicer import GenerationServicer
-from scheduler_service.store import RedisStore
+from scheduler_service.store import QueueLimits, RedisStore
 from shared import grpc_server
 from shared.checkpoint import pretrained_source
 from shared.metrics import MetricsServer, SchedulerMetrics
@@ -70,7 +70,8 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     descs = [await describe_worker(s, a, config.worker_connect_timeout_s) for s, a in zip(stubs, config.workers)]
     worker_max_len = min(d.max_model_len for d in descs)
     max_len = min(config.max_model_len or worker_max_len, worker_max_len)
-    admission = Admission(tokenizer, ModelLimits(max_model_len=max_len, vocab_size=min(d.vocab_size for d in descs)))
+    admission = Admission(tokenizer, ModelLimits(max_model_len=max_len, vocab_size=min(d.vocab_size for d in descs),
+                                                 max_num_seqs=config.max_num_seqs))
     model_name = Path(descs[0].model).name or descs[0].model
     tracer, provider = make_tracer(TracingConfig.from_env("llmserve-scheduler", config.otlp_endpoint, config.trace_file))
     metrics = SchedulerMetrics(model_name) if config.metrics_port else None
@@ -82,9 +83,12 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
         profile = Path(f"{config.profile_steps}.{len(loops)}") if len(config.workers) > 1 else Path(config.profile_steps)
         loops.append(EngineLoop(address, stub, store, scheduler, OutputProcessor(tokenizer, scheduler),
                                 profile if config.profile_steps else None, tracer=tracer,
-                                metrics=metrics.engine(address) if metrics is not None else None))
-    servicer = GenerationServicer(admission, store, Router(config.workers), tracer=tracer, model_name=model_name)
-    server = grpc_server.create_server()
+                                metrics=metrics.engine(address) if metrics is not None else None,
+                                step_timeout_s=config.step_timeout_s))
+    limits = QueueLimits(config.max_num_queued_requests, config.max_queued_tokens)
+    servicer = GenerationServicer(admission, store, Router(config.workers), tracer=tracer, model_name=model_name,
+                                  queue_limits=limits)
+    server = grpc_server.create_server(grpc_server.PUBLIC_MAX_REQUEST_BYTES, public=True)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")

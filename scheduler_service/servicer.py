@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from protos import generation_pb2, generation_pb2_grpc
 from scheduler_service.admission import Admission, AdmittedPrompt, to_record
 from scheduler_service.router import Router
-from scheduler_service.store import RedisStore
+from scheduler_service.store import QueueLimits, RedisStore
 from shared.errors import NotFoundError, UnavailableError, abort_with, status_for
 from shared.tracing import context_from_metadata, to_traceparent
 
@@ -28,8 +28,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Thin: protobuf in, domain calls, protobuf out; errors mapped in one place."""
 
     def __init__(self, admission: Admission, store: RedisStore, router: Router,
-                 tracer: trace.Tracer | None = None, model_name: str = "") -> None:
+                 tracer: trace.Tracer | None = None, model_name: str = "",
+                 queue_limits: QueueLimits | None = None) -> None:
         self._admission = admission
+        self._queue_limits = queue_limits or QueueLimits()
         self._store = store
         self._router = router
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
@@ -61,7 +63,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             worker_id = self._router.pick(admitted.request_id)
             record = to_record(admitted, seq_ids, worker_id, time.time())
             record.traceparent = to_traceparent(span)
-            await self._store.admit(record)
+            await self._store.admit(record, self._queue_limits)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             await abort_with(context, exc)

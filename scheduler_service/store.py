@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from protos import generation_pb2, state_pb2
 from scheduler_service import keys
-from shared.errors import AlreadyExistsError, UnavailableError
+from shared.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,65 @@ OUTPUT_TTL_SECONDS = 3600
 SOCKET_TIMEOUT_SECONDS = 30.0
 # Requests and aborts picked up per commit.
 INBOX_BATCH = 64
+
+# Admission in one atomic step: refuse a live duplicate id or a full queue, else record and queue the
+# request and count it in the worker's queue totals. Every replica runs the same check on the same
+# counters, so the bound holds across replicas without any scan.
+#   KEYS: request hash, output stream, live set, inbox, queued hash, queue totals
+#   ARGV: record, worker id, request id, prompt tokens, max requests (0 = none), max tokens (0 = none)
+#   returns {status, queued requests, queued tokens}; status 0 admitted, 1 duplicate, 2 / 3 request / token limit
+_ADMIT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {1, 0, 0} end
+local reqs = tonumber(redis.call('HGET', KEYS[6], 'requests') or '0')
+local toks = tonumber(redis.call('HGET', KEYS[6], 'tokens') or '0')
+local n = tonumber(ARGV[4])
+local max_reqs = tonumber(ARGV[5])
+local max_toks = tonumber(ARGV[6])
+if max_reqs > 0 and reqs >= max_reqs then return {2, reqs, toks} end
+-- An empty queue takes any request, so a prompt longer than the token bound is not refused forever.
+if max_toks > 0 and reqs > 0 and toks + n > max_toks then return {3, reqs, toks} end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[1], 'request', ARGV[1])
+redis.call('HSET', KEYS[1], 'worker', ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'queued')
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('RPUSH', KEYS[4], ARGV[1])
+redis.call('HSET', KEYS[5], ARGV[3], n)
+redis.call('HINCRBY', KEYS[6], 'requests', 1)
+redis.call('HINCRBY', KEYS[6], 'tokens', n)
+return {0, reqs + 1, toks + n}
+"""
+
+# Requests leave the queue count when they are first scheduled (they appear in the running or swapped
+# snapshot) or finish (aborted or failed while waiting). Idempotent: ids no longer counted are skipped.
+#   KEYS: queued hash, queue totals; ARGV: request ids
+_DEQUEUE_LUA = """
+for _, id in ipairs(ARGV) do
+  local n = redis.call('HGET', KEYS[1], id)
+  if n then
+    redis.call('HDEL', KEYS[1], id)
+    redis.call('HINCRBY', KEYS[2], 'requests', -1)
+    redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(n))
+  end
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds of one worker's queue of admitted, not yet scheduled requests (0 = unbounded)."""
+
+    max_requests: int = 0
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """One worker's queue as the admission counters see it."""
+
+    requests: int
+    tokens: int
 
 
 _P = ParamSpec("_P")
@@ -51,6 +110,10 @@ def _unavailable_on_redis_error(method: Callable[_P, Awaitable[_T]]) -> Callable
 
 class DuplicateRequestError(AlreadyExistsError):
     """A live request already uses this request id."""
+
+
+class QueueFullError(ResourceExhaustedError):
+    """The worker's queue is at its bound: the client should retry later."""
 
 
 @dataclass(frozen=True)
@@ -167,19 +230,39 @@ class RedisStore:
         return list(range(last - count + 1, last + 1))
 
     @_unavailable_on_redis_error
-    async def admit(self, req: state_pb2.AdmittedRequest) -> None:
-        """Records the request and queues it for its worker; duplicate live ids are refused."""
-        key = keys.request(req.request_id)
-        created = await self._r.hsetnx(key, "request", req.SerializeToString())
-        if not created:
+    async def admit(self, req: state_pb2.AdmittedRequest, limits: QueueLimits | None = None) -> None:
+        """Records the request and queues it for its worker, atomically.
+
+        A live duplicate id raises DuplicateRequestError; a worker queue at `limits` raises QueueFullError.
+        """
+        limits = limits or QueueLimits()
+        w = req.worker_id
+        status, requests, tokens = await self._r.eval(  # type: ignore[misc]
+            _ADMIT_LUA, 6,
+            keys.request(req.request_id), keys.output_stream(req.request_id), keys.live(w), keys.inbox(w),
+            keys.queued(w), keys.queue(w),
+            req.SerializeToString(), w, req.request_id, len(req.prompt_token_ids),
+            limits.max_requests, limits.max_tokens,
+        )
+        if status == 1:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already in use")
-        async with self._r.pipeline(transaction=True) as pipe:
-            # A finished request's stream outlives its record; a reused id must not replay it.
-            pipe.delete(keys.output_stream(req.request_id))
-            pipe.hset(key, mapping={"worker": req.worker_id, "state": "queued"})
-            pipe.sadd(keys.live(req.worker_id), req.request_id)
-            pipe.rpush(keys.inbox(req.worker_id), req.SerializeToString())
-            await pipe.execute()
+        if status == 2:
+            raise QueueFullError(
+                f"the server is overloaded: {requests} requests are already queued for worker {w}, the limit is "
+                f"{limits.max_requests} (--max-num-queued-requests); retry after a short backoff"
+            )
+        if status == 3:
+            raise QueueFullError(
+                f"the server is overloaded: {tokens} prompt tokens are already queued for worker {w} and this "
+                f"request adds {len(req.prompt_token_ids)}, the limit is {limits.max_tokens} (--max-queued-tokens); "
+                "retry after a short backoff"
+            )
+
+    @_unavailable_on_redis_error
+    async def queue_stats(self, worker_id: str) -> QueueStats:
+        """The worker's queue of admitted, not yet scheduled requests (two counters, no scan)."""
+        raw = await self._r.hgetall(keys.queue(worker_id))
+        return QueueStats(int(raw.get(b"requests", 0)), int(raw.get(b"tokens", 0)))
 
     @_unavailable_on_redis_error
     async def worker_of(self, request_id: str) -> str | None:
@@ -244,6 +327,10 @@ class RedisStore:
                 pipe.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
                 pipe.delete(keys.request(request_id))
                 pipe.srem(keys.live(w), request_id)
+            # Scheduled (running / swapped) or finished requests no longer count as queued.
+            dequeued = [*(c.running or []), *(c.swapped or []), *c.finished_requests]
+            if dequeued:
+                pipe.eval(_DEQUEUE_LUA, 2, keys.queued(w), keys.queue(w), *dequeued)
             snapshots = ((keys.waiting(w), c.waiting), (keys.running(w), c.running), (keys.swapped(w), c.swapped))
             for key, snapshot in snapshots:
                 if snapshot is not None:

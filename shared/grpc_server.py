@@ -1,13 +1,22 @@
-"""Common set-up of the services' gRPC servers: health, reflection, message limits."""
+"""Common set-up of the services' gRPC servers: health, reflection, message limits, malformed requests."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 # Plans for large batches carry full token lists of new sequences; 64 MiB leaves room.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Largest request the public API reads: far more than any prompt within a context limit needs
+# (1M token ids are ~5 MiB); a bigger message is refused by gRPC with RESOURCE_EXHAUSTED.
+PUBLIC_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -15,9 +24,76 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def create_server() -> grpc.aio.Server:
-    """An asyncio gRPC server with the project's message limits."""
-    return grpc.aio.server(options=CHANNEL_OPTIONS)
+@dataclass(frozen=True)
+class _Malformed:
+    """Stands in for a request that did not parse, so that the RPC can end with INVALID_ARGUMENT."""
+
+    reason: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Malformed(str(exc))
+
+    return parse
+
+
+def _malformed_message(request: _Malformed) -> str:
+    return (f"the request is not a valid protobuf message ({request.reason}); "
+            "string fields must be valid UTF-8, send arbitrary bytes as token ids instead")
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A request that fails to parse (e.g. a string field with invalid UTF-8) gets INVALID_ARGUMENT.
+
+    Without this, grpc's Python server answers UNKNOWN ("Unexpected DecodeError").
+    Only RPCs with a single request message are covered (every RPC of this project).
+    """
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+
+            return handler._replace(unary_unary=unary, request_deserializer=_tolerant(handler.request_deserializer))
+        if handler.unary_stream is not None:
+            stream_behavior = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
+                async for msg in stream_behavior(request, context):
+                    yield msg
+
+            return handler._replace(unary_stream=stream, request_deserializer=_tolerant(handler.request_deserializer))
+        return handler
+
+
+def create_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = False) -> grpc.aio.Server:
+    """An asyncio gRPC server with the project's message limits.
+
+    public: the server faces clients, so a request that does not parse gets INVALID_ARGUMENT.
+    """
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", max_receive_bytes)]
+    return grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor()] if public else None)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

@@ -296,3 +296,40 @@ def test_new_sampling_fields_are_carried_and_round_trip(admission: Admission) ->
     assert sampling_from_proto(to_record(got, [1], "w", 0.0).sampling) == s
     defaults = admission.admit(make_request(prompt_token_ids=[5, 6, 7])).sampling
     assert (defaults.repetition_penalty, defaults.skip_special_tokens, defaults.prompt_logprobs) == (1.0, True, None)
+
+
+# -- hostile values (issue 9, item 5) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        (dict(temperature=math.inf), "temperature must be non-negative, got inf"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(repetition_penalty=math.nan), "repetition_penalty must be greater than zero, got nan"),
+        (dict(repetition_penalty=math.inf), "repetition_penalty must be greater than zero, got inf"),
+        (dict(presence_penalty=math.inf), "presence_penalty"),
+        (dict(use_beam_search=True, best_of=2, temperature=0.0, length_penalty=math.inf), "length_penalty"),
+    ],
+)
+def test_non_finite_floats_are_rejected(admission: Admission, sampling: dict, message: str) -> None:
+    rejects(admission, make_request(prompt_token_ids=[5, 6, 7], **sampling), message)
+
+
+def test_largest_max_tokens_is_rejected_with_the_context_limit(admission: Admission) -> None:
+    rejects(admission, make_request(prompt_token_ids=[5, 6, 7], max_tokens=2**32 - 1), "lower max_tokens")
+
+
+def test_more_sequences_than_a_step_runs_are_rejected(tokenizer) -> None:
+    limited = Admission(tokenizer, ModelLimits(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer), max_num_seqs=4))
+    rejects(limited, make_request("hi", n=5, temperature=1.0), "runs 5 sequences at once (n / best_of)")
+    rejects(limited, make_request("hi", n=1, best_of=6, temperature=1.0), "at most 4 (--max-num-seqs)")
+    rejects(limited, make_request("hi", use_beam_search=True, best_of=5, temperature=0.0), "lower n or best_of")
+    # Beam search runs best_of beams at once (its 2 * best_of ids hold finished hypotheses too).
+    assert limited.admit(make_request("hi", use_beam_search=True, best_of=4, temperature=0.0)).sampling.best_of == 4
+
+
+def test_token_ids_cannot_be_negative_on_the_wire() -> None:
+    """prompt_token_ids is repeated uint32: a negative id cannot even be built, so admission never sees one."""
+    with pytest.raises(ValueError):
+        generation_pb2.GenerateRequest(prompt_token_ids=[-1])
