@@ -4,7 +4,8 @@
 
 For each (batch, context) of a grid it times, on one device and in one run:
 
-- ``paged_attention`` of the device's backend (Numba-CUDA on a GPU, torch on a CPU);
+- ``paged_attention`` of the device's backend (Numba-CUDA on a GPU, Numba on a
+  CPU) and, on a CPU, its torch twin (``kernels.cpu.attention``, the fallback);
 - ``gather+sdpa``: gathering the paged K/V into contiguous tensors, then
   ``torch.nn.functional.scaled_dot_product_attention``;
 - ``sdpa (contiguous)``: SDPA alone on a cache that is already contiguous;
@@ -41,6 +42,8 @@ from tqdm import tqdm
 
 import kernels
 from benchmarks._timing import copy_bandwidth_gbs, time_ms
+from kernels.backend import PagedAttentionFn
+from kernels.cpu import attention as cpu_attention
 
 # SmolLM2-135M's attention shape (the default model): GQA 9 / 3 heads of 64.
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 4
@@ -97,11 +100,14 @@ def measure(case: Case, backend: kernels.KernelBackend, device: torch.device) ->
     q = case.query[:, :, None, :]  # [B, H, 1, D] for SDPA
     attention_bytes = case.kv_bytes() + 2 * case.query.numel() * case.element_size
 
-    def paged() -> None:
-        backend.paged_attention(
-            case.out, case.query, case.key_caches[0], case.value_caches[0], NUM_KV_HEADS, scale,
-            case.block_tables, case.context_lens, BLOCK_SIZE, case.context,
-        )  # fmt: skip
+    def paged_with(kernel: PagedAttentionFn) -> Callable[[], None]:
+        def paged() -> None:
+            kernel(
+                case.out, case.query, case.key_caches[0], case.value_caches[0], NUM_KV_HEADS, scale,
+                case.block_tables, case.context_lens, BLOCK_SIZE, case.context,
+            )  # fmt: skip
+
+        return paged
 
     def gather_sdpa() -> torch.Tensor:
         k, v = case.gathered_kv()
@@ -130,12 +136,16 @@ def measure(case: Case, backend: kernels.KernelBackend, device: torch.device) ->
         backend.copy_blocks(case.key_caches, case.value_caches, mapping)
 
     timed: list[tuple[str, Callable[[], object], int]] = [
-        (f"paged_attention ({backend.name})", paged, attention_bytes),
+        (f"paged_attention ({backend.name})", paged_with(backend.paged_attention), attention_bytes),
         ("gather+sdpa (torch)", gather_sdpa, attention_bytes),
         ("sdpa, contiguous cache (torch)", sdpa, attention_bytes),
         (f"reshape_and_cache ({backend.name})", write, 2 * 2 * tokens * NUM_KV_HEADS * HEAD_SIZE * case.element_size),
         (f"copy_blocks ({backend.name})", copy, 2 * 2 * NUM_LAYERS * case.batch * block_bytes),
     ]
+    if device.type == "cpu":
+        # The torch kernel the CPU backend replaced (and falls back to), for the speed-up.
+        twin = paged_with(cpu_attention.paged_attention)
+        timed.insert(1, ("paged_attention (cpu, torch twin)", twin, attention_bytes))
     return [Row(name, case.batch, case.context, time_ms(fn, device), nbytes) for name, fn, nbytes in timed]
 
 

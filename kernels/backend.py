@@ -8,6 +8,7 @@ semantics (see :mod:`kernels.cpu`, :mod:`kernels.cuda`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from types import ModuleType
@@ -102,10 +103,16 @@ def _backend_of(name: str, module: ModuleType) -> KernelBackend:
 @functools.cache
 def _cpu_backend() -> KernelBackend:
     # Imported here so that `kernels.backend` stays importable by the CUDA
-    # backend without pulling in the CPU implementation.
+    # backend without pulling in the CPU implementation. Importing the Numba
+    # decode kernel compiles it or loads it from Numba's on-disk cache; doing it
+    # here puts that cost at worker start (get_backend), not in the first step.
     from kernels import cpu
+    from kernels.cpu import numba_attention
 
-    return _backend_of("cpu", cpu)
+    # Decode attention reads the cache in place with Numba (several times faster
+    # than gathering copies with torch ops); it falls back to the torch kernel
+    # for inputs it does not cover. The other kernels are the torch ones.
+    return dataclasses.replace(_backend_of("cpu", cpu), paged_attention=numba_attention.paged_attention)
 
 
 @functools.cache
@@ -119,7 +126,7 @@ def _cuda_backend() -> KernelBackend:
 def get_backend(device: torch.device | str) -> KernelBackend:
     """Return the kernel backend for tensors on ``device`` (``"cpu"``, ``"cuda:0"``, ...).
 
-    ``cpu`` gets the torch kernels, ``cuda`` the Numba-CUDA kernels (whose
+    ``cpu`` gets the torch kernels with Numba decode attention, ``cuda`` the Numba-CUDA kernels (whose
     swaps can also run per layer on a side stream: :class:`kernels.cuda.LayerSwapper`).
     Raises NotImplementedError for other device types, ValueError for an
     unparsable device.

@@ -2,6 +2,8 @@
 
 Attention cases (NaN-poisoned caches and outputs, permuted block tables) come
 from :mod:`tests.kernel_cases`, shared with the CUDA tests; contexts are ragged.
+Decode attention has two CPU twins, the torch kernel and the Numba kernel the
+CPU backend uses; every decode case runs on both.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from kernels.backend import PagedAttentionFn
 from kernels.cpu import attention as cpu_attention
+from kernels.cpu import numba_attention
 from tests import kernel_cases
 from tests.kernel_cases import (
     TOLERANCE,
@@ -29,7 +33,6 @@ from tests.kernel_cases import (
 )
 from tests.kernels_reference import ref_paged_attention, ref_reshape_and_cache
 
-run_paged = functools.partial(kernel_cases.run_paged, kernels.paged_attention)
 run_context = functools.partial(kernel_cases.run_context, kernels.context_attention)
 
 # (dtype, num_heads, num_kv_heads, head_size, block_size): GQA, MHA and MQA,
@@ -47,66 +50,78 @@ ATTENTION_CONFIGS = [
 ]
 # (use_alibi, sliding_window)
 FEATURES = [(False, None), (True, None), (False, 11), (True, 11)]
+# Both decode kernels; parametrize a decode test with `@for_each_decode_kernel` and take `paged`.
+for_each_decode_kernel = pytest.mark.parametrize(
+    "paged", [cpu_attention.paged_attention, numba_attention.paged_attention], ids=["torch", "numba"]
+)
 
 
+@for_each_decode_kernel
 @pytest.mark.parametrize("feature", FEATURES, ids=feature_id)
 @pytest.mark.parametrize("cfg", ATTENTION_CONFIGS, ids=config_id)
-def test_paged_attention_matches_reference(cfg: tuple, feature: tuple) -> None:
+def test_paged_attention_matches_reference(paged: PagedAttentionFn, cfg: tuple, feature: tuple) -> None:
     block_size = cfg[4]
     # Ragged: one token, exactly one block, one past a block, a long odd length.
     context_lens = [1, block_size, block_size + 1, 3 * block_size - 5, 2 * block_size + 3]
-    err = run_paged(cfg, context_lens, *feature, seed=stable_seed(config_id(cfg), feature_id(feature)))
+    seed = stable_seed(config_id(cfg), feature_id(feature))
+    err = kernel_cases.run_paged(paged, cfg, context_lens, *feature, seed=seed)
     assert err < TOLERANCE[cfg[0]]
 
 
+@for_each_decode_kernel
 @pytest.mark.parametrize("sliding_window", [1, 2, 7, 8, 9, 30, 1000])
 @pytest.mark.parametrize("use_alibi", [False, True])
-def test_paged_attention_sliding_window_sizes(sliding_window: int, use_alibi: bool) -> None:
+def test_paged_attention_sliding_window_sizes(paged: PagedAttentionFn, sliding_window: int, use_alibi: bool) -> None:
     # Windows smaller than, equal to, straddling and larger than blocks and contexts.
     cfg = (torch.float32, 4, 2, 64, 8)
-    err = run_paged(cfg, [1, 7, 8, 9, 23, 40], use_alibi, sliding_window, seed=sliding_window + 100 * use_alibi)
+    seed = sliding_window + 100 * use_alibi
+    err = kernel_cases.run_paged(paged, cfg, [1, 7, 8, 9, 23, 40], use_alibi, sliding_window, seed=seed)
     assert err < TOLERANCE[torch.float32]
 
 
+@for_each_decode_kernel
 @pytest.mark.parametrize("unused_entry", [0, -1])
-def test_paged_attention_ignores_unused_block_table_entries(unused_entry: int) -> None:
-    err = run_paged((torch.float32, 8, 2, 64, 16), [3, 17, 33], False, None, seed=5, unused_table_entry=unused_entry)
+def test_paged_attention_ignores_unused_block_table_entries(paged: PagedAttentionFn, unused_entry: int) -> None:
+    cfg = (torch.float32, 8, 2, 64, 16)
+    err = kernel_cases.run_paged(paged, cfg, [3, 17, 33], False, None, seed=5, unused_table_entry=unused_entry)
     assert err < TOLERANCE[torch.float32]
 
 
 def test_paged_attention_chunked_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     # A tiny gather budget forces one-sequence chunks; results must not change.
     monkeypatch.setattr(cpu_attention, "_DECODE_GATHER_BUDGET", 1)
-    err = run_paged((torch.float32, 8, 2, 64, 8), [1, 9, 30, 16], True, 13, seed=6)
+    cfg = (torch.float32, 8, 2, 64, 8)
+    err = kernel_cases.run_paged(cpu_attention.paged_attention, cfg, [1, 9, 30, 16], True, 13, seed=6)
     assert err < TOLERANCE[torch.float32]
 
 
-def test_paged_attention_zero_length_context_gives_zeros() -> None:
+@for_each_decode_kernel
+def test_paged_attention_zero_length_context_gives_zeros(paged: PagedAttentionFn) -> None:
     gen = torch.Generator().manual_seed(7)
     cache = PagedCache([5, 0, 12], 2, 64, 8, torch.float32, gen)
     query = torch.randn(3, 4, 64, generator=gen)
     out = nan_like(query)
     lens = torch.tensor([5, 0, 12], dtype=torch.int32)
-    kernels.paged_attention(out, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 12)
+    paged(out, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 12)
     expected = ref_paged_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, lens, 0.125)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
 
 
-def test_paged_attention_loose_max_context_len() -> None:
+@for_each_decode_kernel
+def test_paged_attention_loose_max_context_len(paged: PagedAttentionFn) -> None:
     # max_context_len is an upper bound; a loose one must not change the result.
     gen = torch.Generator().manual_seed(8)
     cache = PagedCache([4, 19], 1, 64, 16, torch.float32, gen)
     query = torch.randn(2, 2, 64, generator=gen)
     lens = torch.tensor([4, 19], dtype=torch.int32)
     out = nan_like(query)
-    kernels.paged_attention(
-        out, query, cache.key_cache, cache.value_cache, 1, 0.125, cache.block_tables, lens, 16, 4096
-    )
+    paged(out, query, cache.key_cache, cache.value_cache, 1, 0.125, cache.block_tables, lens, 16, 4096)
     expected = ref_paged_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, lens, 0.125)
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
 
 
+@for_each_decode_kernel
 @settings(max_examples=12, deadline=None)
 @given(
     data=st.data(),
@@ -117,12 +132,18 @@ def test_paged_attention_loose_max_context_len() -> None:
     sliding_window=st.one_of(st.none(), st.integers(1, 40)),
 )
 def test_paged_attention_property(
-    data: st.DataObject, num_kv_heads: int, group: int, block_size: int, use_alibi: bool, sliding_window: int | None
+    paged: PagedAttentionFn,
+    data: st.DataObject,
+    num_kv_heads: int,
+    group: int,
+    block_size: int,
+    use_alibi: bool,
+    sliding_window: int | None,
 ) -> None:
     context_lens = data.draw(st.lists(st.integers(1, 45), min_size=1, max_size=4))
     seed = data.draw(st.integers(0, 2**31 - 1))
     cfg = (torch.float32, num_kv_heads * group, num_kv_heads, 64, block_size)
-    assert run_paged(cfg, context_lens, use_alibi, sliding_window, seed) < TOLERANCE[torch.float32]
+    assert kernel_cases.run_paged(paged, cfg, context_lens, use_alibi, sliding_window, seed) < TOLERANCE[torch.float32]
 
 
 # ---------------------------------------------------------------- context attention
@@ -179,7 +200,8 @@ def test_context_attention_property(
     assert run_context(cfg, seqs, use_alibi, sliding_window, seed) < TOLERANCE[torch.float32]
 
 
-def test_context_attention_with_one_query_per_sequence_equals_paged_attention() -> None:
+@for_each_decode_kernel
+def test_context_attention_with_one_query_per_sequence_equals_paged_attention(paged: PagedAttentionFn) -> None:
     gen = torch.Generator().manual_seed(9)
     lens_list = [1, 8, 13, 30]
     cache = PagedCache(lens_list, 2, 64, 8, torch.float32, gen)
@@ -187,9 +209,7 @@ def test_context_attention_with_one_query_per_sequence_equals_paged_attention() 
     lens = torch.tensor(lens_list, dtype=torch.int32)
     slopes = alibi_slopes_for(8)
     decode, prefill = nan_like(query), nan_like(query)
-    kernels.paged_attention(
-        decode, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 30, slopes, 10
-    )
+    paged(decode, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 30, slopes, 10)
     qsl = torch.arange(5, dtype=torch.int32)
     kernels.context_attention(
         prefill, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, qsl, lens, 8, slopes, 10
@@ -197,7 +217,8 @@ def test_context_attention_with_one_query_per_sequence_equals_paged_attention() 
     torch.testing.assert_close(decode, prefill, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_accepts_strided_query_and_out_and_empty_batches() -> None:
+@for_each_decode_kernel
+def test_attention_accepts_strided_query_and_out_and_empty_batches(paged: PagedAttentionFn) -> None:
     # Query/out are often views into a fused qkv / output buffer.
     gen = torch.Generator().manual_seed(15)
     cache = PagedCache([6, 20], 2, 64, 8, torch.float32, gen)
@@ -206,7 +227,7 @@ def test_attention_accepts_strided_query_and_out_and_empty_batches() -> None:
     out_buffer = torch.full((2, 4, 2, 64), float("nan"))
     out = out_buffer[:, :, 1]
     lens = torch.tensor([6, 20], dtype=torch.int32)
-    kernels.paged_attention(out, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 20)
+    paged(out, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 20)
     expected = ref_paged_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, lens, 0.125)
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
     assert torch.isnan(out_buffer[:, :, 0]).all()  # neighbours untouched
@@ -221,7 +242,7 @@ def test_attention_accepts_strided_query_and_out_and_empty_batches() -> None:
     empty = torch.empty(0, 4, 64)
     no_rows = torch.empty(0, cache.block_tables.shape[1], dtype=torch.int32)
     no_lens = torch.empty(0, dtype=torch.int32)
-    kernels.paged_attention(empty, empty, cache.key_cache, cache.value_cache, 2, 0.125, no_rows, no_lens, 8, 0)
+    paged(empty, empty, cache.key_cache, cache.value_cache, 2, 0.125, no_rows, no_lens, 8, 0)
     no_starts = torch.zeros(1, dtype=torch.int32)
     caches = (cache.key_cache, cache.value_cache)
     kernels.context_attention(empty, empty, *caches, 2, 0.125, no_rows, no_starts, no_lens, 8)
@@ -343,7 +364,7 @@ def test_layout_rejects_invalid_arguments(call) -> None:
 def test_get_backend() -> None:
     backend = kernels.get_backend("cpu")
     assert isinstance(backend, kernels.KernelBackend)
-    assert backend.paged_attention is kernels.paged_attention
+    assert backend.paged_attention is numba_attention.paged_attention
     assert backend.context_attention is kernels.context_attention
     assert backend.reshape_and_cache is kernels.reshape_and_cache
     assert backend.copy_blocks is kernels.copy_blocks
@@ -397,8 +418,9 @@ DECODE_BAD = {
 }
 
 
+@for_each_decode_kernel
 @pytest.mark.parametrize("name", list(DECODE_BAD))
-def test_paged_attention_rejects_invalid_arguments(name: str) -> None:
+def test_paged_attention_rejects_invalid_arguments(paged: PagedAttentionFn, name: str) -> None:
     args = _decode_args()
     change = DECODE_BAD[name]
     if change == "value_cache_half":
@@ -406,7 +428,7 @@ def test_paged_attention_rejects_invalid_arguments(name: str) -> None:
     else:
         args.update(change)
     with pytest.raises(ValueError):
-        kernels.paged_attention(**args)
+        paged(**args)
 
 
 def _prefill_args() -> dict:
