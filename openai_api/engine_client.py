@@ -60,6 +60,14 @@ class EngineClient:
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
+    async def max_model_len(self) -> int | None:
+        """The scheduler's context limit (ModelInfo), or None when it does not answer within a second."""
+        try:
+            info = await self._stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return None
+        return info.max_model_len
+
     async def open(self, request: generation_pb2.GenerateRequest) -> GenerationStream:
         """Starts a Generate call and waits for its first response; raises OpenAIError on failure.
 

@@ -118,6 +118,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "llmserve"
     root: str | None = None
+    # Longest prompt + completion, in tokens (vLLM's extension of the model card).
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

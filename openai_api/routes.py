@@ -134,7 +134,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
 async def list_models(request: Request) -> ModelList:
     """GET /v1/models: the served model names."""
     state = _state(request)
-    return ModelList(data=[ModelCard(id=name, created=state.created, root=state.model_root)
+    max_len = await state.engine.max_model_len()
+    return ModelList(data=[ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=max_len)
                            for name in state.model_names])
 
 

@@ -41,7 +41,9 @@ def client(cluster: LocalCluster) -> Iterator["openai.OpenAI"]:
 
 
 def test_models_lists_the_served_name(client: "openai.OpenAI") -> None:
-    assert [m.id for m in client.models.list()] == [MODEL]
+    models = list(client.models.list())
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == 512  # type: ignore[attr-defined] - vLLM's extra field
 
 
 def test_streamed_chat_completion(client: "openai.OpenAI", cluster: LocalCluster) -> None:
