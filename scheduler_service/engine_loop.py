@@ -104,6 +104,10 @@ class EngineLoop:
         waiting = [g.request_id for g in self._scheduler.waiting]
         running = [g.request_id for g in self._scheduler.running]
         swapped = [g.request_id for g in self._scheduler.swapped]
+        # Only the requests that just started running leave the admission queue count: sending the whole
+        # running list would cost Redis a lookup per running request whenever the list changes.
+        before = set(self._last_running or ()) | set(self._last_swapped or ())
+        commit.newly_scheduled.extend(r for r in running + swapped if r not in before)
         commit.waiting = waiting if waiting != self._last_waiting else None
         commit.running = running if running != self._last_running else None
         commit.swapped = swapped if swapped != self._last_swapped else None
@@ -153,7 +157,8 @@ class EngineLoop:
             profile.num_seqs = len(out.scheduled)
             profile.num_prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
             profile.num_decode_tokens = out.num_batched_tokens - profile.num_prefill_tokens
-            profile.kv_slots, profile.kv_tokens = self._scheduler.kv_occupancy()
+            if self._profiles is not None:  # O(allocated blocks): only the profile file reports it
+                profile.kv_slots, profile.kv_tokens = self._scheduler.kv_occupancy()
         return out, built.plan if has_work else None
 
     def _ignored_message(self, group: SequenceGroup) -> str:

@@ -154,6 +154,9 @@ class StepCommit:
     # (request id, message) to publish to the request's output stream.
     outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
+    # Requests that entered the running or swapped queue since the last snapshot (the admission queue
+    # count drops them).
+    newly_scheduled: list[str] = field(default_factory=list)
     # request id -> {seq_id: SequenceStatus name} for sequences finished while their request goes on.
     finished_seqs: dict[str, dict[int, str]] = field(default_factory=dict)
     # request id -> {seq_id: cumulative logprob} for requests that pick their best_of at the end.
@@ -171,7 +174,7 @@ class StepCommit:
     def is_empty(self) -> bool:
         return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs
                     or self.reset_seqs or self.outputs
-                    or self.finished_requests or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
+                    or self.finished_requests or self.newly_scheduled or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
                     or self.cache_stats is not None or self.num_preemptions)
 
 
@@ -328,7 +331,7 @@ class RedisStore:
                 pipe.delete(keys.request(request_id))
                 pipe.srem(keys.live(w), request_id)
             # Scheduled (running / swapped) or finished requests no longer count as queued.
-            dequeued = [*(c.running or []), *(c.swapped or []), *c.finished_requests]
+            dequeued = [*c.newly_scheduled, *c.finished_requests]
             if dequeued:
                 pipe.eval(_DEQUEUE_LUA, 2, keys.queued(w), keys.queue(w), *dequeued)
             snapshots = ((keys.waiting(w), c.waiting), (keys.running(w), c.running), (keys.swapped(w), c.swapped))

@@ -69,6 +69,8 @@ class ModelRunner:
         self.max_model_len = max_len
         self.backend = get_backend(self.device)
         self.model = load_model(config.model, self.dtype, self.device)
+        # Masked until min_tokens; read once, not on every step.
+        self.eos_token_ids = eos_token_ids(self.model)
         self.decoder = self.model.base_model
         self.lm_head = self.model.get_output_embeddings()
         # A GPU's cache gets what the largest step leaves of --gpu-memory-utilization; a CPU's is set in GiB.
@@ -123,7 +125,7 @@ class ModelRunner:
         if inputs.sampling_seqs:
             logits = self.lm_head(hidden[inputs.sample_indices]).float()
             out = sample(
-                logits, [s.sampling for s in inputs.sampling_seqs], inputs.sampling_seqs, eos_token_ids(self.model)
+                logits, [s.sampling for s in inputs.sampling_seqs], inputs.sampling_seqs, self.eos_token_ids
             )
             for seq, token, logprob, top in zip(inputs.sampling_seqs, out.token_ids, out.logprobs, out.top_logprobs):
                 sampled.append(SampledTokenData(seq.seq_id, token, logprob, top))
