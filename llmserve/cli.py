@@ -197,21 +197,10 @@ def _resolve_model(model: str) -> str:
     return str(prepare_default_model())
 
 
-def _passive_omp_threads() -> None:
-    """Idle OpenMP threads sleep instead of spinning (unless the user chose otherwise).
-
-    Read by libgomp when torch loads, so it must be set before the worker imports torch. A worker
-    shares its cores with the scheduler, Redis and clients; spinning threads then fight them for
-    the CPU: on 2 busy cores a decode-sized matmul (8 x 576 by 576 x 1536) took 0.36 ms with
-    sleeping threads and 5-11 ms with spinning ones.
-    """
-    if "torch" in sys.modules:
-        return
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def _cmd_worker(args: argparse.Namespace) -> int:
-    _passive_omp_threads()
+    from shared.omp import prefer_sleeping_threads  # noqa: PLC0415
+
+    prefer_sleeping_threads()
     from worker_service.config import WorkerConfig  # noqa: PLC0415 - keep `llmserve --help` fast
     from worker_service.server import serve  # noqa: PLC0415
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
+from shared.omp import prefer_sleeping_threads
 
-# Before anything imports torch: idle OpenMP threads sleep instead of spinning. The tests share
-# two cores with the services they start, and spinning threads made matmuls many times slower
-# (see llmserve.cli._passive_omp_threads).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before anything imports torch: the tests share two cores with the services they start.
+prefer_sleeping_threads()
 
 from collections.abc import Iterator
 from pathlib import Path
