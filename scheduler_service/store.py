@@ -20,14 +20,13 @@ from redis.exceptions import RedisError
 
 from protos import generation_pb2, state_pb2
 from scheduler_service import keys
+from shared import redis_client
 from shared.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError
 
 log = logging.getLogger(__name__)
 
 # How long a finished request's output stream stays readable (for late readers).
 OUTPUT_TTL_SECONDS = 3600
-# Longest any single Redis command may take, blocking reads included.
-SOCKET_TIMEOUT_SECONDS = 30.0
 # Requests and aborts picked up per commit.
 INBOX_BATCH = 64
 
@@ -207,11 +206,7 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str) -> "RedisStore":
-        # Blocking reads (XREAD / BLPOP) wait up to a few seconds; the socket timeout must exceed them.
-        return cls(aioredis.Redis.from_url(
-            url, max_connections=1024, health_check_interval=30,
-            socket_timeout=SOCKET_TIMEOUT_SECONDS, socket_connect_timeout=5,
-        ))
+        return cls(redis_client.connect(url))
 
     @property
     def client(self) -> aioredis.Redis:
