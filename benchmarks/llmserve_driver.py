@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass, field
 
 import grpc
 from tqdm import tqdm
@@ -18,7 +19,17 @@ from benchmarks.dataset import BenchRequest
 from benchmarks.metrics import RequestTiming
 from llmserve.client import make_request
 from protos import generation_pb2_grpc
-from shared.grpc_server import CHANNEL_OPTIONS
+from shared.auth import token_interceptors
+from shared.tls import ClientTLS, open_channel
+
+
+@dataclass(frozen=True)
+class Target:
+    """The scheduler to drive: its address, the TLS to reach it with and the bearer token it wants."""
+
+    address: str
+    tls: ClientTLS | None = None
+    token: str = field(default="", repr=False)
 
 
 async def _one(
@@ -47,11 +58,12 @@ async def _one(
         return await run()
 
 
-async def _run(address: str, requests: list[BenchRequest], rate: float, max_concurrency: int | None,
+async def _run(target: Target, requests: list[BenchRequest], rate: float, max_concurrency: int | None,
                seed: int, label: str) -> tuple[list[RequestTiming], float]:
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    channel = open_channel(target.address, target.tls, aio=True, interceptors=token_interceptors(target.token, aio=True))
+    async with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await channel.channel_ready()
         with tqdm(total=len(requests), desc=label, unit="req", leave=False) as bar:
@@ -65,8 +77,9 @@ async def _run(address: str, requests: list[BenchRequest], rate: float, max_conc
             return list(timings), time.perf_counter() - start
 
 
-def run_llmserve(address: str, requests: list[BenchRequest], rate: float = float("inf"),
+def run_llmserve(address: str | Target, requests: list[BenchRequest], rate: float = float("inf"),
                  max_concurrency: int | None = None, seed: int = 0, label: str = "llmserve"
                  ) -> tuple[list[RequestTiming], float]:
     """Per-request timings and the wall time from the first request sent to the last finished."""
-    return asyncio.run(_run(address, requests, rate, max_concurrency, seed, label))
+    target = address if isinstance(address, Target) else Target(address)
+    return asyncio.run(_run(target, requests, rate, max_concurrency, seed, label))

@@ -30,12 +30,14 @@ import torch
 
 from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests, shared_prefix_requests
 from benchmarks.hf_baselines import run_continuous_batching, run_static_batching
-from benchmarks.llmserve_driver import run_llmserve
+from benchmarks.llmserve_driver import Target, run_llmserve
 from benchmarks.metrics import RequestTiming, Summary, summarize
 from llmserve.cli import env_defaults
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from scheduler_service.step_profile import read_profiles
 from shared.default_model import prepare_default_model
+from shared.secrets import resolve_secret
+from shared.tls import client_tls
 
 RESULTS = Path("benchmarks/results/serving.json")
 
@@ -56,7 +58,7 @@ def _cluster(model: str, dtype: str, scheduler_args: list[str] | None = None) ->
     return LocalCluster(ClusterSpec(model=model, worker_args=worker_args, scheduler_args=scheduler_args or []))
 
 
-def _llmserve(address: str, requests: list[BenchRequest], label: str, rate: float = float("inf"),
+def _llmserve(address: str | Target, requests: list[BenchRequest], label: str, rate: float = float("inf"),
               max_concurrency: int | None = None) -> tuple[Summary, list[RequestTiming]]:
     timings, duration = run_llmserve(address, requests, rate, max_concurrency, label=label)
     return summarize(label, timings, duration), timings
@@ -68,7 +70,7 @@ def _samples(timings: list[RequestTiming]) -> dict[str, list[float]]:
     return {"ttft_ms": [t.ttft * 1e3 for t in ok], "e2e_ms": [t.e2e * 1e3 for t in ok]}
 
 
-def _warm_up(address: str, vocab_size: int) -> None:
+def _warm_up(address: str | Target, vocab_size: int) -> None:
     run_llmserve(address, random_requests(WorkloadSpec(num_requests=2, input_len=(16, 16), output_len=(4, 4)),
                                           vocab_size), label="warm-up")
 
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-static", action="store_true", help="no transformers static batching run")
     parser.add_argument("--skip-prefix-caching", action="store_true", help="no prefix-caching comparison")
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
+    parser.add_argument("--tls-ca-file", default="", metavar="PEM",
+                        help="with --address: reach the scheduler over TLS, trusting this CA")
+    parser.add_argument("--auth-token-file", default="", metavar="PATH",
+                        help="with --address: bearer token file of the scheduler (or LLMSERVE_AUTH_TOKEN)")
     env_defaults(parser)  # LLMSERVE_<FLAG>, as for every llmserve command
     args = parser.parse_args(argv)
 
@@ -118,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     if args.address:
         # Someone else's server: no step profiles, no restarts with other flags.
-        main_run = _llmserve_suite(args.address, requests, spec, vocab_size, args, results)
+        target = Target(args.address, client_tls(args.tls_ca_file),
+                        resolve_secret(args.auth_token_file, "--auth-token-file", "LLMSERVE_AUTH_TOKEN"))
+        main_run = _llmserve_suite(target, requests, spec, vocab_size, args, results)
         args.skip_prefix_caching = True
     else:
         profile = Path(tempfile.mkdtemp()) / "steps.jsonl"
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.output}")
 
 
-def _llmserve_suite(address: str, requests: list[BenchRequest], spec: WorkloadSpec, vocab_size: int,
+def _llmserve_suite(address: str | Target, requests: list[BenchRequest], spec: WorkloadSpec, vocab_size: int,
                     args: argparse.Namespace, results: dict[str, object]) -> Summary:
     """The main run and the concurrency sweep against one server; returns the main run."""
     _warm_up(address, vocab_size)

@@ -26,3 +26,20 @@ for dir in base overlays/cpu overlays/gpu; do
     done
     echo "deploy/k8s/$dir: $count objects render and validate against Kubernetes $K8S_VERSIONS"
 done
+
+# The security component (TLS, mTLS, tokens, Redis AUTH) on top of each overlay, as an operator's own
+# overlay adds it; the Secrets it mounts are the operator's and are not rendered here.
+for overlay in cpu gpu; do
+    dir="$out/secure-$overlay"
+    mkdir -p "$dir"
+    printf 'apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [%s]\ncomponents: [%s]\n' \
+        "$(realpath --relative-to="$dir" "$root/overlays/$overlay")" \
+        "$(realpath --relative-to="$dir" "$root/components/security")" > "$dir/kustomization.yaml"
+    rendered="$out/secure-$overlay.yaml"
+    "$KUBECTL" kustomize "$dir" > "$rendered"
+    count=$(grep -c '^kind:' "$rendered")
+    for version in $K8S_VERSIONS; do
+        "$KUBERNETES_VALIDATE" --strict --quiet --kubernetes-version "$version" "$rendered"
+    done
+    echo "deploy/k8s/overlays/$overlay + components/security: $count objects render and validate against Kubernetes $K8S_VERSIONS"
+done

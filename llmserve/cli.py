@@ -14,6 +14,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from llmserve import security_flags as sec
+
 ENV_PREFIX = "LLMSERVE_"
 
 
@@ -54,6 +56,10 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out blocks")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded random sampling")
     g.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes (GPUs cuda:k..k+N-1, or CPU processes with gloo) that split each layer's heads "
+                        "and the KV cache; the worker starts them. --kv-cache-memory, --swap-space and "
+                        "--num-threads apply to each")
 
 
 def _scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -83,6 +89,12 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
+def _liveness_flag(p: argparse.ArgumentParser, stalled: str) -> None:
+    p.add_argument("--liveness-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help=f"grpc.health.v1 service 'liveness' (the Kubernetes liveness probe) turns NOT_SERVING when "
+                        f"{stalled} for this long; keep it well above --step-timeout")
+
+
 def _observability_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("observability")
     g.add_argument("--otlp-endpoint", default="",
@@ -92,6 +104,17 @@ def _observability_flags(p: argparse.ArgumentParser) -> None:
                    help="append OpenTelemetry spans to this JSON-lines file (read by `llmserve trace show`)")
     g.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off; `up` gives the worker PORT+1)")
+
+
+def _up_security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (the worker stays plaintext on localhost)")
+    g.add_argument("--tls-cert-file", default="", metavar="PEM", help="serve the Generation API over TLS")
+    g.add_argument("--tls-key-file", default="", metavar="PEM", help="private key of --tls-cert-file")
+    g.add_argument("--tls-ca-file", default="", metavar="PEM",
+                   help="CA of --tls-cert-file, trusted by `up`'s readiness check and the HTTP front")
+    sec.add_auth_token_flag(p, "the Generation API requires (the HTTP front sends it)")
+    g.add_argument("--redis-password-file", default="", metavar="PATH", help="Redis AUTH password, with --redis-url")
+    g.add_argument("--redis-ca-file", default="", metavar="PEM", help="CA of a rediss:// --redis-url")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -117,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default="", help="where the services write their logs (default: a temp dir)")
     p.add_argument("--http-port", type=int, default=None,
                    help="also start the OpenAI-compatible HTTP API (`llmserve openai`) on this port")
+    _liveness_flag(p, "the engine loop holds requests but completes no step, or a worker step runs")
     _worker_flags(p), _scheduler_flags(p), _common_flags(p), _observability_flags(p)
+    _up_security_flags(p)
 
     p = sub.add_parser("demo", help="start the local server, stream answers to a few chat prompts, stop")
     _model_flag(p)
@@ -129,15 +154,34 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flag(p)
     p.add_argument("--host", default="0.0.0.0", help="address to bind")
     p.add_argument("--port", type=int, default=50061, help="port of the Worker API")
+    p.add_argument("--redis-url", default="", help="register in this Redis so that schedulers find the worker "
+                   "(without it the worker serves only callers that know its address)")
+    p.add_argument("--advertise-address", default="", help="host:port schedulers dial (default: this host's name "
+                   "and --port; in Kubernetes the pod's DNS name)")
+    p.add_argument("--heartbeat-ttl", type=float, default=6.0, metavar="SECONDS",
+                   help="the worker counts as gone this long after its last heartbeat")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, longest wait for the scheduler to finish or hand over this worker's requests")
+    _liveness_flag(p, "one step (a forward pass) has been executing")
     _worker_flags(p), _common_flags(p), _observability_flags(p)
+    sec.add_server_tls_flags(p, "the Worker API", "require client certificates signed by this CA (mutual TLS: "
+                             "only a scheduler holding one can drive the worker)")
+    sec.add_redis_security_flags(p)
 
     p = sub.add_parser("scheduler", help="run a scheduler replica (public API + engine loops)")
     _model_flag(p)
     p.add_argument("--host", default="0.0.0.0", help="address to bind")
     p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
     p.add_argument("--redis-url", required=True, help="Redis holding the scheduling state (redis://host:port/db)")
-    p.add_argument("--worker", action="append", default=[], help="worker address host:port (repeatable)")
+    p.add_argument("--lease-ttl", type=float, default=10.0, metavar="SECONDS",
+                   help="a worker's engine loop moves to another replica this long after its owner stops renewing")
+    _liveness_flag(p, "an engine loop of this replica holds requests but has completed no step")
     _scheduler_flags(p), _common_flags(p), _observability_flags(p)
+    sec.add_server_tls_flags(p, "the public Generation API",
+                             "also require client certificates signed by this CA on the public API (mutual TLS)")
+    sec.add_auth_token_flag(p, "every public API call must carry (authorization: Bearer <token>)")
+    sec.add_worker_client_tls_flags(p)
+    sec.add_redis_security_flags(p)
 
     p = sub.add_parser("generate", help="stream a completion from a running server")
     p.add_argument("--address", default="127.0.0.1:50051", help="scheduler address host:port")
@@ -145,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="append", default=[], help="user message, rendered with the chat template (repeatable: alternating user/assistant)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
     _sampling_flags(p)
+    sec.add_client_security_flags(p)
 
     p = sub.add_parser("openai", help="run the OpenAI-compatible HTTP API, a client of a scheduler's gRPC API")
     p.add_argument("--host", default="0.0.0.0", help="address to bind")
@@ -156,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="", help="checkpoint whose tokenizer names tokens in logprobs "
                    "(default: none, tokens are named token_id:<id>)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sec.add_client_security_flags(p)
+    p.add_argument("--api-key-file", default="", metavar="PATH",
+                   help="file holding the key HTTP clients must send as 'Authorization: Bearer <key>' on /v1 "
+                        f"(vLLM's --api-key; or the key itself in {sec.API_KEY_ENV}); /health stays open")
 
     p = sub.add_parser("trace", help="read the spans the services wrote with --trace-file")
     show = p.add_subparsers(dest="trace_command", required=True).add_parser(
@@ -210,10 +259,25 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         swap_space_gib=args.swap_space, max_model_len=args.max_model_len, seed=args.seed,
         num_threads=args.num_threads, otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, tls=sec.server_tls_from(args),
+        tensor_parallel_size=args.tensor_parallel_size, liveness_timeout_s=args.liveness_timeout,
     )
-    asyncio.run(serve(config, args.host, args.port))
+    registration = None
+    if args.redis_url:
+        from worker_service.registration import RegistrationConfig  # noqa: PLC0415
+
+        advertise = args.advertise_address or f"{_advertised_host(args.host)}:{args.port}"
+        registration = RegistrationConfig(args.redis_url, advertise, heartbeat_ttl_s=args.heartbeat_ttl,
+                                          drain_timeout_s=args.drain_timeout, redis=sec.redis_options_from(args))
+    asyncio.run(serve(config, args.host, args.port, registration=registration))
     return 0
+
+
+def _advertised_host(bind_host: str) -> str:
+    """The name other hosts reach a server by: the bound address, or the host name for a wildcard bind."""
+    import socket  # noqa: PLC0415
+
+    return socket.gethostname() if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
@@ -221,13 +285,15 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     from scheduler_service.server import serve  # noqa: PLC0415
 
     config = SchedulerServiceConfig(
-        tokenizer=_resolve_model(args.model), redis_url=args.redis_url, workers=args.worker,
+        tokenizer=_resolve_model(args.model), redis_url=args.redis_url,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, profile_steps=args.profile_steps,
         otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file, metrics_port=args.metrics_port,
         max_num_queued_requests=args.max_num_queued_requests, max_queued_tokens=args.max_queued_tokens,
-        step_timeout_s=args.step_timeout,
+        step_timeout_s=args.step_timeout, lease_ttl_s=args.lease_ttl, liveness_timeout_s=args.liveness_timeout,
+        tls=sec.server_tls_from(args), auth_token=sec.auth_token_from(args), worker_tls=sec.worker_tls_from(args),
+        redis=sec.redis_options_from(args),
     )
     asyncio.run(serve(config, args.host, args.port))
     return 0
@@ -247,21 +313,29 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-utilization",
                 "num-gpu-blocks-override", "swap-space", "seed", "num-threads", "max-model-len", "log-level",
-                "otlp-endpoint", "trace-file"]
+                "otlp-endpoint", "trace-file", "redis-password-file", "redis-ca-file", "tensor-parallel-size",
+                "liveness-timeout"]
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
                    "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port",
-                   "max-num-queued-requests", "max-queued-tokens", "step-timeout"]
+                   "max-num-queued-requests", "max-queued-tokens", "step-timeout", "liveness-timeout",
+                   "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
+# The HTTP front is a client of the scheduler: it trusts the CA and sends the token.
+_HTTP_PASS = ["tls-ca-file", "auth-token-file"]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from llmserve.local_cluster import ClusterSpec, LocalCluster  # noqa: PLC0415
 
+    if args.tls_cert_file and not args.tls_ca_file:
+        raise ValueError("up: --tls-cert-file needs --tls-ca-file, the CA that signed it: `up` checks the "
+                         "scheduler's readiness and the HTTP front reaches it over TLS")
     spec = ClusterSpec(
         model=_resolve_model(args.model), host=args.host, port=args.port, redis_url=args.redis_url,
         worker_args=_passthrough(args, _WORKER_PASS) + (["--metrics-port", str(args.metrics_port + 1)]
                                                         if args.metrics_port else []),
         scheduler_args=_passthrough(args, _SCHEDULER_PASS),
-        log_dir=args.log_dir, http_port=args.http_port,
+        log_dir=args.log_dir, http_port=args.http_port, http_args=_passthrough(args, _HTTP_PASS),
+        tls_ca_file=args.tls_ca_file,
     )
     stop = False
 
@@ -295,7 +369,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     request = make_request(prompt=args.prompt, messages=messages, **sampling)
     import grpc  # noqa: PLC0415
 
-    with GenerationClient(args.address) as client:
+    with GenerationClient(args.address, sec.client_tls_from(args), sec.auth_token_from(args)) as client:
         try:
             for msg in client.stream(request, timeout=args.timeout):
                 for delta in msg.outputs:
@@ -316,7 +390,9 @@ def _cmd_openai(args: argparse.Namespace) -> int:
     from openai_api.server import FrontConfig, serve  # noqa: PLC0415
 
     serve(FrontConfig(scheduler=args.scheduler, host=args.host, port=args.port,
-                      served_model_names=args.served_model_name, tokenizer=args.tokenizer), args.log_level)
+                      served_model_names=args.served_model_name, tokenizer=args.tokenizer,
+                      scheduler_tls=sec.client_tls_from(args), auth_token=sec.auth_token_from(args),
+                      api_key=sec.api_key_from(args)), args.log_level)
     return 0
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
+from llmserve.resume import RECONNECT_OPTIONS, ResumePolicy, ResumingStream
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from shared.auth import token_interceptors
 from shared.grpc_server import CHANNEL_OPTIONS
+from shared.tls import ClientTLS, open_channel
+
+# Streams re-attach after UNAVAILABLE unless a client is made with resume=None.
+DEFAULT_RESUME = ResumePolicy()
 
 
 @dataclass
@@ -31,14 +35,26 @@ class Completion:
 
 
 class GenerationClient:
-    """Streams completions from a scheduler replica."""
+    """Streams completions from a scheduler replica.
 
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+    tls: verify the scheduler's certificate (and present a client certificate) instead of plaintext.
+    token: bearer token sent with every call, for a scheduler started with --auth-token-file.
+    fallback_addresses: other replicas a broken stream may re-attach to (any replica serves any request).
+    resume: how `stream` re-attaches after UNAVAILABLE (see llmserve.resume); None: plain calls that fail.
+    """
+
+    def __init__(self, address: str, tls: ClientTLS | None = None, token: str = "",
+                 fallback_addresses: Sequence[str] = (), resume: ResumePolicy | None = DEFAULT_RESUME) -> None:
+        interceptors = token_interceptors(token, aio=False)
+        self._channels = [open_channel(a, tls, interceptors=interceptors, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+                          for a in (address, *fallback_addresses)]
+        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
+        self._channel, self._stub = self._channels[0], self._stubs[0]
+        self._resume = resume
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> "GenerationClient":
         return self
@@ -47,8 +63,18 @@ class GenerationClient:
         self.close()
 
     def stream(self, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[generation_pb2.GenerateResponse]:
-        """The raw response stream."""
-        return self._stub.Generate(request, timeout=timeout, wait_for_ready=True)
+        """The response stream; `cancel()` ends it. It re-attaches after UNAVAILABLE (a dropped connection, a
+        lost replica) within `timeout`, so no message is lost or repeated; a request without an id gets one
+        here for that. Without a resume policy it is the plain gRPC call."""
+        if self._resume is None:
+            return self._stub.Generate(request, timeout=timeout, wait_for_ready=True)
+        return ResumingStream(self._stubs, request, timeout, self._resume)
+
+    def resume(self, request_id: str, from_index: int = 0,
+               timeout: float | None = None) -> Iterator[generation_pb2.GenerateResponse]:
+        """The plain Resume call: request `request_id`'s messages from index `from_index` on."""
+        request = generation_pb2.ResumeRequest(request_id=request_id, from_index=from_index)
+        return self._stub.Resume(request, timeout=timeout, wait_for_ready=True)
 
     def model_info(self, timeout: float = 30) -> generation_pb2.ModelInfoResponse:
         """The served model and its limits."""

@@ -22,15 +22,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.redis_server import RedisServer, free_port
+from shared.tls import client_tls, open_channel
 
 
-def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None]) -> bool:
+def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None], tls_ca_file: str = "") -> bool:
     """Polls the gRPC health service at `address` until SERVING; False on timeout.
 
     check_alive is called between polls and raises when the process behind the address died.
+    tls_ca_file: the server speaks TLS with a certificate this CA signed (health needs no token).
     """
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, client_tls(tls_ca_file), options=[]) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             check_alive()
@@ -76,6 +78,10 @@ class ClusterSpec:
     http_port: int | None = None
     http_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 300.0
+    # Security. Secrets travel in the services' environment, never on their command lines.
+    tls_ca_file: str = ""  # the scheduler serves TLS (--tls-cert-file in scheduler_args) signed by this CA
+    redis_password: str = field(default="", repr=False)  # the embedded Redis requires it; services get it in env
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # e.g. LLMSERVE_AUTH_TOKEN for every service
 
 
 class ClusterStartError(RuntimeError):
@@ -111,6 +117,10 @@ class LocalCluster:
     def worker_address(self) -> str:
         return f"{self.spec.host}:{self.worker_port}"
 
+    def pid(self, role: str) -> int:
+        """Process id of a running service ("worker", "scheduler", "openai"), e.g. to sample its memory."""
+        return self._procs[role].pid
+
     def log_path(self, role: str) -> Path:
         assert self.log_dir is not None  # set in start()
         return self.log_dir / f"{role}.log"
@@ -119,7 +129,9 @@ class LocalCluster:
         self._args[role] = args
         log = open(self.log_path(role), "ab")  # noqa: SIM115 - owned by the child for its lifetime
         cmd = [sys.executable, "-m", "llmserve", role, *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
+        if self.spec.redis_password:
+            env["LLMSERVE_REDIS_PASSWORD"] = self.spec.redis_password
         self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
 
@@ -130,13 +142,14 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             if not self.redis_url:
-                self._redis = RedisServer(host=self.spec.host).start()
+                self._redis = RedisServer(host=self.spec.host, password=self.spec.redis_password).start()
                 self.redis_url = self._redis.url
             self._spawn("worker", ["--model", self.spec.model, "--host", self.spec.host,
-                                   "--port", str(self.worker_port), *self.spec.worker_args])
+                                   "--port", str(self.worker_port), "--redis-url", self.redis_url,
+                                   *self.spec.worker_args])
             self._spawn("scheduler", ["--model", self.spec.model, "--host", self.spec.host,
                                       "--port", str(self.port), "--redis-url", self.redis_url,
-                                      "--worker", self.worker_address, *self.spec.scheduler_args])
+                                      *self.spec.scheduler_args])
             if self.http_port is not None:
                 # Started alongside the scheduler: it loads its tokenizer meanwhile and reports ready
                 # (/health) once the scheduler is.
@@ -157,7 +170,7 @@ class LocalCluster:
                 raise ClusterStartError(f"the {role} exited with code {proc.returncode}:\n{self.tail(role)}")
 
     def _wait_ready(self) -> None:
-        if not wait_serving(self.address, self.spec.start_timeout_s, self._check_alive):
+        if not wait_serving(self.address, self.spec.start_timeout_s, self._check_alive, self.spec.tls_ca_file):
             raise ClusterStartError(
                 f"the scheduler was not ready after {self.spec.start_timeout_s}s:\n"
                 f"{self.tail('scheduler')}\n{self.tail('worker')}"
@@ -191,8 +204,12 @@ class LocalCluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        """SIGTERM the services (HTTP front, then the scheduler, which drives the worker), then Redis."""
-        for role in ("openai", "scheduler", "worker"):
+        """SIGTERM the services, then stop Redis.
+
+        The worker goes before the scheduler: it drains, and only a running scheduler can tell it
+        that nothing is left for it (else it would wait out its drain timeout).
+        """
+        for role in ("openai", "worker", "scheduler"):
             proc = self._procs.get(role)
             if proc is not None and proc.poll() is None:
                 proc.terminate()

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
-from shared.grpc_server import CHANNEL_OPTIONS
+from shared.tls import open_channel
 from shared.sampling_params import SamplingParams
 from shared.sampling_proto import sampling_to_proto
 
@@ -150,7 +150,7 @@ class LLM:
 
     async def _gather(self, requests: list[generation_pb2.GenerateRequest], prompts: list[str | list[int] | None],
                       use_tqdm: bool) -> list[RequestOutput]:
-        async with grpc.aio.insecure_channel(self._cluster.address, options=CHANNEL_OPTIONS) as channel:
+        async with open_channel(self._cluster.address, aio=True) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             tokenize = {i: stub.Tokenize(generation_pb2.TokenizeRequest(prompt=p)) for i, p in enumerate(prompts)
                         if isinstance(p, str)}

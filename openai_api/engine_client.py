@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openai_api.errors import OpenAIError, from_rpc_error
 from protos import generation_pb2, generation_pb2_grpc
-from shared.grpc_server import CHANNEL_OPTIONS
+from shared.auth import token_interceptors
+from shared.tls import ClientTLS, open_channel
 
 
 class GenerationStream:
@@ -52,11 +53,14 @@ class GenerationStream:
 
 
 class EngineClient:
-    """An asyncio gRPC channel to one scheduler address (a load balancer or a replica)."""
+    """An asyncio gRPC channel to one scheduler address (a load balancer or a replica).
 
-    def __init__(self, address: str) -> None:
+    tls: verify the scheduler's certificate; token: bearer token sent with every call.
+    """
+
+    def __init__(self, address: str, tls: ClientTLS | None = None, token: str = "") -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, tls, aio=True, interceptors=token_interceptors(token, aio=True))
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -14,9 +14,11 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from openai_api.auth import require_api_key
 from openai_api.engine_client import EngineClient
 from openai_api.logprobs import TokenNamer
 from openai_api.routes import FrontState, build_app
+from shared.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,9 @@ class FrontConfig:
     served_model_names: names clients put in `model`; the first is the default. Empty: the
         tokenizer directory's name, else "llmserve".
     tokenizer: checkpoint whose tokenizer names tokens in logprobs; empty: `token_id:<id>` names.
+    scheduler_tls: verify the scheduler's certificate (TLS) instead of a plaintext channel.
+    auth_token: bearer token the front sends to the scheduler (its --auth-token-file).
+    api_key: when set, every /v1 request must carry `Authorization: Bearer <api_key>` (vLLM's --api-key).
     """
 
     scheduler: str
@@ -34,6 +39,9 @@ class FrontConfig:
     port: int = 8000
     served_model_names: list[str] = field(default_factory=list)
     tokenizer: str = ""
+    scheduler_tls: ClientTLS | None = None
+    auth_token: str = field(default="", repr=False)
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.scheduler:
@@ -60,7 +68,7 @@ def make_app(config: FrontConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer) if config.tokenizer else None
-        engine = EngineClient(config.scheduler)
+        engine = EngineClient(config.scheduler, config.scheduler_tls, config.auth_token)
         app.state.front = FrontState(engine, TokenNamer(tokenizer), config.served_model_names,
                                      config.tokenizer or None, int(time.time()))
         log.info("OpenAI-compatible API for %s, backed by the scheduler at %s",
@@ -70,7 +78,10 @@ def make_app(config: FrontConfig) -> FastAPI:
         finally:
             await engine.close()
 
-    return build_app(lifespan=lifespan)
+    app = build_app(lifespan=lifespan)
+    if config.api_key:
+        require_api_key(app, config.api_key)
+    return app
 
 
 def serve(config: FrontConfig, log_level: str = "info") -> None:

@@ -40,6 +40,11 @@ class GenerationStub:
                 request_serializer=protos_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/llmserve.v1.Generation/Resume',
+                request_serializer=protos_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=protos_dot_generation__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/llmserve.v1.Generation/Abort',
                 request_serializer=protos_dot_generation__pb2.AbortRequest.SerializeToString,
@@ -66,6 +71,24 @@ class GenerationServicer:
         Errors: INVALID_ARGUMENT for bad input (empty prompt, bad sampling parameters,
         prompt too long), RESOURCE_EXHAUSTED when the server cannot take more work,
         UNAVAILABLE when no worker or Redis is reachable.
+        Idempotent by request id: a request whose client-chosen request_id is live (or finished, while
+        its stream is kept, one hour) and whose content equals the original's re-attaches to the
+        existing stream from index 0 instead of generating a second time; ALREADY_EXISTS when a live
+        request with this id asked for something else.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Re-attaches to the stream of an existing request from a given index on, on any replica (the
+        stream lives in Redis): exactly the messages from_index, from_index + 1, ... to the final one,
+        none lost or repeated. A separate RPC rather than a flag on Generate because a resuming client
+        needs only the id and its position, not the (possibly large) prompt again, and because it never
+        creates a request: an unknown or expired id is NOT_FOUND instead of a new generation.
+        Errors: NOT_FOUND (no live request and no kept stream has this id), OUT_OF_RANGE (the request
+        finished before message from_index: from_index >= its number of messages), INVALID_ARGUMENT (no
+        request_id). A from_index the live request has not reached yet waits for it. A Resume stream that ends early never aborts the request (use Abort).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +123,11 @@ def add_GenerationServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=protos_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=protos_dot_generation__pb2.ResumeRequest.FromString,
                     response_serializer=protos_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -145,6 +173,33 @@ class Generation:
             target,
             '/llmserve.v1.Generation/Generate',
             protos_dot_generation__pb2.GenerateRequest.SerializeToString,
+            protos_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmserve.v1.Generation/Resume',
+            protos_dot_generation__pb2.ResumeRequest.SerializeToString,
             protos_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

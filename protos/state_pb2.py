@@ -23,15 +23,18 @@ _sym_db = _symbol_database.Default()
 
 
 from protos import common_pb2 as protos_dot_common__pb2
+from protos import worker_pb2 as protos_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/state.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\xbd\x01\n\x0f\x41\x64mittedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/state.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\x1a\x13protos/worker.proto\"\xd2\x01\n\x0f\x41\x64mittedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x13\n\x0bhanded_over\x18\x08 \x01(\x08\"\x85\x01\n\x12WorkerRegistration\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x33\n\x0b\x64\x65scription\x18\x02 \x01(\x0b\x32\x1e.llmserve.v1.WorkerDescription\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x15\n\rregistered_at\x18\x04 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADMITTEDREQUEST']._serialized_start=57
-  _globals['_ADMITTEDREQUEST']._serialized_end=246
+  _globals['_ADMITTEDREQUEST']._serialized_start=78
+  _globals['_ADMITTEDREQUEST']._serialized_end=288
+  _globals['_WORKERREGISTRATION']._serialized_start=291
+  _globals['_WORKERREGISTRATION']._serialized_end=424
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,7 @@ INVALID_ARGUMENT with a message that says what to change.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class AdmittedPrompt:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # Identity of the request for idempotent re-sends (see request_digest); "" when the server chose the id.
+    digest: str = ""
 
 
 class Admission:
@@ -55,7 +58,8 @@ class Admission:
             raise InvalidRequestError(f"request_id must be at most {_MAX_REQUEST_ID_LEN} printable characters")
         token_ids = self._prompt_tokens(req)
         sampling = self._sampling(req, len(token_ids))
-        return AdmittedPrompt(request_id, token_ids, sampling)
+        digest = request_digest(token_ids, sampling) if req.request_id else ""
+        return AdmittedPrompt(request_id, token_ids, sampling, digest)
 
     def tokenize(self, req: generation_pb2.TokenizeRequest) -> tuple[list[int], list[str]]:
         """Token ids and their strings for a prompt or chat messages, as Generate would compute them."""
@@ -151,6 +155,16 @@ class Admission:
                 f"stop_token_ids contains ids outside the vocabulary (size {self._limits.vocab_size}): {bad[:5]}"
             )
         return params
+
+
+def request_digest(prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+    """SHA-256 of what decides a request's output: its prompt tokens and validated sampling parameters.
+
+    Taken after tokenization and validation, so a text prompt and its token ids, or an unset field and
+    its default, are the same request; `resumable` and tracing context are not part of it.
+    """
+    identity = state_pb2.AdmittedRequest(prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling))
+    return hashlib.sha256(identity.SerializeToString(deterministic=True)).hexdigest()
 
 
 def to_record(

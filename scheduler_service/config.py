@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.redis_client import RedisOptions
+from shared.tls import ClientTLS, ServerTLS
+
 
 @dataclass
 class SchedulerServiceConfig:
@@ -11,7 +14,9 @@ class SchedulerServiceConfig:
 
     tokenizer: local directory with the model's tokenizer (usually the model directory).
     redis_url: the state store.
-    workers: worker addresses (host:port); each gets one engine loop.
+    lease_ttl_s: how long a worker's lease outlives its last renewal: a replica that dies is replaced
+      on its workers within this time; renewals run three times per TTL.
+    worker_connect_timeout_s: how long start-up waits for a first worker to register in Redis.
     max_num_batched_tokens: token budget per step; None = max(max_model_len, 2048) as in vLLM
       without chunked prefill (a prompt must fit in one step), 512 with it.
     enable_chunked_prefill: decodes and prompt chunks share each step's token budget.
@@ -25,11 +30,17 @@ class SchedulerServiceConfig:
     max_queued_tokens: per worker, the most prompt tokens of those requests (0 = unbounded); a request is
       always admitted into an empty queue, so one prompt above the bound is not refused forever.
     step_timeout_s: deadline of one worker step (ExecuteStep); a step past it counts as a worker failure.
+    liveness_timeout_s: grpc.health.v1 "liveness" turns NOT_SERVING when an engine loop holding requests
+      has completed no step for this long; keep it well above step_timeout_s, which handles a hung worker
+      first (a restart of the scheduler does not mend a worker).
+    tls: serve the public API over TLS (None = plaintext); with a client CA, clients need certificates.
+    auth_token: when set, every public call but grpc.health.v1 needs `authorization: Bearer <auth_token>`.
+    worker_tls: reach the workers over TLS, presenting a client certificate for their mutual TLS.
+    redis: AUTH password and TLS CA for redis_url (rediss://).
     """
 
     tokenizer: str
     redis_url: str
-    workers: list[str] = field(default_factory=list)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int = 0
@@ -43,14 +54,14 @@ class SchedulerServiceConfig:
     max_num_queued_requests: int = 0
     max_queued_tokens: int = 0
     step_timeout_s: float = 60.0
+    liveness_timeout_s: float = 300.0
+    lease_ttl_s: float = 10.0
+    tls: ServerTLS | None = None
+    auth_token: str = field(default="", repr=False)
+    worker_tls: ClientTLS | None = None
+    redis: RedisOptions = field(default_factory=RedisOptions)
 
     def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("workers must name at least one worker address (host:port)")
-        for address in self.workers:
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"worker address must be host:port, got {address!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -63,5 +74,10 @@ class SchedulerServiceConfig:
             raise ValueError(f"max_num_queued_requests must be non-negative (0 = unbounded), got {self.max_num_queued_requests}")
         if self.max_queued_tokens < 0:
             raise ValueError(f"max_queued_tokens must be non-negative (0 = unbounded), got {self.max_queued_tokens}")
+        if not self.lease_ttl_s >= 1:
+            raise ValueError(f"lease_ttl_s must be at least 1 second, got {self.lease_ttl_s}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
+        if not self.liveness_timeout_s > 0:
+            raise ValueError(f"liveness_timeout_s must be positive, got {self.liveness_timeout_s}")
+        self.redis.check_url(self.redis_url)  # its message redacts a password in the URL

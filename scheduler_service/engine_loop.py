@@ -27,6 +27,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceGroup, SequenceStatus
+from scheduler_service.fleet import Fleet
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
 from scheduler_service.step_profile import StepProfile, StepProfileWriter
@@ -34,6 +35,7 @@ from scheduler_service.step_telemetry import StepTelemetry
 from scheduler_service.store import CacheStats, Pickup, RedisStore, StepCommit
 from shared.metrics import EngineMetrics
 from shared.tracing import PerfClock, metadata_for
+from shared.worker_registry import WorkerEntry
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +73,17 @@ class EngineLoop:
         tracer: trace.Tracer | None = None,
         metrics: EngineMetrics | None = None,
         step_timeout_s: float = STEP_TIMEOUT_SECONDS,
+        fleet: Fleet | None = None,
+        channel: grpc.aio.Channel | None = None,
+        registration: WorkerEntry | None = None,
     ) -> None:
         self.worker_id = worker_id
+        # Without a fleet (tests that drive one worker directly) epochs come from a plain INCR, unfenced.
+        self._fleet = fleet
+        self._channel = channel
+        self._registration = registration
+        # The instance id this loop reported drained (once per draining instance).
+        self._drained_instance = ""
         self._step_timeout_s = step_timeout_s
         self._stub = stub
         self._store = store
@@ -80,6 +91,9 @@ class EngineLoop:
         self._processor = processor
         self._planner = Planner(epoch=0)
         self.steps = 0
+        # time.monotonic() of the last completed step, or of the last moment the loop was idle:
+        # liveness (scheduler_service/health.py) flags a loop holding work that has not stepped since.
+        self.last_progress = time.monotonic()
         self._last_waiting: list[str] | None = None
         self._last_running: list[str] | None = None
         self._last_swapped: list[str] | None = None
@@ -90,10 +104,32 @@ class EngineLoop:
         self._measure = self._profiles is not None or self._telemetry.enabled
         processor.record_timings = self._telemetry.enabled
 
+    @property
+    def is_idle(self) -> bool:
+        """No request is waiting, running or swapped on this loop."""
+        s = self._scheduler
+        return not (s.waiting or s.running or s.swapped)
+
+    def observe_registration(self, entry: WorkerEntry | None) -> None:
+        """What the worker registry says of this loop's worker (None: no longer registered)."""
+        self._registration = entry
+
+    def _new_commit(self) -> StepCommit:
+        # Fenced by the loop's epoch: a loop that lost its worker to another replica writes nothing.
+        return StepCommit(self.worker_id, self._commit_epoch)
+
+    @property
+    def _commit_epoch(self) -> int:
+        return self._planner.epoch if self._fleet is not None else 0
+
     async def _take_ownership(self) -> None:
-        epoch = await self._store.next_epoch(self.worker_id)
-        await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=RESET_TIMEOUT_SECONDS)
+        if self._fleet is not None:
+            epoch = await self._fleet.leases.next_epoch(self.worker_id)
+        else:
+            epoch = await self._store.next_epoch(self.worker_id)
+        # The epoch fences this loop's commits from now on, even while the worker cannot be reached.
         self._planner.reset(epoch)
+        await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=RESET_TIMEOUT_SECONDS)
         # The worker's KV is gone: cached prefix blocks no longer hold what their hashes say.
         self._scheduler.reset_prefix_cache()
         log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
@@ -175,6 +211,12 @@ class EngineLoop:
         for record in pickup.admitted:
             self._processor.add(record)
             self._telemetry.remember(record)
+        # From a worker that left or drains: recomputed here from prompt + the outputs committed there.
+        for request in pickup.handed_over:
+            self._processor.restore(request)
+            self._telemetry.remember(request.record)
+        if pickup.handed_over:
+            log.info("worker %s: took over %d request(s) from another worker", self.worker_id, len(pickup.handed_over))
         for request_id in pickup.aborts:
             self._processor.abort(request_id, commit)
 
@@ -194,22 +236,28 @@ class EngineLoop:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Runs until `stop` is set."""
-        pending = StepCommit(self.worker_id)
-        await self._restore(pending)
-        await self._take_ownership()
-        pickup = Pickup([], [])
         try:
-            await self._steps(stop, pending, pickup)
+            pending = StepCommit(self.worker_id)
+            await self._restore(pending)
+            await self._own_worker(stop)
+            pending.epoch = self._commit_epoch
+            await self._steps(stop, pending, Pickup([], []))
         finally:
             if self._profiles is not None:
                 self._profiles.close()
+            if self._channel is not None:
+                await self._channel.close()
 
     async def _steps(self, stop: asyncio.Event, pending: StepCommit, pickup: Pickup) -> None:
         while not stop.is_set():
             started = time.perf_counter()
+            if self.is_idle:  # nothing to make progress on: new work's clock starts now
+                self.last_progress = time.monotonic()
             clock = PerfClock(started) if self._telemetry.tracing else None
             profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
             self._ingest(pickup, pending)
+            if self._fleet is not None and not await self._follow_registration(pending):
+                break
             ingested = time.perf_counter()
             out, plan = self._plan(pending, profile)
             if plan is not None:
@@ -222,7 +270,7 @@ class EngineLoop:
                     self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span)))
                 answered: list[float] = []
                 step.add_done_callback(functools.partial(_record_time, answered))
-                committed = asyncio.ensure_future(_timed(self._store.commit(pending)))
+                committed = asyncio.ensure_future(_timed(self._commit(pending)))
                 failure: grpc.aio.AioRpcError | None = None
                 try:
                     result = await step
@@ -230,15 +278,16 @@ class EngineLoop:
                     failure = exc
                 stepped = time.perf_counter()
                 pickup, commit_start, commit_s = await committed
-                pending = StepCommit(self.worker_id)
+                pending = self._new_commit()
                 if failure is not None:
                     span.set_status(Status(StatusCode.ERROR, f"worker failed: {failure.code().name}"))
                     span.end()
-                    await self._on_worker_failure(failure, pending)
+                    await self._on_worker_failure(failure, pending, stop)
                 else:
                     processing = time.perf_counter()
                     self._processor.process(out, result, pending)
                     self.steps += 1
+                    self.last_progress = time.monotonic()
                     if profile is not None:
                         done = time.perf_counter()
                         profile.ingest_s = ingested - started
@@ -250,17 +299,26 @@ class EngineLoop:
                         self._telemetry.observe_step(profile, out, result, span, clock, ingested, commit_start,
                                                      processing)
             elif not pending.is_empty():
-                pickup, commit_start, commit_s = await _timed(self._store.commit(pending))
-                pending = StepCommit(self.worker_id)
+                pickup, commit_start, commit_s = await _timed(self._commit(pending))
+                pending = self._new_commit()
                 self._telemetry.observe_idle_commit(self.steps, commit_start, commit_s, clock)
             else:
                 if self._profiles is not None:
                     self._profiles.flush()  # idle: a reader sees every step so far
                 pickup = await self._store.wait_for_work(self.worker_id, IDLE_WAIT_SECONDS)
         if not pending.is_empty():
-            await self._store.commit(pending)
+            await self._commit(pending)
+        if self._fleet is not None and self._departed() and self._registration is not None and self.is_idle:
+            # Only now that the hand-over is committed may the registration go: a registry without the
+            # worker is what tells every replica that nothing of it is left to continue.
+            await self._fleet.registry.forget(self.worker_id)
 
-    async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit) -> None:
+    def _commit(self, commit: StepCommit) -> Awaitable[Pickup]:
+        # Stamped at commit time: the loop may have taken a newer epoch (worker reset) since the commit began.
+        commit.epoch = self._commit_epoch
+        return self._store.commit(commit)
+
+    async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit, stop: asyncio.Event) -> None:
         """The worker's cache can no longer be trusted: recompute what ran, reset, go on.
 
         The failed step's results never arrived, so the scheduler's state is the one before
@@ -273,11 +331,50 @@ class EngineLoop:
         # both are gone with it. Waiting ones hold no KV and are sent in full anyway.
         for group in [*self._scheduler.running, *self._scheduler.swapped]:
             self._processor.requeue(group, commit, message)
+        await self._own_worker(stop)
+
+    def _departed(self) -> bool:
+        """The registry no longer lists the worker as alive (deregistered, or its heartbeat expired)."""
+        entry = self._registration
+        return entry is None or not entry.alive
+
+    async def _own_worker(self, stop: asyncio.Event) -> bool:
+        """Takes (or retakes) the worker; gives up (False) when stopping or when it left and others can serve."""
         while True:
             try:
                 await self._take_ownership()
-                return
-            except grpc.aio.AioRpcError as reset_exc:
-                log.warning("worker %s unreachable (%s); retrying", self.worker_id, reset_exc.code())
+                return True
+            except grpc.aio.AioRpcError as exc:
+                if stop.is_set() or (self._fleet is not None and self._departed() and self._fleet.others(self.worker_id)):
+                    return False
+                log.warning("worker %s unreachable (%s); retrying", self.worker_id, exc.code())
                 await asyncio.sleep(1.0)
+
+    async def _follow_registration(self, commit: StepCommit) -> bool:
+        """Acts on the worker leaving or draining; False when the loop has nothing left to drive.
+
+        A departed worker's requests all move to other workers (its KV is gone); a draining
+        worker keeps its running requests to the end and hands over only those not started.
+        """
+        assert self._fleet is not None
+        entry = self._registration
+        departed = self._departed()
+        if not departed and entry is not None and not entry.draining:
+            return True
+        s = self._scheduler
+        groups = [*s.waiting, *s.running, *s.swapped] if departed else list(s.waiting)
+        if groups and self._fleet.others(self.worker_id):
+            moved = await self._fleet.hand_over(groups, self._processor, self.worker_id, commit)
+            log.info("worker %s %s: handed %d request(s) to other workers", self.worker_id,
+                     "left" if departed else "drains", moved)
+        if not self.is_idle:
+            return True
+        if departed:
+            log.info("worker %s left; its engine loop ends", self.worker_id)
+            return False
+        if entry is not None and self._drained_instance != entry.alive_instance:
+            await self._fleet.registry.mark_drained(self.worker_id, entry.alive_instance)
+            self._drained_instance = entry.alive_instance
+            log.info("worker %s drained", self.worker_id)
+        return True
 

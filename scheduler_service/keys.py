@@ -17,6 +17,11 @@ def output_stream(request_id: str) -> str:
     return f"{PREFIX}:out:{request_id}"
 
 
+def digest(request_id: str) -> str:
+    """String: digest of a request with a client-chosen id (idempotent re-sends); expires with its output stream."""
+    return f"{PREFIX}:digest:{request_id}"
+
+
 def inbox(worker_id: str) -> str:
     """List of admitted requests not yet picked up by the worker's engine loop."""
     return f"{PREFIX}:w:{worker_id}:inbox"
@@ -75,3 +80,8 @@ def queue(worker_id: str) -> str:
 def queued(worker_id: str) -> str:
     """Hash: request id -> prompt tokens, for each request counted in `queue(worker_id)`."""
     return f"{PREFIX}:w:{worker_id}:queued"
+
+
+def prefix_holder(block_hash_hex: str) -> str:
+    """String: the worker that last received a prompt with this full block (chained hash); expires."""
+    return f"{PREFIX}:prefix:{block_hash_hex}"

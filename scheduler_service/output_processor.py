@@ -176,6 +176,19 @@ class OutputProcessor:
         self._requests[group.request_id].worker_failures = state.worker_failures
         commit.dropped_block_tables.extend(outputs)
 
+    def hand_over(self, group: SequenceGroup, commit: StepCommit) -> state_pb2.AdmittedRequest | None:
+        """Lets go of a request that continues on another worker; returns its record (None if unknown).
+
+        Its client sees nothing of this: the outputs committed so far stay in Redis (this step's
+        ones are in `commit`), and the new loop recomputes from prompt + outputs.
+        """
+        state = self._requests.pop(group.request_id, None)
+        if state is None:
+            return None
+        self._scheduler.abort_request(group.request_id)
+        commit.dropped_block_tables.extend(seq.seq_id for seq in group.seqs)
+        return state.record
+
     def fail(self, group: SequenceGroup, commit: StepCommit, message: str) -> None:
         """Ends a request with an error its client sees (FINISH_REASON_ERROR)."""
         if not group.is_finished():

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
+import socket
+import uuid
 from pathlib import Path
 
-import grpc
 from transformers import AutoTokenizer
 
 from protos import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -16,31 +18,42 @@ from scheduler_service.config import SchedulerServiceConfig
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine_loop import EngineLoop
+from scheduler_service.fleet import Fleet
+from scheduler_service.health import SchedulerHealth
+from scheduler_service.leases import Leases
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.router import Router
 from scheduler_service.servicer import GenerationServicer
+from scheduler_service.supervisor import Supervisor
 from scheduler_service.store import QueueLimits, RedisStore
-from shared import grpc_server
+from shared import grpc_server, redis_client
+from shared.auth import BearerTokenInterceptor
 from shared.checkpoint import pretrained_source
+from shared.health_probes import HealthReporter, watch_health
 from shared.metrics import MetricsServer, SchedulerMetrics
+from shared.tls import bind, describe, open_channel
 from shared.tracing import TracingConfig, make_tracer
+from shared.worker_registry import WorkerEntry, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# How often liveness and readiness are re-evaluated (at most; a third of a short liveness timeout).
+HEALTH_PERIOD_SECONDS = 1.0
 
 
-async def describe_worker(stub: worker_pb2_grpc.WorkerStub, address: str, timeout_s: float) -> worker_pb2.WorkerDescription:
-    """Waits for a worker to come up (it may still be loading its model) and describes it."""
+async def wait_for_workers(registry: WorkerRegistry, timeout_s: float) -> list[WorkerEntry]:
+    """Waits until at least one worker has registered and is alive (workers may still be loading models)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
-        try:
-            return await stub.Describe(worker_pb2.DescribeRequest(), timeout=10, wait_for_ready=True)
-        except grpc.aio.AioRpcError as exc:
-            if loop.time() > deadline:
-                raise RuntimeError(f"worker {address} did not answer within {timeout_s}s: {exc.details()}") from exc
-            await asyncio.sleep(0.5)
+        entries = [e for e in await registry.workers() if e.alive]
+        if entries:
+            return entries
+        if loop.time() > deadline:
+            raise RuntimeError(f"no worker registered in Redis within {timeout_s}s; start workers with the same "
+                               "--redis-url")
+        await asyncio.sleep(0.5)
 
 
 def _scheduler_for(config: SchedulerServiceConfig, desc: worker_pb2.WorkerDescription) -> Scheduler:
@@ -61,13 +74,13 @@ def _scheduler_for(config: SchedulerServiceConfig, desc: worker_pb2.WorkerDescri
 
 async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asyncio.Event | None = None) -> None:
     """Runs the replica until SIGINT/SIGTERM (or cancellation)."""
-    store = RedisStore.from_url(config.redis_url)
+    store = RedisStore(redis_client.connect(config.redis_url, options=config.redis))
     await store.ping()
     source, kwargs = pretrained_source(config.tokenizer)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, source, **kwargs)
-    channels = [grpc.aio.insecure_channel(a, options=grpc_server.CHANNEL_OPTIONS) for a in config.workers]
-    stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
-    descs = [await describe_worker(s, a, config.worker_connect_timeout_s) for s, a in zip(stubs, config.workers)]
+    registry = WorkerRegistry(store.client)
+    entries = await wait_for_workers(registry, config.worker_connect_timeout_s)
+    descs = [e.description for e in entries]
     worker_max_len = min(d.max_model_len for d in descs)
     max_len = min(config.max_model_len or worker_max_len, worker_max_len)
     admission = Admission(tokenizer, ModelLimits(max_model_len=max_len, vocab_size=min(d.vocab_size for d in descs),
@@ -75,30 +88,52 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     model_name = Path(descs[0].model).name or descs[0].model
     tracer, provider = make_tracer(TracingConfig.from_env("llmserve-scheduler", config.otlp_endpoint, config.trace_file))
     metrics = SchedulerMetrics(model_name) if config.metrics_port else None
+    leases = Leases(store.client, replica_id=f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
+                    ttl_s=config.lease_ttl_s)
+    profiles = itertools.count()
+    router = Router(store, prefix_aware=config.enable_prefix_caching, block_size=descs[0].block_size)
+    router.update(entries)
+    fleet = Fleet(leases, registry, router)
 
-    stop = asyncio.Event()
-    loops = []
-    for address, stub, desc in zip(config.workers, stubs, descs):
-        scheduler = _scheduler_for(config, desc)
-        profile = Path(f"{config.profile_steps}.{len(loops)}") if len(config.workers) > 1 else Path(config.profile_steps)
-        loops.append(EngineLoop(address, stub, store, scheduler, OutputProcessor(tokenizer, scheduler),
-                                profile if config.profile_steps else None, tracer=tracer,
-                                metrics=metrics.engine(address) if metrics is not None else None,
-                                step_timeout_s=config.step_timeout_s))
+    def make_loop(entry: WorkerEntry) -> EngineLoop:
+        if entry.description.model != descs[0].model:
+            log.warning("worker %s serves %s, this replica was started for %s", entry.worker_id,
+                        entry.description.model, descs[0].model)
+        channel = open_channel(entry.worker_id, config.worker_tls, aio=True)
+        scheduler = _scheduler_for(config, entry.description)
+        n = next(profiles)
+        profile = Path(config.profile_steps if n == 0 else f"{config.profile_steps}.{n}") if config.profile_steps else None
+        return EngineLoop(entry.worker_id, worker_pb2_grpc.WorkerStub(channel), store, scheduler,
+                          OutputProcessor(tokenizer, scheduler), profile, tracer=tracer,
+                          metrics=metrics.engine(entry.worker_id) if metrics is not None else None,
+                          step_timeout_s=config.step_timeout_s, fleet=fleet, channel=channel, registration=entry)
+
+    supervisor = Supervisor(registry, leases, router, make_loop)
     limits = QueueLimits(config.max_num_queued_requests, config.max_queued_tokens)
-    servicer = GenerationServicer(admission, store, Router(config.workers), tracer=tracer, model_name=model_name,
+    servicer = GenerationServicer(admission, store, router, tracer=tracer, model_name=model_name,
                                   queue_limits=limits)
-    server = grpc_server.create_server(grpc_server.PUBLIC_MAX_REQUEST_BYTES, public=True)
+    auth = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc_server.create_server(grpc_server.PUBLIC_MAX_REQUEST_BYTES, public=True, interceptors=auth)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"scheduler could not bind {host}:{port}")
+    bound = bind(server, host, port, config.tls, "scheduler")
+    log.info("public API over %s, %s; workers over %s", describe(config.tls),
+             "bearer token required" if config.auth_token else "no token", describe(config.worker_tls))
+    if config.auth_token and config.tls is None:
+        log.warning("--auth-token-file without --tls-cert-file: the token travels in clear text")
     metrics_server = MetricsServer(metrics.registry, config.metrics_port, host) if metrics is not None else None
-    tasks = [asyncio.create_task(loop.run(stop), name=f"engine-{loop.worker_id}") for loop in loops]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(supervisor.run(stop), name="supervisor")]
+    if config.liveness_timeout_s <= config.step_timeout_s:
+        log.warning("--liveness-timeout %gs is not above --step-timeout %gs: a hung worker makes this replica "
+                    "unlive before the step timeout can reset it", config.liveness_timeout_s, config.step_timeout_s)
+    checks = SchedulerHealth(lambda: supervisor.loops, router, store, config.liveness_timeout_s)
+    reporter = HealthReporter(health, [SERVICE_NAME])
+    await reporter.set(await checks.evaluate())  # before the first probe can arrive
     await server.start()
-    await grpc_server.mark_serving(health, [SERVICE_NAME])
-    log.info("scheduler serving on %s:%d, driving %d worker(s)", host, bound, len(loops))
+    period = min(HEALTH_PERIOD_SECONDS, config.liveness_timeout_s / 3)
+    tasks.append(asyncio.create_task(watch_health(reporter, checks.evaluate, period, stop), name="health"))
+    log.info("scheduler %s serving on %s:%d; %d worker(s) registered", leases.replica_id, host, bound, len(entries))
     if ready is not None:
         ready.set()
     loop = asyncio.get_running_loop()
@@ -115,12 +150,11 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
                 raise task.exception()  # type: ignore[misc]
     finally:
         stop.set()
+        # Probes and the HTTP front see NOT_SERVING while the server finishes its calls.
+        await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
-        for task in tasks:
-            task.cancel()
+        # The supervisor stops its loops (a last commit each) and gives their leases back.
         await asyncio.gather(*tasks, return_exceptions=True)
-        for channel in channels:
-            await channel.close()
         await store.close()
         if metrics_server is not None:
             metrics_server.stop()

@@ -1,4 +1,4 @@
-"""The public Generation servicer: admit, queue in Redis, stream committed outputs."""
+"""The public Generation servicer: admit, queue in Redis, stream committed outputs (and resume them)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from protos import generation_pb2, generation_pb2_grpc
 from scheduler_service.admission import Admission, AdmittedPrompt, to_record
 from scheduler_service.router import Router
-from scheduler_service.store import QueueLimits, RedisStore
+from scheduler_service.output_reader import check_resumable, follow
+from scheduler_service.store import AdmitOutcome, QueueLimits, RedisStore
 from shared.errors import NotFoundError, UnavailableError, abort_with, status_for
 from shared.tracing import context_from_metadata, to_traceparent
 
@@ -60,40 +61,67 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             admitted = await asyncio.to_thread(self._admission.admit, request)
             self._describe(span, admitted)
             seq_ids = await self._store.reserve_seq_ids(admitted.sampling.num_sequences)
-            worker_id = self._router.pick(admitted.request_id)
+            worker_id = await self._router.pick(admitted.request_id, admitted.prompt_token_ids)
             record = to_record(admitted, seq_ids, worker_id, time.time())
             record.traceparent = to_traceparent(span)
-            await self._store.admit(record, self._queue_limits)
+            outcome = await self._store.admit(record, self._queue_limits, admitted.digest)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             await abort_with(context, exc)
             return
 
         request_id = admitted.request_id
+        # Only the call that admitted the request owns it: its stream breaking aborts the request, unless the
+        # client asked to be able to re-attach. A re-sent request only reads the original's stream.
+        owner = outcome is AdmitOutcome.ADMITTED and not request.resumable
+        span.set_attribute("llmserve.attached", outcome is AdmitOutcome.ATTACHED)
         finished = False
         first_token = False
-        last_id = "0"
         try:
-            while not finished:
-                for entry_id, msg in await self._store.read_outputs(request_id, last_id, READ_BLOCK_MS):
-                    last_id = entry_id
-                    if not first_token and any(d.token_ids for d in msg.outputs):
-                        first_token = True
-                        span.set_attribute("gen_ai.latency.time_to_first_token", time.time() - started)
-                    if msg.HasField("usage"):
-                        self._finish(span, msg, started)
-                    yield msg
-                    if msg.HasField("usage"):
-                        finished = True
-                        break
-        except UnavailableError as exc:
+            async for msg in follow(self._store, request_id, 0, READ_BLOCK_MS):
+                if not first_token and any(d.token_ids for d in msg.outputs):
+                    first_token = True
+                    span.set_attribute("gen_ai.latency.time_to_first_token", time.time() - started)
+                if msg.HasField("usage"):
+                    self._finish(span, msg, started)
+                    finished = True
+                yield msg
+        except (UnavailableError, NotFoundError) as exc:
+            # The break is on this side (Redis away): the request goes on, and its client may resume it.
+            owner = False
             span.set_status(Status(StatusCode.ERROR, str(exc)))
             await abort_with(context, exc)
         finally:
-            if not finished:
+            if not finished and owner:
                 span.set_attribute("llmserve.cancelled", True)
                 # The client went away (or the stream broke): free the request's blocks.
                 await asyncio.shield(self._abort_quietly(worker_id, request_id))
+
+    async def Resume(
+        self, request: generation_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        span = self._tracer.start_span("llmserve.resume", context=context_from_metadata(context.invocation_metadata()),
+                                       kind=SpanKind.SERVER)
+        span.set_attributes({"gen_ai.request.id": request.request_id, "llmserve.resume.from_index": request.from_index})
+        stream = self._resume(request, context, span)
+        try:
+            async for msg in stream:
+                yield msg
+        finally:
+            await stream.aclose()
+            span.end()
+
+    async def _resume(
+        self, request: generation_pb2.ResumeRequest, context: grpc.aio.ServicerContext, span: trace.Span
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        # A resumed stream never aborts the request when it ends early: the client may come back again.
+        try:
+            await check_resumable(self._store, request.request_id, request.from_index)
+            async for msg in follow(self._store, request.request_id, request.from_index, READ_BLOCK_MS):
+                yield msg
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
+            span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
+            await abort_with(context, exc)
 
     @staticmethod
     def _finish(span: trace.Span, msg: generation_pb2.GenerateResponse, started: float) -> None:

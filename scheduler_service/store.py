@@ -9,6 +9,7 @@ their step is committed.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -16,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from protos import generation_pb2, state_pb2
-from scheduler_service import keys
+from scheduler_service import keys, stream_index
+from scheduler_service.leases import LeaseLostError
 from shared import redis_client
 from shared.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError
 
@@ -27,17 +29,28 @@ log = logging.getLogger(__name__)
 
 # How long a finished request's output stream stays readable (for late readers).
 OUTPUT_TTL_SECONDS = 3600
+# How long the router remembers which worker received a prompt block: about as long as an idle
+# block survives in a busy prefix cache; a stale entry only costs one recomputed prefix.
+PREFIX_TTL_SECONDS = 600
 # Requests and aborts picked up per commit.
 INBOX_BATCH = 64
 
-# Admission in one atomic step: refuse a live duplicate id or a full queue, else record and queue the
-# request and count it in the worker's queue totals. Every replica runs the same check on the same
-# counters, so the bound holds across replicas without any scan.
-#   KEYS: request hash, output stream, live set, inbox, queued hash, queue totals
-#   ARGV: record, worker id, request id, prompt tokens, max requests (0 = none), max tokens (0 = none)
-#   returns {status, queued requests, queued tokens}; status 0 admitted, 1 duplicate, 2 / 3 request / token limit
+# Admission in one atomic step: find the same request already there (same id and digest, live or
+# finished with its stream kept: the caller re-attaches), refuse a live duplicate id or a full queue,
+# else record and queue the request and count it in the worker's queue totals. Every replica runs the
+# same check on the same counters, so the bound holds across replicas without any scan; and two
+# replicas receiving the same request at once cannot both admit it.
+#   KEYS: request hash, output stream, live set, inbox, queued hash, queue totals, digest
+#   ARGV: record, worker id, request id, prompt tokens, max requests (0 = none), max tokens (0 = none),
+#         digest ("" for a server-chosen id: never re-sent, nothing to remember)
+#   returns {status, queued requests, queued tokens}; status 0 admitted, 1 duplicate, 2 / 3 request / token
+#   limit, 4 the same request exists (attach to its stream)
 _ADMIT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {1, 0, 0} end
+local live = redis.call('EXISTS', KEYS[1]) == 1
+if ARGV[7] ~= '' and redis.call('GET', KEYS[7]) == ARGV[7] and (live or redis.call('EXISTS', KEYS[2]) == 1) then
+  return {4, 0, 0}
+end
+if live then return {1, 0, 0} end
 local reqs = tonumber(redis.call('HGET', KEYS[6], 'requests') or '0')
 local toks = tonumber(redis.call('HGET', KEYS[6], 'tokens') or '0')
 local n = tonumber(ARGV[4])
@@ -47,6 +60,7 @@ if max_reqs > 0 and reqs >= max_reqs then return {2, reqs, toks} end
 -- An empty queue takes any request, so a prompt longer than the token bound is not refused forever.
 if max_toks > 0 and reqs > 0 and toks + n > max_toks then return {3, reqs, toks} end
 redis.call('DEL', KEYS[2])
+if ARGV[7] == '' then redis.call('DEL', KEYS[7]) else redis.call('SET', KEYS[7], ARGV[7]) end
 redis.call('HSET', KEYS[1], 'request', ARGV[1])
 redis.call('HSET', KEYS[1], 'worker', ARGV[2])
 redis.call('HSET', KEYS[1], 'state', 'queued')
@@ -69,6 +83,17 @@ for _, id in ipairs(ARGV) do
     redis.call('HINCRBY', KEYS[2], 'requests', -1)
     redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(n))
   end
+end
+return 0
+"""
+
+# Appends a step's output messages, each under the entry id that encodes its index in its request's
+# stream (see stream_index), so a client can resume at any index on any replica. XLEN is the next
+# index because the stream is append-only. Runs inside the commit's MULTI/EXEC.
+#   KEYS: output stream per message; ARGV: the serialized messages, in the same order
+_APPEND_OUTPUTS_LUA = """
+for i, key in ipairs(KEYS) do
+  redis.call('XADD', key, '0-' .. (redis.call('XLEN', key) + 1), 'm', ARGV[i])
 end
 return 0
 """
@@ -111,6 +136,36 @@ class DuplicateRequestError(AlreadyExistsError):
     """A live request already uses this request id."""
 
 
+class AdmitOutcome(enum.Enum):
+    """What admission did with a request."""
+
+    # Recorded and queued: a new generation starts.
+    ADMITTED = "admitted"
+    # The same request (same id and digest) is live, or finished with its stream kept: nothing was
+    # queued; the caller streams the existing output from index 0.
+    ATTACHED = "attached"
+
+
+class StreamState(enum.Enum):
+    """Where a request's output stream stands."""
+
+    # Admitted and not finished: more messages will come.
+    LIVE = "live"
+    # Finished; its stream is still kept (OUTPUT_TTL_SECONDS) and complete.
+    FINISHED = "finished"
+    # No such request, or its stream expired.
+    GONE = "gone"
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """A request's output stream as one atomic read saw it."""
+
+    state: StreamState
+    # Messages committed so far (indexes 0 .. length - 1).
+    length: int
+
+
 class QueueFullError(ResourceExhaustedError):
     """The worker's queue is at its bound: the client should retry later."""
 
@@ -137,6 +192,8 @@ class StepCommit:
     """Everything one engine-loop step changes in Redis."""
 
     worker_id: str
+    # Fencing epoch of the engine loop that writes it (0: unfenced).
+    epoch: int = 0
     # seq_id -> output tokens appended this step.
     new_tokens: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> block ids appended to its table this step.
@@ -160,6 +217,8 @@ class StepCommit:
     finished_seqs: dict[str, dict[int, str]] = field(default_factory=dict)
     # request id -> {seq_id: cumulative logprob} for requests that pick their best_of at the end.
     cumulative_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # (record, worker id): requests moved to another worker's inbox, to be recomputed there.
+    handed_over: list[tuple[state_pb2.AdmittedRequest, str]] = field(default_factory=list)
     # Queue snapshots; None when unchanged.
     waiting: list[str] | None = None
     running: list[str] | None = None
@@ -172,7 +231,7 @@ class StepCommit:
 
     def is_empty(self) -> bool:
         return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs
-                    or self.reset_seqs or self.outputs
+                    or self.reset_seqs or self.outputs or self.handed_over
                     or self.finished_requests or self.newly_scheduled or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
                     or self.cache_stats is not None or self.num_preemptions)
 
@@ -196,6 +255,8 @@ class Pickup:
 
     admitted: list[state_pb2.AdmittedRequest]
     aborts: list[str]
+    # Requests another worker's loop handed over, with the outputs committed for them so far.
+    handed_over: list[RestoredRequest] = field(default_factory=list)
 
 
 class RedisStore:
@@ -228,22 +289,31 @@ class RedisStore:
         return list(range(last - count + 1, last + 1))
 
     @_unavailable_on_redis_error
-    async def admit(self, req: state_pb2.AdmittedRequest, limits: QueueLimits | None = None) -> None:
-        """Records the request and queues it for its worker, atomically.
+    async def admit(self, req: state_pb2.AdmittedRequest, limits: QueueLimits | None = None,
+                    digest: str = "") -> AdmitOutcome:
+        """Records the request and queues it for its worker, atomically; or finds it already there.
 
-        A live duplicate id raises DuplicateRequestError; a worker queue at `limits` raises QueueFullError.
+        With a `digest` (the request's id was chosen by its client), a live or kept request with the
+        same id and digest is not queued again: ATTACHED, the caller streams its output. A live
+        duplicate id with another digest raises DuplicateRequestError; a worker queue at `limits`
+        raises QueueFullError.
         """
         limits = limits or QueueLimits()
         w = req.worker_id
         status, requests, tokens = await self._r.eval(  # type: ignore[misc]
-            _ADMIT_LUA, 6,
+            _ADMIT_LUA, 7,
             keys.request(req.request_id), keys.output_stream(req.request_id), keys.live(w), keys.inbox(w),
-            keys.queued(w), keys.queue(w),
+            keys.queued(w), keys.queue(w), keys.digest(req.request_id),
             req.SerializeToString(), w, req.request_id, len(req.prompt_token_ids),
-            limits.max_requests, limits.max_tokens,
+            limits.max_requests, limits.max_tokens, digest,
         )
+        if status == 4:
+            return AdmitOutcome.ATTACHED
         if status == 1:
-            raise DuplicateRequestError(f"request id {req.request_id!r} is already in use")
+            raise DuplicateRequestError(
+                f"request id {req.request_id!r} is already in use by a live request that asked for something "
+                "else; send exactly the same request to re-attach to it, or choose another id"
+            )
         if status == 2:
             raise QueueFullError(
                 f"the server is overloaded: {requests} requests are already queued for worker {w}, the limit is "
@@ -255,6 +325,7 @@ class RedisStore:
                 f"request adds {len(req.prompt_token_ids)}, the limit is {limits.max_tokens} (--max-queued-tokens); "
                 "retry after a short backoff"
             )
+        return AdmitOutcome.ADMITTED
 
     @_unavailable_on_redis_error
     async def queue_stats(self, worker_id: str) -> QueueStats:
@@ -272,6 +343,29 @@ class RedisStore:
     async def request_abort(self, worker_id: str, request_id: str) -> None:
         await self._r.rpush(keys.aborts(worker_id), request_id)
 
+    # -- routing -----------------------------------------------------------------------------
+
+    @_unavailable_on_redis_error
+    async def routing_view(self, worker_ids: list[str], prefix_hashes: list[str]) -> tuple[dict[str, int], list[str | None]]:
+        """Live requests per worker and the holder of each prompt block hash, in one round trip."""
+        async with self._r.pipeline(transaction=False) as pipe:
+            for worker_id in worker_ids:
+                pipe.scard(keys.live(worker_id))
+            if prefix_hashes:
+                pipe.mget([keys.prefix_holder(h) for h in prefix_hashes])
+            results = await pipe.execute()
+        loads = {w: int(n) for w, n in zip(worker_ids, results)}
+        holders = [v.decode() if v is not None else None for v in results[-1]] if prefix_hashes else []
+        return loads, holders
+
+    @_unavailable_on_redis_error
+    async def remember_prefix(self, prefix_hashes: list[str], worker_id: str) -> None:
+        """Records that `worker_id` now receives these prompt blocks (forgotten after PREFIX_TTL_SECONDS)."""
+        async with self._r.pipeline(transaction=False) as pipe:
+            for h in prefix_hashes:
+                pipe.set(keys.prefix_holder(h), worker_id, ex=PREFIX_TTL_SECONDS)
+            await pipe.execute()
+
     # -- engine loop -------------------------------------------------------------------------
 
     @_unavailable_on_redis_error
@@ -287,6 +381,14 @@ class RedisStore:
         if item is not None:
             key, value = item
             self._add_item(pickup, key.decode(), value, worker_id)
+        return await self._with_handed_over(pickup)
+
+    async def _with_handed_over(self, pickup: Pickup) -> Pickup:
+        """Moves handed-over requests from `admitted` to `handed_over`, loaded with their outputs (rare)."""
+        moved = [r.request_id for r in pickup.admitted if r.handed_over]
+        if moved:
+            pickup.admitted = [r for r in pickup.admitted if not r.handed_over]
+            pickup.handed_over = await self._restore(moved)
         return pickup
 
     def _add_item(self, pickup: Pickup, key: str, value: bytes, worker_id: str) -> None:
@@ -297,9 +399,20 @@ class RedisStore:
 
     @_unavailable_on_redis_error
     async def commit(self, c: StepCommit) -> Pickup:
-        """Writes one step in one transaction and picks up new requests and aborts."""
+        """Writes one step in one transaction and picks up new requests and aborts.
+
+        A commit with an epoch is fenced: it applies only while the worker's epoch is still that one
+        (WATCH, then MULTI/EXEC), else it raises LeaseLostError and writes nothing. The two extra
+        round trips overlap the worker's step like the commit itself.
+        """
         w = c.worker_id
         async with self._r.pipeline(transaction=True) as pipe:
+            if c.epoch:
+                await pipe.watch(keys.epoch(w))
+                current = await pipe.get(keys.epoch(w))
+                if current is None or int(current) != c.epoch:
+                    raise LeaseLostError(f"worker {w} moved on to epoch {current!r}; this loop's epoch is {c.epoch}")
+                pipe.multi()
             for request_id, seq_ids in c.reset_seqs.items():
                 for seq_id in seq_ids:
                     pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
@@ -315,18 +428,29 @@ class RedisStore:
                 pipe.rpush(keys.seq_blocks(seq_id), *block_ids)
             for seq_id in c.dropped_seqs:
                 pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
-            for request_id, msg in c.outputs:
-                pipe.xadd(keys.output_stream(request_id), {"m": msg.SerializeToString()})
+            if c.outputs:
+                pipe.eval(_APPEND_OUTPUTS_LUA, len(c.outputs), *(keys.output_stream(r) for r, _ in c.outputs),
+                          *(msg.SerializeToString() for _, msg in c.outputs))
             for request_id, cumulative in c.cumulative_logprobs.items():
                 pipe.hset(keys.request(request_id), mapping={f"cum:{s}": repr(v) for s, v in cumulative.items()})
             for request_id, seqs in c.finished_seqs.items():
                 pipe.hset(keys.request(request_id), mapping={f"finished:{s}": status for s, status in seqs.items()})
             for request_id in c.finished_requests:
                 pipe.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
+                pipe.expire(keys.digest(request_id), OUTPUT_TTL_SECONDS)  # re-sends attach while the stream is kept
                 pipe.delete(keys.request(request_id))
                 pipe.srem(keys.live(w), request_id)
-            # Scheduled (running / swapped) or finished requests no longer count as queued.
-            dequeued = [*c.newly_scheduled, *c.finished_requests]
+            for record, target in c.handed_over:
+                moved = state_pb2.AdmittedRequest()
+                moved.CopyFrom(record)
+                moved.worker_id, moved.handed_over = target, True
+                data = moved.SerializeToString()
+                pipe.hset(keys.request(record.request_id), mapping={"request": data, "worker": target})
+                pipe.srem(keys.live(w), record.request_id)
+                pipe.sadd(keys.live(target), record.request_id)
+                pipe.rpush(keys.inbox(target), data)
+            # Scheduled (running / swapped), finished or handed-over requests no longer count as queued here.
+            dequeued = [*c.newly_scheduled, *c.finished_requests, *(r.request_id for r, _ in c.handed_over)]
             if dequeued:
                 pipe.eval(_DEQUEUE_LUA, 2, keys.queued(w), keys.queue(w), *dequeued)
             snapshots = ((keys.waiting(w), c.waiting), (keys.running(w), c.running), (keys.swapped(w), c.swapped))
@@ -343,12 +467,15 @@ class RedisStore:
                 pipe.hincrby(keys.stats(w), "swaps", c.num_swaps)
             pipe.lpop(keys.inbox(w), INBOX_BATCH)
             pipe.lpop(keys.aborts(w), INBOX_BATCH)
-            results = await pipe.execute()
+            try:
+                results = await pipe.execute()
+            except WatchError as exc:
+                raise LeaseLostError(f"worker {w} moved on past epoch {c.epoch} during the commit") from exc
         admitted_raw, aborts_raw = results[-2], results[-1]
-        return Pickup(
+        return await self._with_handed_over(Pickup(
             admitted=[state_pb2.AdmittedRequest.FromString(v) for v in admitted_raw or []],
             aborts=[v.decode() for v in aborts_raw or []],
-        )
+        ))
 
     @_unavailable_on_redis_error
     async def load_picked_up(self, worker_id: str) -> list[RestoredRequest]:
@@ -359,7 +486,12 @@ class RedisStore:
         live = {m.decode() for m in await self._r.smembers(keys.live(worker_id))}
         queued = {state_pb2.AdmittedRequest.FromString(v).request_id
                   for v in await self._r.lrange(keys.inbox(worker_id), 0, -1)}
-        ids = sorted(live - queued)
+        return await self._restore(sorted(live - queued))
+
+    async def _restore(self, ids: list[str]) -> list[RestoredRequest]:
+        """The live ones of these requests with their committed outputs, oldest first (two round trips)."""
+        if not ids:
+            return []
         async with self._r.pipeline(transaction=False) as pipe:
             for request_id in ids:
                 pipe.hgetall(keys.request(request_id))
@@ -395,3 +527,34 @@ class RedisStore:
             for entry_id, fields in entries:
                 out.append((entry_id.decode(), generation_pb2.GenerateResponse.FromString(fields[b"m"])))
         return out
+
+    @_unavailable_on_redis_error
+    async def read_from(
+        self, request_id: str, from_index: int, block_ms: int | None
+    ) -> list[generation_pb2.GenerateResponse]:
+        """Committed messages of a request from index `from_index` on, each with its `index` set.
+
+        Waits up to `block_ms` for the first one when there is none yet (None: does not wait).
+        """
+        cursor = {keys.output_stream(request_id): stream_index.read_cursor(from_index)}
+        reply = await self._r.xread(cursor, block=block_ms)
+        out: list[generation_pb2.GenerateResponse] = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                msg = generation_pb2.GenerateResponse.FromString(fields[b"m"])
+                msg.index = stream_index.index_of(entry_id)
+                out.append(msg)
+        return out
+
+    @_unavailable_on_redis_error
+    async def stream_info(self, request_id: str) -> StreamInfo:
+        """Whether the request is live, finished with its stream kept, or gone; and its stream's length."""
+        # One transaction: a request finishing in between could otherwise look gone (hash deleted, stream seen
+        # before its final message).
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.exists(keys.request(request_id))
+            pipe.xlen(keys.output_stream(request_id))
+            live, length = await pipe.execute()
+        if live:
+            return StreamInfo(StreamState.LIVE, int(length))
+        return StreamInfo(StreamState.FINISHED if length else StreamState.GONE, int(length))

@@ -29,6 +29,10 @@ class NotFoundError(LookupError):
     """The named object does not exist (or no longer)."""
 
 
+class OutOfRangeError(IndexError):
+    """A position past the end of something that will not grow any more (a finished request's stream)."""
+
+
 class StaleEpochError(RuntimeError):
     """A plan or reset from an engine loop that no longer owns the worker."""
 
@@ -37,6 +41,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (StaleEpochError, grpc.StatusCode.FAILED_PRECONDITION),
     (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (OutOfRangeError, grpc.StatusCode.OUT_OF_RANGE),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,14 +86,18 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def create_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = False) -> grpc.aio.Server:
+def create_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = False,
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     """An asyncio gRPC server with the project's message limits.
 
     public: the server faces clients, so a request that does not parse gets INVALID_ARGUMENT.
+    interceptors: run first, in order (e.g. shared.auth.BearerTokenInterceptor: a refused call is
+      never parsed).
     """
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", max_receive_bytes)]
-    return grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor()] if public else None)
+    chain = [*interceptors, *([MalformedRequestInterceptor()] if public else [])]
+    return grpc.aio.server(options=options, interceptors=chain or None)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

@@ -41,13 +41,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class RedisServer:
-    """A throwaway redis-server in a temporary directory; `with RedisServer() as r: r.url`."""
+def _command(*words: str) -> bytes:
+    """A command in RESP (a password may contain spaces, which the inline form would split)."""
+    parts = [f"*{len(words)}\r\n".encode()]
+    for word in words:
+        data = word.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", appendonly: bool = False) -> None:
+
+class RedisServer:
+    """A throwaway redis-server in a temporary directory; `with RedisServer() as r: r.url`.
+
+    password: when set, the server requires AUTH with it (`requirepass`, written to a config file in
+    the temporary directory so that it does not show in the process list). `url` never contains it.
+    """
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", appendonly: bool = False,
+                 password: str = "") -> None:
         self.host = host
         self.port = port or free_port(host)
         self._appendonly = appendonly
+        self._password = password
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -57,8 +72,12 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
         self._dir = tempfile.TemporaryDirectory(prefix="llmserve-redis-")
+        conf = Path(self._dir.name) / "redis.conf"
+        quoted = self._password.replace("\\", "\\\\").replace('"', '\\"')
+        conf.write_text(f'requirepass "{quoted}"\n' if self._password else "")
+        conf.chmod(0o600)
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", self.host, "--dir", self._dir.name,
+            find_redis_server(), str(conf), "--port", str(self.port), "--bind", self.host, "--dir", self._dir.name,
             "--save", "", "--appendonly", "yes" if self._appendonly else "no", "--protected-mode", "yes",
         ]
         log_path = Path(self._dir.name) / "redis.log"
@@ -71,6 +90,11 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited at start-up: {err}{log}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                    if self._password:
+                        s.sendall(_command("AUTH", self._password))
+                        if not s.recv(64).startswith(b"+OK"):
+                            self.stop()
+                            raise RuntimeError("redis-server refused the password it was started with")
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
                         return self

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from shared.tls import ServerTLS
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _GIB = 1 << 30
 
@@ -25,6 +27,13 @@ class WorkerConfig:
     otlp_endpoint: send OpenTelemetry spans to this OTLP/gRPC collector.
     trace_file: append spans to this JSON-lines file (read by `llmserve trace show`).
     metrics_port: serve Prometheus metrics on this port at /metrics (0 = off).
+    tls: serve the Worker API over TLS; with a client CA, only clients holding a certificate it signed
+        (the schedulers) may call it (mutual TLS). None = plaintext.
+    liveness_timeout_s: grpc.health.v1 "liveness" turns NOT_SERVING while one step has been executing
+        longer than this (a forward pass stuck); above the scheduler's step timeout and any real step.
+    tensor_parallel_size: ranks that split each layer's heads and MLP (and the KV cache's heads);
+        rank 0 is this process, it starts the others. kv_cache_memory_gib and swap_space_gib are
+        per rank (as vLLM's per-GPU budgets): N ranks hold N shards of the same number of blocks.
     """
 
     model: str
@@ -41,6 +50,9 @@ class WorkerConfig:
     otlp_endpoint: str = ""
     trace_file: str = ""
     metrics_port: int = 0
+    tls: ServerTLS | None = None
+    tensor_parallel_size: int = 1
+    liveness_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         is_gguf = self.model.lower().endswith(".gguf") and os.path.isfile(self.model)
@@ -64,6 +76,10 @@ class WorkerConfig:
             raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}.")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}.")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if not self.liveness_timeout_s > 0:
+            raise ValueError(f"liveness_timeout_s must be positive, got {self.liveness_timeout_s}.")
 
     @property
     def kv_cache_bytes(self) -> int:

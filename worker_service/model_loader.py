@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,11 +98,20 @@ def load_config(path: str) -> PretrainedConfig:
     return config
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Loads the weights with transformers, attention replaced by the paged kernels."""
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
+    """Loads the weights with transformers, attention replaced by the paged kernels.
+
+    ``prepare`` runs on the host copy before it moves to ``device`` (tensor-parallel sharding:
+    only this rank's share reaches the device).
+    """
     impl = attention.register()
     source, kwargs = pretrained_source(path)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=impl, **kwargs)
+    if prepare is not None:
+        prepare(model)
     model.to(device)
     model.eval()
     log.info("loaded %s (%s) on %s", path, dtype, device)

@@ -9,15 +9,18 @@ import torch
 
 from kernels import get_backend
 from worker_service.attention import METADATA_KWARG
-from worker_service.cache_engine import CacheEngine, gpu_cache_bytes, size_cache
+from protos import worker_pb2
+from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_bytes, size_cache
 from worker_service.config import WorkerConfig
-from worker_service.input_builder import build_inputs
+from worker_service.input_builder import ModelInputs, build_inputs
 from worker_service.model_loader import load_config, load_model, model_shape, resolve_dtype
 from worker_service.plan import StepPlanData
 from worker_service.profiler import profile_gpu_memory
 from worker_service.prompt_logprobs import PromptLogprobsData, compute_prompt_logprobs
 from worker_service.sampler import sample
 from worker_service.sequence_cache import CachedSequence, PlanError, SequenceCache
+from worker_service.sharding import check_tensor_parallel, local_shape, shard_model
+from worker_service.tensor_parallel import Command, TensorParallelGroup
 
 
 @dataclass
@@ -50,15 +53,25 @@ def eos_token_ids(model: torch.nn.Module) -> list[int]:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and the per-sequence cache of one worker."""
+    """Owns the model, the KV cache and the per-sequence cache of one worker.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    With a tensor-parallel group (``tp``) it owns one rank's shard: its share of the heads
+    and MLP (sharding.py) and a KV cache of its KV heads; rank 0 forwards each plan and the
+    sampled tokens to the other ranks (tensor_parallel.py).
+    """
+
+    def __init__(self, config: WorkerConfig, tp: TensorParallelGroup | None = None) -> None:
         self.config = config
+        self.tp = tp
         self.device = torch.device(config.device)
         # Unseeded random sampling draws from the global generator; --seed makes a run repeatable.
         torch.manual_seed(config.seed)
         hf_config = load_config(config.model)
         self.shape = model_shape(hf_config)
+        tp_size = tp.world_size if tp is not None else 1
+        check_tensor_parallel(hf_config, tp_size)
+        # What this rank's attention and KV cache hold; self.shape stays the whole model's.
+        self.cache_shape = local_shape(self.shape, tp_size)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         max_len = config.max_model_len or self.shape.max_position_embeddings
         if max_len > self.shape.max_position_embeddings:
@@ -68,7 +81,9 @@ class ModelRunner:
             )
         self.max_model_len = max_len
         self.backend = get_backend(self.device)
-        self.model = load_model(config.model, self.dtype, self.device)
+        rank = tp.rank if tp is not None else 0
+        self.model = load_model(config.model, self.dtype, self.device,
+                                prepare=lambda model: shard_model(model, rank, tp_size))
         # Masked until min_tokens; read once, not on every step.
         self.eos_token_ids = eos_token_ids(self.model)
         self.decoder = self.model.base_model
@@ -77,25 +92,38 @@ class ModelRunner:
         device_bytes, memory_flag = config.kv_cache_bytes, "--kv-cache-memory"
         if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
             profile = profile_gpu_memory(
-                self.model, self.backend, self.shape, self.dtype, self.device, config.block_size, max_len
+                self.model, self.backend, self.cache_shape, self.dtype, self.device, config.block_size, max_len
             )
             device_bytes = gpu_cache_bytes(profile, config.gpu_memory_utilization)
             memory_flag = "--gpu-memory-utilization"
         sizing = size_cache(
-            self.shape, config.block_size, self.dtype, device_bytes,
+            self.cache_shape, config.block_size, self.dtype, device_bytes,
             config.swap_space_bytes, max_len, config.num_gpu_blocks_override, memory_flag,
         )
-        self.cache = CacheEngine(self.shape, sizing, config.block_size, self.dtype, self.device, self.backend)
+        if tp is not None:
+            # Block tables are shared by all shards: each holds the fewest blocks any GPU has room for.
+            sizing = CacheSizing(tp.min_over_ranks(sizing.num_gpu_blocks), tp.min_over_ranks(sizing.num_cpu_blocks))
+        self.cache = CacheEngine(self.cache_shape, sizing, config.block_size, self.dtype, self.device, self.backend)
         self.seqs = SequenceCache(config.block_size)
 
     def reset(self) -> None:
         """Forgets every sequence (their blocks are reassigned by the new owner)."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.send(Command.RESET)
         self.seqs.clear()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlanData) -> StepOutput:
-        """Applies the plan to the cached state and runs it."""
+    def execute(self, plan: StepPlanData, wire: worker_pb2.StepPlan | None = None) -> StepOutput:
+        """Applies the plan to the cached state and runs it.
+
+        wire: the plan as received; with tensor parallelism rank 0 forwards it to the other
+        ranks, which run the same step (a plan that fails validation fails it on every rank alike).
+        """
         start = time.perf_counter()
+        if self.tp is not None and self.tp.is_driver:
+            if wire is None:
+                raise RuntimeError("a tensor-parallel rank 0 needs the wire plan to forward to the other ranks")
+            self.tp.send(Command.STEP, wire.SerializeToString())
         self.seqs.drop(plan.finished_seq_ids)
         scheduled: list[CachedSequence] = [self.seqs.add(s) for s in plan.new_sequences]
         scheduled += [self.seqs.update(d) for d in plan.cached_sequences]
@@ -119,17 +147,34 @@ class ModelRunner:
             **{METADATA_KWARG: inputs.attn},
         ).last_hidden_state[0]
         sampled: list[SampledTokenData] = []
-        sampled_ids: dict[int, int] = {}
-        # Prompt tokens need no logits, unless their request asked for prompt logprobs.
-        prompt_logprobs = compute_prompt_logprobs(hidden, self.lm_head, inputs.prompt_logprobs)
-        if inputs.sampling_seqs:
-            logits = self.lm_head(hidden[inputs.sample_indices]).float()
-            out = sample(
-                logits, [s.sampling for s in inputs.sampling_seqs], inputs.sampling_seqs, self.eos_token_ids
-            )
-            for seq, token, logprob, top in zip(inputs.sampling_seqs, out.token_ids, out.logprobs, out.top_logprobs):
-                sampled.append(SampledTokenData(seq.seq_id, token, logprob, top))
-                sampled_ids[seq.seq_id] = token
+        prompt_logprobs: list[PromptLogprobsData] = []
+        if self.tp is not None and not self.tp.is_driver:
+            # Only rank 0 samples; the others learn its tokens, so their sequence caches stay in step.
+            token_ids = self.tp.receive_tokens(len(inputs.sampling_seqs))
+        else:
+            sampled, prompt_logprobs = self._sample(hidden, inputs)
+            token_ids = [s.token_id for s in sampled]
+        sampled_ids = {seq.seq_id: token for seq, token in zip(inputs.sampling_seqs, token_ids)}
         for seq in inputs.seqs:
             self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
         return StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs)
+
+    def _sample(self, hidden: torch.Tensor, inputs: ModelInputs) -> tuple[list[SampledTokenData], list[PromptLogprobsData]]:
+        """The LM head and the sampler (rank 0 only); with tensor parallelism, sends the tokens on."""
+        try:
+            # Prompt tokens need no logits, unless their request asked for prompt logprobs.
+            prompt_logprobs = compute_prompt_logprobs(hidden, self.lm_head, inputs.prompt_logprobs)
+            sampled: list[SampledTokenData] = []
+            if inputs.sampling_seqs:
+                logits = self.lm_head(hidden[inputs.sample_indices]).float()
+                seqs = inputs.sampling_seqs
+                out = sample(logits, [s.sampling for s in seqs], seqs, self.eos_token_ids)
+                for seq, token, logprob, top in zip(seqs, out.token_ids, out.logprobs, out.top_logprobs):
+                    sampled.append(SampledTokenData(seq.seq_id, token, logprob, top))
+        except Exception:
+            if self.tp is not None:
+                self.tp.send_tokens(None)  # the other ranks drop the step as well and wait for the next
+            raise
+        if self.tp is not None:
+            self.tp.send_tokens([s.token_id for s in sampled])
+        return sampled, prompt_logprobs

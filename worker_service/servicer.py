@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import grpc
@@ -15,7 +16,8 @@ from shared.errors import StaleEpochError, abort_with, status_for
 from shared.metrics import WorkerMetrics
 from shared.tracing import context_from_metadata
 from worker_service.model_runner import ModelRunner, StepOutput
-from worker_service.plan import plan_from_proto
+from shared.liveness import Activity
+from worker_service.plan import StepPlanData, plan_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._instance_id = uuid.uuid4().hex
         self._epoch = 0
         self._lock = asyncio.Lock()
+        # time.monotonic() when the forward pass now running began (None between steps). Set in the
+        # step's thread: a cancelled call (the scheduler's deadline) leaves the thread running, and
+        # liveness must see that forward pass, not the call.
+        self._step_started: float | None = None
 
     @property
     def instance_id(self) -> str:
         return self._instance_id
+
+    @property
+    def step_activity(self) -> Activity:
+        """Liveness input: a step is work, and its start is the last progress."""
+        started = self._step_started
+        return Activity(has_work=started is not None, last_progress=started if started is not None else 0.0)
+
+    def _execute(self, plan: StepPlanData, request: worker_pb2.StepPlan) -> StepOutput:
+        self._step_started = time.monotonic()
+        try:
+            return self._runner.execute(plan, request)
+        finally:
+            self._step_started = None
 
     def _fence(self, epoch: int) -> None:
         # Fencing: a plan from an engine loop older than the newest owner is refused,
@@ -77,6 +96,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._epoch = epoch
 
     async def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerDescription:
+        return self.description()
+
+    def description(self) -> worker_pb2.WorkerDescription:
+        """What the worker is and holds (Describe, and its registration in Redis)."""
         r = self._runner
         return worker_pb2.WorkerDescription(
             model=self._model_name,
@@ -102,7 +125,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async with self._lock:
                 self._fence(request.epoch)
                 plan = plan_from_proto(request)
-                out = await asyncio.to_thread(self._runner.execute, plan)
+                # The wire plan too: a tensor-parallel rank 0 forwards it to the other ranks.
+                out = await asyncio.to_thread(self._execute, plan, request)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server stays up
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             span.end()

@@ -149,7 +149,11 @@ def test_duplicate_live_request_id_is_refused_and_cancel_frees_blocks(cluster: L
 
 
 def test_idle_engine_loop_does_not_spin(cluster: LocalCluster) -> None:
-    """With no work the loop blocks on its inbox (one BLPOP a second), it does not commit in a loop."""
+    """With no work the loop blocks on its inbox (one BLPOP a second), it does not commit in a loop.
+
+    The rest of an idle cluster's traffic is periodic too: the scheduler's supervisor tick (registry,
+    replica roster, lease renewal: ~10 commands a second) and the worker's heartbeat (~2 a second).
+    """
     import time
 
     import redis
@@ -160,8 +164,8 @@ def test_idle_engine_loop_does_not_spin(cluster: LocalCluster) -> None:
     time.sleep(3.0)
     after = client.info("stats")["total_commands_processed"]
     client.close()
-    # ~3 BLPOPs plus our own INFO calls; a spinning loop makes thousands.
-    assert after - before < 20, after - before
+    # ~3 BLPOPs, ~30 supervisor and ~6 heartbeat commands plus our own INFO calls; a spinning loop makes thousands.
+    assert after - before < 80, after - before
 
 
 def test_abort_rpc_ends_the_stream_and_frees_blocks(cluster: LocalCluster) -> None:

@@ -39,19 +39,6 @@ def run(url: str, body: Callable[[RedisStore], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-@pytest.fixture()
-def url(redis_server) -> str:
-    return redis_server.url
-
-
-@pytest.fixture()
-def plain(url: str):
-    """A plain synchronous client to inspect what the store wrote."""
-    client = redis.Redis.from_url(url, decode_responses=True)
-    yield client
-    client.close()
-
-
 def record(request_id: str, seq_ids: list[int] | None = None, worker_id: str = W, prompt=(1, 2, 3)) -> state_pb2.AdmittedRequest:
     return state_pb2.AdmittedRequest(
         request_id=request_id,

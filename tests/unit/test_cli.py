@@ -15,22 +15,31 @@ def test_every_command_is_there() -> None:
 
 def test_flags_use_vllm_names() -> None:
     args = build_parser().parse_args([
-        "scheduler", "--redis-url", "redis://r:6379/0", "--worker", "w0:1", "--worker", "w1:1",
+        "scheduler", "--redis-url", "redis://r:6379/0", "--lease-ttl", "4",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "256",
         "--enable-chunked-prefill", "--enable-prefix-caching",
     ])
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == (8, 128, 256)
-    assert args.worker == ["w0:1", "w1:1"] and args.enable_chunked_prefill and args.enable_prefix_caching
+    assert args.lease_ttl == 4 and args.enable_chunked_prefill and args.enable_prefix_caching
+
+
+def test_a_worker_registers_under_its_advertised_address() -> None:
+    args = build_parser().parse_args([
+        "worker", "--redis-url", "redis://r:6379/0", "--advertise-address", "worker-0.worker:50061",
+        "--drain-timeout", "12", "--heartbeat-ttl", "3",
+    ])
+    assert (args.redis_url, args.advertise_address, args.drain_timeout, args.heartbeat_ttl) == (
+        "redis://r:6379/0", "worker-0.worker:50061", 12, 3)
 
 
 def test_environment_variables_give_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLMSERVE_REDIS_URL", "redis://env:6379/0")
     monkeypatch.setenv("LLMSERVE_MAX_NUM_SEQS", "7")
-    monkeypatch.setenv("LLMSERVE_WORKER", "a:1,b:2")
+    monkeypatch.setenv("LLMSERVE_LEASE_TTL", "2.5")
     monkeypatch.setenv("LLMSERVE_ENABLE_PREFIX_CACHING", "true")
     args = build_parser().parse_args(["scheduler"])
     assert args.redis_url == "redis://env:6379/0" and args.max_num_seqs == 7
-    assert args.worker == ["a:1", "b:2"] and args.enable_prefix_caching is True
+    assert args.lease_ttl == 2.5 and args.enable_prefix_caching is True
     assert build_parser().parse_args(["scheduler", "--max-num-seqs", "3"]).max_num_seqs == 3
 
 

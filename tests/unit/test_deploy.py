@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from llmserve.cli import ENV_PREFIX, build_parser
+from shared.health_probes import LIVENESS, READINESS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -219,6 +220,9 @@ def test_llmserve_containers_match_the_cli(overlay: str, monkeypatch: pytest.Mon
         assert args.port == port(c, "grpc")
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert c[probe]["grpc"]["port"] == args.port, (name, probe, "native gRPC probe on the service port")
+        # Liveness (forward progress) and readiness (can admit) are separate health service names.
+        assert c["startupProbe"]["grpc"]["service"] == c["livenessProbe"]["grpc"]["service"] == LIVENESS, name
+        assert c["readinessProbe"]["grpc"]["service"] == READINESS, name
         annotations = w["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert int(annotations["prometheus.io/port"]) == args.metrics_port == port(c, "metrics")
@@ -244,8 +248,14 @@ def test_services_address_each_other(overlay: str, monkeypatch: pytest.MonkeyPat
     service = find(objs, "Service", "worker")
     assert service["spec"]["clusterIP"] == "None" and workers["spec"]["serviceName"] == "worker"
     assert service["spec"]["selector"].items() <= workers["spec"]["template"]["metadata"]["labels"].items()
-    assert scheduler.worker == [f"worker-{i}.worker.{namespace}.svc.cluster.local:{worker_port}"
-                                for i in range(workers["spec"]["replicas"])], "one --worker per StatefulSet pod"
+    # Each worker registers its own pod DNS name in Redis: $(POD_NAME) expands to worker-0, worker-1, ...
+    worker_env = {e["name"]: e for e in container(workers, "worker")["env"]}
+    assert worker_env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert worker_env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert worker_env["LLMSERVE_ADVERTISE_ADDRESS"]["value"] == (
+        f"$(POD_NAME).{service['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local:{worker_port}")
+    worker = parse_as_llmserve(objs, container(workers, "worker"), monkeypatch)
+    assert worker.redis_url == scheduler.redis_url, "workers register where the schedulers look"
 
     redis = find(objs, "StatefulSet", "redis")
     assert find(objs, "Service", "redis")["spec"]["clusterIP"] == "None"
@@ -262,17 +272,27 @@ def test_services_address_each_other(overlay: str, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_scheduler_stays_at_one_replica(overlay: str) -> None:
-    # Two replicas would both drive every worker; see deploy/README.md.
+def test_schedulers_scale_out_and_survive_disruptions(overlay: str) -> None:
+    # Replicas share the workers through leases: several run at once, also during rolling updates.
     objs = rendered(overlay)
     deployment = find(objs, "Deployment", "scheduler")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"]["type"] == "Recreate", "no rolling update running two schedulers"
+    assert deployment["spec"]["replicas"] >= 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     hpa = find(objs, "HorizontalPodAutoscaler", "scheduler")["spec"]
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "scheduler"}
-    assert hpa["minReplicas"] == hpa["maxReplicas"] == 1
+    assert 2 <= hpa["minReplicas"] < hpa["maxReplicas"]
     pdb = find(objs, "PodDisruptionBudget", "scheduler")["spec"]
+    assert pdb["minAvailable"] == 1
     assert pdb["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_have_time_to_drain(overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    objs = rendered(overlay)
+    workers = find(objs, "StatefulSet", "worker")
+    args = parse_as_llmserve(objs, container(workers, "worker"), monkeypatch)
+    assert workers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -331,7 +351,8 @@ def test_network_policies_deny_by_default_and_allow_only_the_service_flows(overl
                 for r in p["spec"].get(direction, [])]
 
     assert _peers(rules("scheduler", "egress"), "to") == {"worker", "redis", "otel-collector"}
-    assert _peers(rules("redis", "ingress"), "from") == {"scheduler"}
+    assert _peers(rules("redis", "ingress"), "from") == {"scheduler", "worker"}
+    assert _peers(rules("worker", "egress"), "to") == {"redis", "otel-collector"}
     assert rules("redis", "egress") == []
     worker_grpc = [r for r in rules("worker", "ingress") if {"protocol": "TCP", "port": 50061} in r["ports"]]
     assert _peers(worker_grpc, "from") == {"scheduler"} and all(r.get("from") for r in worker_grpc)

@@ -1,0 +1,63 @@
+"""Reading a request's committed output stream from any index, on any replica.
+
+Generate (the admitting call and idempotent re-sends) and Resume both stream through `follow`; only
+Redis is needed, so a client can re-attach to any scheduler replica. Messages carry their index
+(see stream_index), so a resumed stream continues with no message lost or repeated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from protos import generation_pb2
+from scheduler_service.store import OUTPUT_TTL_SECONDS, RedisStore, StreamState
+from shared.errors import InvalidRequestError, NotFoundError, OutOfRangeError
+
+
+async def check_resumable(store: RedisStore, request_id: str, from_index: int) -> None:
+    """Raises unless `request_id`'s stream exists and can still yield the message at `from_index`.
+
+    NOT_FOUND for an unknown or expired id, OUT_OF_RANGE when the request finished before that index;
+    a live request's future index is fine (the reader waits for it).
+    """
+    if not request_id:
+        raise InvalidRequestError("request_id is required to resume a stream")
+    info = await store.stream_info(request_id)
+    if info.state is StreamState.GONE:
+        raise NotFoundError(
+            f"no request has id {request_id!r}: it was never admitted, or it finished more than "
+            f"{OUTPUT_TTL_SECONDS} s ago and its output stream expired"
+        )
+    if info.state is StreamState.FINISHED and from_index >= info.length:
+        raise OutOfRangeError(_past_the_end(request_id, info.length, from_index))
+
+
+async def follow(
+    store: RedisStore, request_id: str, from_index: int, block_ms: int
+) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """The request's messages from `from_index` up to its final one (the one with usage), in order.
+
+    Waits for messages not committed yet. Every `block_ms` without a message it checks that the
+    request still exists, so a reader never waits forever on a stream that expired or ended before
+    its index.
+    """
+    next_index = from_index
+    while True:
+        batch = await store.read_from(request_id, next_index, block_ms)
+        if not batch:
+            info = await store.stream_info(request_id)
+            if info.state is StreamState.GONE:
+                raise NotFoundError(f"the output stream of request {request_id!r} expired while it was being read")
+            if info.state is StreamState.FINISHED and info.length <= next_index:
+                raise OutOfRangeError(_past_the_end(request_id, info.length, next_index))
+            continue  # live, or its final message was committed just after the read
+        for msg in batch:
+            yield msg
+            if msg.HasField("usage"):
+                return
+        next_index = batch[-1].index + 1
+
+
+def _past_the_end(request_id: str, length: int, index: int) -> str:
+    return (f"request {request_id!r} finished with {length} messages (indexes 0 to {length - 1}); "
+            f"index {index} is past its end")

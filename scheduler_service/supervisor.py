@@ -1,0 +1,163 @@
+"""Which engine loops this replica runs: leases over the registered workers, renewed every tick.
+
+Every tick (a fraction of the lease TTL) the supervisor
+  1. reads the worker registry and hands the routable workers to the router;
+  2. renews the leases it holds in one round trip, and cancels at once the loop of any lease it lost
+     (another replica drives that worker now; the fenced commit would refuse its writes anyway);
+  3. takes free leases while it runs fewer loops than its fair share, ceil(workers / live replicas),
+     and gives back an idle loop's lease when it runs more, so replicas added later get work; below
+     its share it wakes exactly when the next lease held elsewhere expires;
+  4. tells each loop what the registry says of its worker (draining, gone).
+
+A replica that dies simply stops renewing: its leases expire after the TTL and the other replicas'
+next tick takes them over, rebuilding each loop's state from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from scheduler_service.engine_loop import EngineLoop
+from scheduler_service.leases import LeaseLostError, Leases
+from scheduler_service.router import Router
+from shared.errors import UnavailableError
+from shared.worker_registry import WorkerEntry, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Running:
+    loop: EngineLoop
+    task: asyncio.Task[None]
+    stop: asyncio.Event
+
+
+class Supervisor:
+    """Starts, feeds and stops this replica's engine loops."""
+
+    def __init__(self, registry: WorkerRegistry, leases: Leases, router: Router,
+                 make_loop: Callable[[WorkerEntry], EngineLoop], tick_s: float | None = None) -> None:
+        self._registry = registry
+        self._leases = leases
+        self._router = router
+        self._make_loop = make_loop
+        # Renewing at least three times per TTL survives a slow tick without losing a lease; at most a
+        # second apart, so that a worker that drains or leaves is noticed quickly.
+        self._tick_s = tick_s if tick_s is not None else min(leases.ttl_s / 3, 1.0)
+        self._running: dict[str, _Running] = {}
+        # Seconds until the next tick: shorter than tick_s when a lease this replica could take expires sooner.
+        self._next_wait = self._tick_s
+        # Leases of loops that ended on their own, given back at the next tick.
+        self._releasing: list[str] = []
+
+    @property
+    def worker_ids(self) -> list[str]:
+        """Workers whose engine loop this replica runs."""
+        return sorted(self._running)
+
+    @property
+    def loops(self) -> list[EngineLoop]:
+        """The engine loops still running (liveness reads their progress); ended ones await the next tick."""
+        return [r.loop for r in self._running.values() if not r.task.done()]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Ticks until `stop` is set, then stops every loop cleanly and gives its lease back."""
+        try:
+            while not stop.is_set():
+                try:
+                    await self.tick()
+                except (RedisError, OSError, UnavailableError) as exc:
+                    # Redis restarting: the loops keep what they hold until their leases lapse; the next tick retries.
+                    log.warning("supervisor tick failed, Redis unavailable: %s", exc)
+                except Exception:  # noqa: BLE001 - no bug in one tick may end the replica; the next tick retries
+                    log.exception("supervisor tick failed")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._next_wait)
+        finally:
+            await self._stop_all()
+
+    async def tick(self) -> None:
+        entries = await self._registry.workers()
+        self._router.update(entries)
+        replicas = await self._leases.announce()
+        await self._renew()
+        self._reap()
+        for worker_id in self._releasing:
+            await self._leases.release(worker_id)
+        self._releasing.clear()
+        by_id = {e.worker_id: e for e in entries}
+        share = math.ceil(len(entries) / max(replicas, 1))
+        for entry in entries:
+            if len(self._running) >= share:
+                break
+            if entry.worker_id not in self._running and await self._leases.acquire(entry.worker_id):
+                self._start(entry)
+        if len(self._running) > share:
+            await self._give_back_idle(len(self._running) - share)
+        # Below its share, the replica wakes when the next lease held elsewhere expires, so that a dead
+        # replica's workers move on within the TTL of its last renewal rather than up to a tick later.
+        self._next_wait = self._tick_s
+        if len(self._running) < share:
+            expiry = await self._leases.expiring([e.worker_id for e in entries if e.worker_id not in self._running])
+            if expiry is not None:
+                self._next_wait = min(self._tick_s, expiry + 0.005)
+        for worker_id, running in self._running.items():
+            running.loop.observe_registration(by_id.get(worker_id))
+
+    async def _renew(self) -> None:
+        held = await self._leases.renew(list(self._running))
+        for worker_id, ok in held.items():
+            if not ok:
+                log.warning("lost the lease of worker %s: stopping its engine loop", worker_id)
+                self._running.pop(worker_id).task.cancel()
+
+    def _reap(self) -> None:
+        """Forgets loops that ended on their own (lease lost at a commit, worker evacuated, error)."""
+        for worker_id in [w for w, r in self._running.items() if r.task.done()]:
+            task = self._running.pop(worker_id).task
+            exc = None if task.cancelled() else task.exception()
+            if isinstance(exc, (LeaseLostError, UnavailableError)):
+                # Expected faults: another replica took over, or Redis went away; the next ticks take the
+                # lease again if it is free and restart the loop from the state in Redis.
+                log.warning("engine loop for %s stopped: %s", worker_id, exc)
+            elif exc is not None:
+                log.error("engine loop for %s failed", worker_id, exc_info=exc)
+            else:
+                log.info("engine loop for %s ended", worker_id)
+            self._releasing.append(worker_id)
+
+    def _start(self, entry: WorkerEntry) -> None:
+        loop = self._make_loop(entry)
+        loop.observe_registration(entry)
+        stop = asyncio.Event()
+        task = asyncio.create_task(loop.run(stop), name=f"engine-{entry.worker_id}")
+        self._running[entry.worker_id] = _Running(loop, task, stop)
+        log.info("took the lease of worker %s", entry.worker_id)
+
+    async def _give_back_idle(self, surplus: int) -> None:
+        for worker_id in [w for w, r in self._running.items() if r.loop.is_idle][:surplus]:
+            await self._stop(worker_id)
+            log.info("gave back the lease of idle worker %s to balance the replicas", worker_id)
+
+    async def _stop(self, worker_id: str) -> None:
+        running = self._running.pop(worker_id)
+        running.stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(running.task), self._leases.ttl_s)
+        running.task.cancel()
+        with contextlib.suppress(Exception):
+            await self._leases.release(worker_id)
+
+    async def _stop_all(self) -> None:
+        for worker_id in list(self._running):
+            await self._stop(worker_id)
+        with contextlib.suppress(Exception):
+            await self._leases.withdraw()

@@ -1,0 +1,153 @@
+"""Liveness measures forward progress, readiness whether a replica can admit (grpc.health.v1 names).
+
+A frozen worker (SIGSTOP) under load stalls the scheduler's engine loop: with a liveness timeout
+shorter than the step timeout, the scheduler's "liveness" turns NOT_SERVING while its "readiness"
+stays SERVING (Redis answers, the worker is still registered), and both are SERVING again once the
+worker resumes (SIGCONT) and the requests complete. An idle cluster stays live however long it
+idles. A draining worker is live but not ready, and so is a scheduler whose only worker drains.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve.client import GenerationClient, make_request
+from llmserve.local_cluster import ClusterSpec, LocalCluster
+from protos import common_pb2
+from shared.health_probes import LIVENESS, READINESS
+
+LIVENESS_TIMEOUT_S = 3.0
+# Far longer than the freeze: the loop must be flagged by liveness, not rescued by the step timeout.
+STEP_TIMEOUT_S = 60.0
+MAX_NEW = 40
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(
+        model=str(tiny_llama_dir),
+        # A long heartbeat TTL: the frozen worker stays registered, so the scheduler stays ready.
+        worker_args=["--num-gpu-blocks-override", "128", "--max-model-len", "512", "--num-threads", "1",
+                     "--heartbeat-ttl", "60"],
+        scheduler_args=["--max-num-seqs", "2", "--step-timeout", str(STEP_TIMEOUT_S),
+                        "--liveness-timeout", str(LIVENESS_TIMEOUT_S)],
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def statuses(address: str, names: tuple[str, ...] = (LIVENESS, READINESS, "")) -> dict[str, int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return {n: stub.Check(health_pb2.HealthCheckRequest(service=n), timeout=5).status for n in names}
+
+
+def wait_for(address: str, name: str, status: int, within_s: float) -> float:
+    """Seconds until `name` reports `status` at `address`; fails after `within_s`."""
+    start = time.monotonic()
+    while statuses(address, (name,))[name] != status:
+        assert time.monotonic() - start < within_s, f"{address} {name!r} never became {status}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+class Streams:
+    """Requests streamed in threads; `started` is set once each has received a token."""
+
+    def __init__(self, client: GenerationClient, prompts: list[list[int]], max_tokens: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.finish: list[str] = ["" for _ in prompts]
+        self.errors: list[BaseException] = []
+        self._first = [threading.Event() for _ in prompts]
+        self._threads = [threading.Thread(target=self._run, args=(client, i, p, max_tokens), daemon=True)
+                         for i, p in enumerate(prompts)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, client: GenerationClient, i: int, prompt: list[int], max_tokens: int) -> None:
+        request = make_request(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        try:
+            for msg in client.stream(request, timeout=120):
+                for delta in msg.outputs:
+                    self.tokens[i].extend(delta.token_ids)
+                    if delta.finish_reason:
+                        self.finish[i] = common_pb2.FinishReason.Name(delta.finish_reason)
+                if self.tokens[i]:
+                    self._first[i].set()
+        except BaseException as exc:  # noqa: BLE001 - reported by join()
+            self.errors.append(exc)
+            self._first[i].set()
+
+    def wait_started(self, timeout_s: float) -> None:
+        for event in self._first:
+            assert event.wait(timeout_s), "generation did not start"
+        assert not self.errors, self.errors
+
+    def join(self, timeout_s: float) -> None:
+        for t in self._threads:
+            t.join(timeout_s)
+            assert not t.is_alive(), "a request did not complete"
+        assert not self.errors, self.errors
+
+
+def test_an_idle_cluster_stays_live(cluster: LocalCluster) -> None:
+    deadline = time.monotonic() + LIVENESS_TIMEOUT_S + 1.5
+    while time.monotonic() < deadline:
+        for address in (cluster.address, cluster.worker_address):
+            assert statuses(address) == {LIVENESS: SERVING, READINESS: SERVING, "": SERVING}, address
+        time.sleep(0.5)
+
+
+def test_a_frozen_worker_makes_the_scheduler_unlive_but_still_ready(cluster: LocalCluster) -> None:
+    worker_pid = cluster._procs["worker"].pid  # noqa: SLF001 - the test freezes the worker process
+    prompts = [list(range(300 + 7 * i, 330 + 7 * i)) for i in range(3)]
+    try:
+        with GenerationClient(cluster.address) as client:
+            streams = Streams(client, prompts, MAX_NEW)
+            streams.wait_started(60)
+            os.kill(worker_pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            wait_for(cluster.address, LIVENESS, NOT_SERVING, LIVENESS_TIMEOUT_S + 10)
+            assert time.monotonic() - stopped >= LIVENESS_TIMEOUT_S * 0.9, "flagged before the liveness timeout"
+            # Not live, yet ready: Redis answers and the worker is still registered.
+            assert statuses(cluster.address) == {LIVENESS: NOT_SERVING, READINESS: SERVING, "": SERVING}
+            os.kill(worker_pid, signal.SIGCONT)
+            wait_for(cluster.address, LIVENESS, SERVING, 10)
+            streams.join(60)
+    finally:
+        os.kill(worker_pid, signal.SIGCONT)
+    assert streams.finish == ["FINISH_REASON_LENGTH"] * 3 and all(len(t) == MAX_NEW for t in streams.tokens)
+    log = cluster.tail("scheduler", 400)
+    assert "no longer live" in log and "completed no step" in log
+    assert "DEADLINE_EXCEEDED" not in log, "the step timeout, not liveness, ended the freeze"
+    assert statuses(cluster.address) == {LIVENESS: SERVING, READINESS: SERVING, "": SERVING}
+
+
+def test_a_draining_worker_is_live_but_not_ready(cluster: LocalCluster) -> None:
+    """Last in the module: the worker drains and exits (the fixture's stop copes with that)."""
+    worker = cluster._procs["worker"]  # noqa: SLF001
+    with GenerationClient(cluster.address) as client:
+        streams = Streams(client, [list(range(100, 130))], 400)
+        streams.wait_started(60)
+        worker.send_signal(signal.SIGTERM)
+        # The running request keeps the drain going: the worker is live but takes no new work...
+        wait_for(cluster.worker_address, READINESS, NOT_SERVING, 5)
+        assert statuses(cluster.worker_address, (LIVENESS, "")) == {LIVENESS: SERVING, "": NOT_SERVING}
+        # ...and the scheduler, whose only worker drains, cannot admit: live but not ready.
+        wait_for(cluster.address, READINESS, NOT_SERVING, 5)
+        assert statuses(cluster.address, (LIVENESS,)) == {LIVENESS: SERVING}
+        assert streams.tokens[0] and not streams.finish[0], "the drain outlasted the request: nothing was observed"
+        streams.join(60)
+    assert streams.finish == ["FINISH_REASON_LENGTH"] and len(streams.tokens[0]) == 400
+    worker.wait(30)

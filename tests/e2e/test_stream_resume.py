@@ -1,0 +1,165 @@
+"""Stream resume and idempotent requests, end to end on a tiny random Llama.
+
+(a) A client reads k messages of a resumable request, drops its call, and resumes from index k:
+    the two parts make exactly an uninterrupted run's stream.
+(b) The scheduler is SIGKILLed mid-stream and restarted: the client's stream re-attaches by itself
+    and ends with exactly the fault-free tokens, each message once.
+(c) The same request id twice is one generation with two identical streams; another request under
+    the live id is ALREADY_EXISTS; resuming an unknown id is NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmserve.client import GenerationClient, make_request
+from llmserve.local_cluster import ClusterSpec, LocalCluster
+from protos import common_pb2, generation_pb2
+from tests.e2e.cluster_checks import assert_all_blocks_free
+
+PROMPT = list(range(400, 460))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(
+        model=str(tiny_llama_dir),
+        worker_args=["--num-gpu-blocks-override", "128", "--max-model-len", "512", "--num-threads", "1"],
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def greedy(request_id: str, max_tokens: int, **extra: object) -> generation_pb2.GenerateRequest:
+    return make_request(request_id=request_id, prompt_token_ids=PROMPT, max_tokens=max_tokens, temperature=0.0,
+                        ignore_eos=True, **extra)  # type: ignore[arg-type]
+
+
+def tokens(msgs: list[generation_pb2.GenerateResponse]) -> list[int]:
+    return [t for m in msgs for d in m.outputs for t in d.token_ids]
+
+
+def text(msgs: list[generation_pb2.GenerateResponse]) -> str:
+    return "".join(d.text for m in msgs for d in m.outputs)
+
+
+def assert_one_whole_stream(msgs: list[generation_pb2.GenerateResponse]) -> None:
+    """Indexes 0, 1, 2, ... without gap or repeat, and exactly one final message, the last."""
+    assert [m.index for m in msgs] == list(range(len(msgs)))
+    assert [m.HasField("usage") for m in msgs] == [False] * (len(msgs) - 1) + [True]
+
+
+def test_a_dropped_resumable_stream_resumes_from_its_index(cluster: LocalCluster) -> None:
+    with GenerationClient(cluster.address, resume=None) as client:
+        reference = list(client.stream(greedy("resume-ref", 120), timeout=60))
+        assert_one_whole_stream(reference)
+
+        request = greedy("resume-a", 120)
+        request.resumable = True
+        call = client.stream(request, timeout=60)
+        k = 5
+        head = [next(call) for _ in range(k)]
+        call.cancel()  # the connection is gone; a resumable request keeps running
+        with pytest.raises(grpc.RpcError) as info:
+            next(call)
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+
+        tail = list(client.resume("resume-a", from_index=k, timeout=60))
+        whole = head + tail
+        assert_one_whole_stream(whole)
+        assert tokens(whole) == tokens(reference) and len(tokens(whole)) == 120
+        assert text(whole) == text(reference)
+        assert whole[-1].usage == reference[-1].usage
+        # While the stream is kept it can be read again from any index, on any replica (only Redis is needed).
+        assert list(client.resume("resume-a", from_index=2, timeout=30)) == whole[2:]
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.resume("resume-a", from_index=len(whole), timeout=30))
+        assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert f"finished with {len(whole)} messages" in info.value.details()
+    assert_all_blocks_free(cluster)
+
+
+def test_a_resuming_client_survives_a_scheduler_kill(cluster: LocalCluster) -> None:
+    max_tokens = 300
+    with GenerationClient(cluster.address, resume=None) as plain:
+        reference = list(plain.stream(greedy("kill-ref", max_tokens), timeout=120))
+
+    received: list[generation_pb2.GenerateResponse] = []
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def read() -> None:
+        # A default client: it re-attaches after UNAVAILABLE. The request is not even resumable: a killed
+        # scheduler cannot abort anything, the engine loop of its replacement continues it from Redis.
+        with GenerationClient(cluster.address) as client:
+            try:
+                for msg in client.stream(greedy("kill-a", max_tokens), timeout=120):
+                    received.append(msg)
+                    if len(received) == 5:
+                        started.set()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+                errors.append(exc)
+            finally:
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(60), "the stream did not start"
+    cluster.kill("scheduler")
+    at_kill = len(received)
+    cluster.restart("scheduler")
+    reader.join(120)
+    assert not reader.is_alive(), f"the stream did not end ({len(received)} messages)"
+    assert not errors, errors
+    assert 5 <= at_kill < len(received), (at_kill, len(received))  # killed mid-stream
+    assert_one_whole_stream(received)
+    assert tokens(received) == tokens(reference) and len(tokens(received)) == max_tokens
+    assert text(received) == text(reference)
+    assert_all_blocks_free(cluster)
+
+
+def test_the_same_request_twice_is_one_generation_with_two_identical_streams(cluster: LocalCluster) -> None:
+    # Unseeded sampling: two generations would differ, so identical streams mean one generation.
+    sampled = dict(prompt_token_ids=PROMPT, max_tokens=80, temperature=1.5, ignore_eos=True)
+    with GenerationClient(cluster.address) as client:
+        first = client.stream(make_request(request_id="idem-1", **sampled), timeout=60)
+        head = next(first)  # admitted and live
+        second = client.stream(make_request(request_id="idem-1", **sampled), timeout=60)
+        one = [head, *first]
+        two = list(second)
+        assert_one_whole_stream(one)
+        assert one == two
+        # Sent again after it finished (its stream is kept): the same stream again, nothing generated.
+        assert list(client.stream(make_request(request_id="idem-1", **sampled), timeout=60)) == one
+        # The sampling really is random: another id with the same request gives other tokens.
+        other = list(client.stream(make_request(request_id="idem-2", **sampled), timeout=60))
+        assert tokens(other) != tokens(one)
+
+        # An attached reader that goes away does not abort the request its original caller still reads.
+        original = client.stream(make_request(request_id="idem-3", **sampled), timeout=60)
+        next(original)
+        attached = client.stream(make_request(request_id="idem-3", **sampled), timeout=60)
+        next(attached)
+        attached.cancel()
+        rest = list(original)
+        assert rest[-1].outputs[0].finish_reason == common_pb2.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 80
+
+        # Another request under a live id is refused.
+        live = client.stream(greedy("idem-4", 300), timeout=60)
+        next(live)
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(greedy("idem-4", 299), timeout=30)
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "already in use" in info.value.details()
+        live.cancel()
+
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.resume("never-was", from_index=0, timeout=30))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "no request has id 'never-was'" in info.value.details()
+    assert_all_blocks_free(cluster)
