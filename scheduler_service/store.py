@@ -1,19 +1,18 @@
-"""The Redis state store: the only module that talks to Redis.
+"""The Redis state store: requests, queues, step commits, output streams.
 
 Admission writes a request record and pushes it to its worker's inbox. Each
 engine-loop step is committed in one MULTI/EXEC round trip that also picks up
 the next admitted requests and aborts, so a step costs exactly one round trip.
 Clients read their request's output stream; tokens appear there only once
-their step is committed.
+their step is committed. The records it takes and returns are in store_types.py,
+its Lua scripts in store_scripts.py; leases and the worker registry have their own small modules.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
@@ -21,11 +20,32 @@ from redis.exceptions import RedisError, WatchError
 
 from protos import generation_pb2, state_pb2
 from scheduler_service import keys, stream_index
+from scheduler_service import store_scripts as scripts
+from scheduler_service.store_types import (
+    AdmitOutcome,
+    CacheStats,
+    DuplicateRequestError,
+    Pickup,
+    QueueFullError,
+    QueueLimits,
+    QueueStats,
+    RestoredRequest,
+    StepCommit,
+    StreamInfo,
+    StreamState,
+)
 from scheduler_service.leases import LeaseLostError
 from shared import redis_client
-from shared.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError
+from shared.errors import UnavailableError
 
 log = logging.getLogger(__name__)
+
+# The records are part of the store's API: callers import them from here with RedisStore.
+__all__ = [
+    "INBOX_BATCH", "OUTPUT_TTL_SECONDS", "PREFIX_TTL_SECONDS", "AdmitOutcome", "CacheStats", "DuplicateRequestError",
+    "Pickup", "QueueFullError", "QueueLimits", "QueueStats", "RedisStore", "RestoredRequest", "StepCommit",
+    "StreamInfo", "StreamState",
+]
 
 # How long a finished request's output stream stays readable (for late readers).
 OUTPUT_TTL_SECONDS = 3600
@@ -34,86 +54,6 @@ OUTPUT_TTL_SECONDS = 3600
 PREFIX_TTL_SECONDS = 600
 # Requests and aborts picked up per commit.
 INBOX_BATCH = 64
-
-# Admission in one atomic step: find the same request already there (same id and digest, live or
-# finished with its stream kept: the caller re-attaches), refuse a live duplicate id or a full queue,
-# else record and queue the request and count it in the worker's queue totals. Every replica runs the
-# same check on the same counters, so the bound holds across replicas without any scan; and two
-# replicas receiving the same request at once cannot both admit it.
-#   KEYS: request hash, output stream, live set, inbox, queued hash, queue totals, digest
-#   ARGV: record, worker id, request id, prompt tokens, max requests (0 = none), max tokens (0 = none),
-#         digest ("" for a server-chosen id: never re-sent, nothing to remember)
-#   returns {status, queued requests, queued tokens}; status 0 admitted, 1 duplicate, 2 / 3 request / token
-#   limit, 4 the same request exists (attach to its stream)
-_ADMIT_LUA = """
-local live = redis.call('EXISTS', KEYS[1]) == 1
-if ARGV[7] ~= '' and redis.call('GET', KEYS[7]) == ARGV[7] and (live or redis.call('EXISTS', KEYS[2]) == 1) then
-  return {4, 0, 0}
-end
-if live then return {1, 0, 0} end
-local reqs = tonumber(redis.call('HGET', KEYS[6], 'requests') or '0')
-local toks = tonumber(redis.call('HGET', KEYS[6], 'tokens') or '0')
-local n = tonumber(ARGV[4])
-local max_reqs = tonumber(ARGV[5])
-local max_toks = tonumber(ARGV[6])
-if max_reqs > 0 and reqs >= max_reqs then return {2, reqs, toks} end
--- An empty queue takes any request, so a prompt longer than the token bound is not refused forever.
-if max_toks > 0 and reqs > 0 and toks + n > max_toks then return {3, reqs, toks} end
-redis.call('DEL', KEYS[2])
-if ARGV[7] == '' then redis.call('DEL', KEYS[7]) else redis.call('SET', KEYS[7], ARGV[7]) end
-redis.call('HSET', KEYS[1], 'request', ARGV[1])
-redis.call('HSET', KEYS[1], 'worker', ARGV[2])
-redis.call('HSET', KEYS[1], 'state', 'queued')
-redis.call('SADD', KEYS[3], ARGV[3])
-redis.call('RPUSH', KEYS[4], ARGV[1])
-redis.call('HSET', KEYS[5], ARGV[3], n)
-redis.call('HINCRBY', KEYS[6], 'requests', 1)
-redis.call('HINCRBY', KEYS[6], 'tokens', n)
-return {0, reqs + 1, toks + n}
-"""
-
-# Requests leave the queue count when they are first scheduled (they appear in the running or swapped
-# snapshot) or finish (aborted or failed while waiting). Idempotent: ids no longer counted are skipped.
-#   KEYS: queued hash, queue totals; ARGV: request ids
-_DEQUEUE_LUA = """
-for _, id in ipairs(ARGV) do
-  local n = redis.call('HGET', KEYS[1], id)
-  if n then
-    redis.call('HDEL', KEYS[1], id)
-    redis.call('HINCRBY', KEYS[2], 'requests', -1)
-    redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(n))
-  end
-end
-return 0
-"""
-
-# Appends a step's output messages, each under the entry id that encodes its index in its request's
-# stream (see stream_index), so a client can resume at any index on any replica. XLEN is the next
-# index because the stream is append-only. Runs inside the commit's MULTI/EXEC.
-#   KEYS: output stream per message; ARGV: the serialized messages, in the same order
-_APPEND_OUTPUTS_LUA = """
-for i, key in ipairs(KEYS) do
-  redis.call('XADD', key, '0-' .. (redis.call('XLEN', key) + 1), 'm', ARGV[i])
-end
-return 0
-"""
-
-
-@dataclass(frozen=True)
-class QueueLimits:
-    """Bounds of one worker's queue of admitted, not yet scheduled requests (0 = unbounded)."""
-
-    max_requests: int = 0
-    max_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class QueueStats:
-    """One worker's queue as the admission counters see it."""
-
-    requests: int
-    tokens: int
-
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -130,134 +70,6 @@ def _unavailable_on_redis_error(method: Callable[_P, Awaitable[_T]]) -> Callable
             raise UnavailableError(f"the state store is unavailable: {exc}") from exc
 
     return wrapper
-
-
-class DuplicateRequestError(AlreadyExistsError):
-    """A live request already uses this request id."""
-
-
-class AdmitOutcome(enum.Enum):
-    """What admission did with a request."""
-
-    # Recorded and queued: a new generation starts.
-    ADMITTED = "admitted"
-    # The same request (same id and digest) is live, or finished with its stream kept: nothing was
-    # queued; the caller streams the existing output from index 0.
-    ATTACHED = "attached"
-
-
-class StreamState(enum.Enum):
-    """Where a request's output stream stands."""
-
-    # Admitted and not finished: more messages will come.
-    LIVE = "live"
-    # Finished; its stream is still kept (OUTPUT_TTL_SECONDS) and complete.
-    FINISHED = "finished"
-    # No such request, or its stream expired.
-    GONE = "gone"
-
-
-@dataclass(frozen=True)
-class StreamInfo:
-    """A request's output stream as one atomic read saw it."""
-
-    state: StreamState
-    # Messages committed so far (indexes 0 .. length - 1).
-    length: int
-
-
-class QueueFullError(ResourceExhaustedError):
-    """The worker's queue is at its bound: the client should retry later."""
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """The KV cache as the engine loop last saw it."""
-
-    free_blocks: int
-    total_blocks: int
-    # Prefix-cache lookups, counted in blocks (cumulative).
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-    def as_hash(self) -> dict[str, int]:
-        return {
-            "free": self.free_blocks, "total": self.total_blocks,
-            "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
-        }
-
-
-@dataclass
-class StepCommit:
-    """Everything one engine-loop step changes in Redis."""
-
-    worker_id: str
-    # Fencing epoch of the engine loop that writes it (0: unfenced).
-    epoch: int = 0
-    # seq_id -> output tokens appended this step.
-    new_tokens: dict[int, list[int]] = field(default_factory=dict)
-    # seq_id -> block ids appended to its table this step.
-    new_blocks: dict[int, list[int]] = field(default_factory=dict)
-    # seq_id -> {table index: block id} replaced by copy-on-write this step.
-    replaced_blocks: dict[int, dict[int, int]] = field(default_factory=dict)
-    # Sequences whose stored block table is dropped (finished or preempted).
-    dropped_block_tables: list[int] = field(default_factory=list)
-    # Sequences whose token list is dropped (their request finished).
-    dropped_seqs: list[int] = field(default_factory=list)
-    # request id -> seq_ids whose stored tokens, blocks, status and logprob are wiped before this
-    # step's writes (beam search drops beams and reuses their ids).
-    reset_seqs: dict[str, list[int]] = field(default_factory=dict)
-    # (request id, message) to publish to the request's output stream.
-    outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
-    finished_requests: list[str] = field(default_factory=list)
-    # Requests that entered the running or swapped queue since the last snapshot (the admission queue
-    # count drops them).
-    newly_scheduled: list[str] = field(default_factory=list)
-    # request id -> {seq_id: SequenceStatus name} for sequences finished while their request goes on.
-    finished_seqs: dict[str, dict[int, str]] = field(default_factory=dict)
-    # request id -> {seq_id: cumulative logprob} for requests that pick their best_of at the end.
-    cumulative_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    # (record, worker id): requests moved to another worker's inbox, to be recomputed there.
-    handed_over: list[tuple[state_pb2.AdmittedRequest, str]] = field(default_factory=list)
-    # Queue snapshots; None when unchanged.
-    waiting: list[str] | None = None
-    running: list[str] | None = None
-    swapped: list[str] | None = None
-    # None when unchanged since the last commit.
-    cache_stats: CacheStats | None = None
-    num_preemptions: int = 0
-    # Of those, preemptions by swapping out (the rest recompute).
-    num_swaps: int = 0
-
-    def is_empty(self) -> bool:
-        return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs
-                    or self.reset_seqs or self.outputs or self.handed_over
-                    or self.finished_requests or self.newly_scheduled or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
-                    or self.cache_stats is not None or self.num_preemptions)
-
-
-@dataclass
-class RestoredRequest:
-    """A request an earlier owner of the worker picked up, with the outputs it committed."""
-
-    record: state_pb2.AdmittedRequest
-    # seq_id -> committed output tokens
-    outputs: dict[int, list[int]]
-    # seq_id -> SequenceStatus name, for sequences that finished while their request went on (n > 1)
-    finished: dict[int, str] = field(default_factory=dict)
-    # seq_id -> cumulative logprob of its outputs (requests with best_of > n)
-    cumulative_logprobs: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class Pickup:
-    """Work the engine loop picked up with a commit."""
-
-    admitted: list[state_pb2.AdmittedRequest]
-    aborts: list[str]
-    # Requests another worker's loop handed over, with the outputs committed for them so far.
-    handed_over: list[RestoredRequest] = field(default_factory=list)
-
 
 class RedisStore:
     """Typed operations over the Redis state."""
@@ -301,7 +113,7 @@ class RedisStore:
         limits = limits or QueueLimits()
         w = req.worker_id
         status, requests, tokens = await self._r.eval(  # type: ignore[misc]
-            _ADMIT_LUA, 7,
+            scripts.ADMIT_LUA, 7,
             keys.request(req.request_id), keys.output_stream(req.request_id), keys.live(w), keys.inbox(w),
             keys.queued(w), keys.queue(w), keys.digest(req.request_id),
             req.SerializeToString(), w, req.request_id, len(req.prompt_token_ids),
@@ -429,7 +241,7 @@ class RedisStore:
             for seq_id in c.dropped_seqs:
                 pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
             if c.outputs:
-                pipe.eval(_APPEND_OUTPUTS_LUA, len(c.outputs), *(keys.output_stream(r) for r, _ in c.outputs),
+                pipe.eval(scripts.APPEND_OUTPUTS_LUA, len(c.outputs), *(keys.output_stream(r) for r, _ in c.outputs),
                           *(msg.SerializeToString() for _, msg in c.outputs))
             for request_id, cumulative in c.cumulative_logprobs.items():
                 pipe.hset(keys.request(request_id), mapping={f"cum:{s}": repr(v) for s, v in cumulative.items()})
@@ -452,7 +264,7 @@ class RedisStore:
             # Scheduled (running / swapped), finished or handed-over requests no longer count as queued here.
             dequeued = [*c.newly_scheduled, *c.finished_requests, *(r.request_id for r, _ in c.handed_over)]
             if dequeued:
-                pipe.eval(_DEQUEUE_LUA, 2, keys.queued(w), keys.queue(w), *dequeued)
+                pipe.eval(scripts.DEQUEUE_LUA, 2, keys.queued(w), keys.queue(w), *dequeued)
             snapshots = ((keys.waiting(w), c.waiting), (keys.running(w), c.running), (keys.swapped(w), c.swapped))
             for key, snapshot in snapshots:
                 if snapshot is not None:

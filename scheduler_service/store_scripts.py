@@ -1,0 +1,70 @@
+"""The Lua scripts of the state store: each runs atomically inside Redis.
+
+Kept apart from scheduler_service/store.py so that the store reads as the list of operations, and
+each script's contract (KEYS, ARGV, reply) sits next to its code.
+"""
+
+from __future__ import annotations
+
+# Admission in one atomic step: find the same request already there (same id and digest, live or
+# finished with its stream kept: the caller re-attaches), refuse a live duplicate id or a full queue,
+# else record and queue the request and count it in the worker's queue totals. Every replica runs the
+# same check on the same counters, so the bound holds across replicas without any scan; and two
+# replicas receiving the same request at once cannot both admit it.
+#   KEYS: request hash, output stream, live set, inbox, queued hash, queue totals, digest
+#   ARGV: record, worker id, request id, prompt tokens, max requests (0 = none), max tokens (0 = none),
+#         digest ("" for a server-chosen id: never re-sent, nothing to remember)
+#   returns {status, queued requests, queued tokens}; status 0 admitted, 1 duplicate, 2 / 3 request / token
+#   limit, 4 the same request exists (attach to its stream)
+ADMIT_LUA = """
+local live = redis.call('EXISTS', KEYS[1]) == 1
+if ARGV[7] ~= '' and redis.call('GET', KEYS[7]) == ARGV[7] and (live or redis.call('EXISTS', KEYS[2]) == 1) then
+  return {4, 0, 0}
+end
+if live then return {1, 0, 0} end
+local reqs = tonumber(redis.call('HGET', KEYS[6], 'requests') or '0')
+local toks = tonumber(redis.call('HGET', KEYS[6], 'tokens') or '0')
+local n = tonumber(ARGV[4])
+local max_reqs = tonumber(ARGV[5])
+local max_toks = tonumber(ARGV[6])
+if max_reqs > 0 and reqs >= max_reqs then return {2, reqs, toks} end
+-- An empty queue takes any request, so a prompt longer than the token bound is not refused forever.
+if max_toks > 0 and reqs > 0 and toks + n > max_toks then return {3, reqs, toks} end
+redis.call('DEL', KEYS[2])
+if ARGV[7] == '' then redis.call('DEL', KEYS[7]) else redis.call('SET', KEYS[7], ARGV[7]) end
+redis.call('HSET', KEYS[1], 'request', ARGV[1])
+redis.call('HSET', KEYS[1], 'worker', ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'queued')
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('RPUSH', KEYS[4], ARGV[1])
+redis.call('HSET', KEYS[5], ARGV[3], n)
+redis.call('HINCRBY', KEYS[6], 'requests', 1)
+redis.call('HINCRBY', KEYS[6], 'tokens', n)
+return {0, reqs + 1, toks + n}
+"""
+
+# Requests leave the queue count when they are first scheduled (they appear in the running or swapped
+# snapshot) or finish (aborted or failed while waiting). Idempotent: ids no longer counted are skipped.
+#   KEYS: queued hash, queue totals; ARGV: request ids
+DEQUEUE_LUA = """
+for _, id in ipairs(ARGV) do
+  local n = redis.call('HGET', KEYS[1], id)
+  if n then
+    redis.call('HDEL', KEYS[1], id)
+    redis.call('HINCRBY', KEYS[2], 'requests', -1)
+    redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(n))
+  end
+end
+return 0
+"""
+
+# Appends a step's output messages, each under the entry id that encodes its index in its request's
+# stream (see stream_index), so a client can resume at any index on any replica. XLEN is the next
+# index because the stream is append-only. Runs inside the commit's MULTI/EXEC.
+#   KEYS: output stream per message; ARGV: the serialized messages, in the same order
+APPEND_OUTPUTS_LUA = """
+for i, key in ipairs(KEYS) do
+  redis.call('XADD', key, '0-' .. (redis.call('XLEN', key) + 1), 'm', ARGV[i])
+end
+return 0
+"""

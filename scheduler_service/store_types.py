@@ -1,0 +1,152 @@
+"""The typed records the state store takes and returns: step commits, pickups, queue and stream state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protos import generation_pb2, state_pb2
+from shared.errors import AlreadyExistsError, ResourceExhaustedError
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds of one worker's queue of admitted, not yet scheduled requests (0 = unbounded)."""
+
+    max_requests: int = 0
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """One worker's queue as the admission counters see it."""
+
+    requests: int
+    tokens: int
+
+
+class DuplicateRequestError(AlreadyExistsError):
+    """A live request already uses this request id."""
+
+
+class AdmitOutcome(enum.Enum):
+    """What admission did with a request."""
+
+    # Recorded and queued: a new generation starts.
+    ADMITTED = "admitted"
+    # The same request (same id and digest) is live, or finished with its stream kept: nothing was
+    # queued; the caller streams the existing output from index 0.
+    ATTACHED = "attached"
+
+
+class StreamState(enum.Enum):
+    """Where a request's output stream stands."""
+
+    # Admitted and not finished: more messages will come.
+    LIVE = "live"
+    # Finished; its stream is still kept (OUTPUT_TTL_SECONDS) and complete.
+    FINISHED = "finished"
+    # No such request, or its stream expired.
+    GONE = "gone"
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """A request's output stream as one atomic read saw it."""
+
+    state: StreamState
+    # Messages committed so far (indexes 0 .. length - 1).
+    length: int
+
+
+class QueueFullError(ResourceExhaustedError):
+    """The worker's queue is at its bound: the client should retry later."""
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The KV cache as the engine loop last saw it."""
+
+    free_blocks: int
+    total_blocks: int
+    # Prefix-cache lookups, counted in blocks (cumulative).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def as_hash(self) -> dict[str, int]:
+        return {
+            "free": self.free_blocks, "total": self.total_blocks,
+            "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
+        }
+
+
+@dataclass
+class StepCommit:
+    """Everything one engine-loop step changes in Redis."""
+
+    worker_id: str
+    # Fencing epoch of the engine loop that writes it (0: unfenced).
+    epoch: int = 0
+    # seq_id -> output tokens appended this step.
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> block ids appended to its table this step.
+    new_blocks: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> {table index: block id} replaced by copy-on-write this step.
+    replaced_blocks: dict[int, dict[int, int]] = field(default_factory=dict)
+    # Sequences whose stored block table is dropped (finished or preempted).
+    dropped_block_tables: list[int] = field(default_factory=list)
+    # Sequences whose token list is dropped (their request finished).
+    dropped_seqs: list[int] = field(default_factory=list)
+    # request id -> seq_ids whose stored tokens, blocks, status and logprob are wiped before this
+    # step's writes (beam search drops beams and reuses their ids).
+    reset_seqs: dict[str, list[int]] = field(default_factory=dict)
+    # (request id, message) to publish to the request's output stream.
+    outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
+    finished_requests: list[str] = field(default_factory=list)
+    # Requests that entered the running or swapped queue since the last snapshot (the admission queue
+    # count drops them).
+    newly_scheduled: list[str] = field(default_factory=list)
+    # request id -> {seq_id: SequenceStatus name} for sequences finished while their request goes on.
+    finished_seqs: dict[str, dict[int, str]] = field(default_factory=dict)
+    # request id -> {seq_id: cumulative logprob} for requests that pick their best_of at the end.
+    cumulative_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # (record, worker id): requests moved to another worker's inbox, to be recomputed there.
+    handed_over: list[tuple[state_pb2.AdmittedRequest, str]] = field(default_factory=list)
+    # Queue snapshots; None when unchanged.
+    waiting: list[str] | None = None
+    running: list[str] | None = None
+    swapped: list[str] | None = None
+    # None when unchanged since the last commit.
+    cache_stats: CacheStats | None = None
+    num_preemptions: int = 0
+    # Of those, preemptions by swapping out (the rest recompute).
+    num_swaps: int = 0
+
+    def is_empty(self) -> bool:
+        return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs
+                    or self.reset_seqs or self.outputs or self.handed_over
+                    or self.finished_requests or self.newly_scheduled or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
+                    or self.cache_stats is not None or self.num_preemptions)
+
+
+@dataclass
+class RestoredRequest:
+    """A request an earlier owner of the worker picked up, with the outputs it committed."""
+
+    record: state_pb2.AdmittedRequest
+    # seq_id -> committed output tokens
+    outputs: dict[int, list[int]]
+    # seq_id -> SequenceStatus name, for sequences that finished while their request went on (n > 1)
+    finished: dict[int, str] = field(default_factory=dict)
+    # seq_id -> cumulative logprob of its outputs (requests with best_of > n)
+    cumulative_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class Pickup:
+    """Work the engine loop picked up with a commit."""
+
+    admitted: list[state_pb2.AdmittedRequest]
+    aborts: list[str]
+    # Requests another worker's loop handed over, with the outputs committed for them so far.
+    handed_over: list[RestoredRequest] = field(default_factory=list)
