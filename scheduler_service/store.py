@@ -1,8 +1,9 @@
 """The Redis state store: requests, queues, step commits, output streams.
 
 Admission writes a request record and pushes it to its worker's inbox. Each
-engine-loop step is committed in one MULTI/EXEC round trip that also picks up
-the next admitted requests and aborts, so a step costs exactly one round trip.
+engine-loop step is committed in one MULTI/EXEC transaction that also picks up
+the next admitted requests and aborts; fenced by the loop's epoch (WATCH and GET
+before it), it costs three round trips, all overlapped with the worker's step.
 Clients read their request's output stream; tokens appear there only once
 their step is committed. The records it takes and returns are in store_types.py,
 its Lua scripts in store_scripts.py; leases and the worker registry have their own small modules.
