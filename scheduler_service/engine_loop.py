@@ -105,6 +105,12 @@ class EngineLoop:
         processor.record_timings = self._telemetry.enabled
 
     @property
+    def num_requests(self) -> int:
+        """Requests waiting, running or swapped on this loop."""
+        s = self._scheduler
+        return len(s.waiting) + len(s.running) + len(s.swapped)
+
+    @property
     def is_idle(self) -> bool:
         """No request is waiting, running or swapped on this loop."""
         s = self._scheduler

@@ -5,7 +5,8 @@ Every tick (a fraction of the lease TTL) the supervisor
   2. renews the leases it holds in one round trip, and cancels at once the loop of any lease it lost
      (another replica drives that worker now; the fenced commit would refuse its writes anyway);
   3. takes free leases while it runs fewer loops than its fair share, ceil(workers / live replicas),
-     and gives back an idle loop's lease when it runs more, so replicas added later get work; below
+     and gives back an idle loop's lease when it runs more (its lightest busy one if none falls idle
+     for REBALANCE_AFTER_TTLS lease TTLs), so replicas added later get work even under load; below
      its share it wakes exactly when the next lease held elsewhere expires;
   4. tells each loop what the registry says of its worker (draining, gone).
 
@@ -32,6 +33,11 @@ from shared.worker_registry import WorkerEntry, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
+# How long (in lease TTLs) a replica above its fair share waits for a loop to fall idle before it gives
+# back a busy one. The new owner recomputes that worker's running requests, so this is rare; without it
+# a replica added under steady load would never get a worker.
+REBALANCE_AFTER_TTLS = 3
+
 
 @dataclass
 class _Running:
@@ -57,6 +63,8 @@ class Supervisor:
         self._next_wait = self._tick_s
         # Leases of loops that ended on their own, given back at the next tick.
         self._releasing: list[str] = []
+        # Since when (event-loop time) this replica has run more loops than its share, none of them idle.
+        self._surplus_since: float | None = None
 
     @property
     def worker_ids(self) -> list[str]:
@@ -102,6 +110,7 @@ class Supervisor:
                 self._start(entry)
         if len(self._running) > share:
             await self._give_back_idle(len(self._running) - share)
+        await self._rebalance_busy(share)
         # Below its share, the replica wakes when the next lease held elsewhere expires, so that a dead
         # replica's workers move on within the TTL of its last renewal rather than up to a tick later.
         self._next_wait = self._tick_s
@@ -146,6 +155,24 @@ class Supervisor:
         for worker_id in [w for w, r in self._running.items() if r.loop.is_idle][:surplus]:
             await self._stop(worker_id)
             log.info("gave back the lease of idle worker %s to balance the replicas", worker_id)
+
+    async def _rebalance_busy(self, share: int) -> None:
+        """Above its share for REBALANCE_AFTER_TTLS TTLs with no idle loop: gives back the lightest busy one."""
+        if len(self._running) <= share:
+            self._surplus_since = None
+            return
+        now = asyncio.get_running_loop().time()
+        if self._surplus_since is None:
+            self._surplus_since = now
+            return
+        if now - self._surplus_since < REBALANCE_AFTER_TTLS * self._leases.ttl_s:
+            return
+        worker_id = min(self._running, key=lambda w: self._running[w].loop.num_requests)
+        requests = self._running[worker_id].loop.num_requests
+        await self._stop(worker_id)
+        self._surplus_since = None
+        log.info("gave back the lease of worker %s (%d request(s), recomputed by its next owner) to balance "
+                 "the replicas", worker_id, requests)
 
     async def _stop(self, worker_id: str) -> None:
         running = self._running.pop(worker_id)

@@ -215,3 +215,57 @@ def test_killing_the_lease_owner_moves_the_loop_within_the_ttl_and_loses_nothing
         assert result.error == "" and result.finish_reason == "FINISH_REASON_LENGTH", result
         cmp = compare_greedy(result.token_ids, reference.greedy(prompt, max_new, stop_at_eos=False))
         assert cmp.matched, cmp.detail
+
+
+def test_a_replica_added_under_load_gets_a_worker(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Scale-out of schedulers under steady load: no loop falls idle, so the busy replica gives one back.
+
+    The new owner recomputes that worker's running requests from Redis; every request still completes
+    with transformers' greedy tokens.
+    """
+    overrides = {"worker": OVERRIDES["worker"], "scheduler": {**OVERRIDES["scheduler"], "LLMSERVE_LEASE_TTL": "2"}}
+    cluster = ManifestCluster("cpu", tiny_llama_dir, tmp_path, overrides)
+    stop = threading.Event()
+    results: list[tuple[list[int], object]] = []
+    try:
+        cluster.start_redis()
+        for i in range(2):
+            cluster.start_worker(i)
+        cluster.start_scheduler(0)
+        cluster.wait_serving("scheduler-0")
+        first = cluster.replica_id("scheduler-0")
+        wait_for(lambda: set(lease_owners(cluster, ["worker-0", "worker-1"]).values()) == {first}, 30,
+                 "the only replica owns both workers")
+
+        def client_loop(index: int) -> None:
+            with GenerationClient(cluster.pods["scheduler-0"].address) as client:
+                n = 0
+                while not stop.is_set():
+                    prompt = prompts(1, seed=5000 + 100 * index + n)[0]
+                    n += 1
+                    result = client.generate(make_request(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True,
+                                                          temperature=0.0), 120)
+                    results.append((prompt, result))
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            loops = [pool.submit(client_loop, i) for i in range(8)]
+            time.sleep(2.0)
+            cluster.start_scheduler(1)
+            cluster.wait_serving("scheduler-1")
+            second = cluster.replica_id("scheduler-1")
+            took = wait_for(lambda: sorted(lease_owners(cluster, ["worker-0", "worker-1"]).values())
+                            == sorted([first, second]), 60, "the new replica took one worker", interval_s=0.2)
+            time.sleep(2.0)
+            stop.set()
+            for f in loops:
+                f.result()
+        print(f"\nthe added replica owned a worker {took:.1f}s after it was serving, under load")
+    finally:
+        stop.set()
+        cluster.stop()
+    reference = HFReference(str(tiny_llama_dir))
+    assert len(results) > 16
+    for prompt, result in results:
+        assert result.error == "" and result.finish_reason == "FINISH_REASON_LENGTH", result
+        cmp = compare_greedy(result.token_ids, reference.greedy(prompt, 16, stop_at_eos=False))
+        assert cmp.matched, cmp.detail
