@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # back a busy one. The new owner recomputes that worker's running requests, so this is rare; without it
 # a replica added under steady load would never get a worker.
 REBALANCE_AFTER_TTLS = 3
+# After adopting a worker no replica drove for a TTL, how long (in lease TTLs) the replica keeps all its
+# loops rather than balancing them away again.
+ADOPTION_HOLD_TTLS = 10
 
 
 @dataclass
@@ -65,6 +68,10 @@ class Supervisor:
         self._releasing: list[str] = []
         # Since when (event-loop time) this replica has run more loops than its share, none of them idle.
         self._surplus_since: float | None = None
+        # Workers whose lease this replica saw free, and since when (event-loop time).
+        self._free_since: dict[str, float] = {}
+        # No giving back (event-loop time) before this: set when the replica adopts an undriven worker.
+        self._balance_after = 0.0
 
     @property
     def worker_ids(self) -> list[str]:
@@ -103,14 +110,23 @@ class Supervisor:
         self._releasing.clear()
         by_id = {e.worker_id: e for e in entries}
         share = math.ceil(len(entries) / max(replicas, 1))
+        orphans = await self._orphans(entries)
         for entry in entries:
-            if len(self._running) >= share:
-                break
-            if entry.worker_id not in self._running and await self._leases.acquire(entry.worker_id):
+            if entry.worker_id in self._running:
+                continue
+            # Beyond its share only for a worker nobody has driven for a whole TTL: the replica whose share
+            # it is may be stuck, and an undriven worker strands its requests.
+            below = len(self._running) < share
+            if (below or entry.worker_id in orphans) and await self._leases.acquire(entry.worker_id):
                 self._start(entry)
-        if len(self._running) > share:
-            await self._give_back_idle(len(self._running) - share)
-        await self._rebalance_busy(share)
+                if not below:
+                    # The replicas whose share it was did not take it: no balancing for a while, or the
+                    # worker would bounce between being given back and adopted again.
+                    self._balance_after = asyncio.get_running_loop().time() + ADOPTION_HOLD_TTLS * self._leases.ttl_s
+        if asyncio.get_running_loop().time() >= self._balance_after:
+            if len(self._running) > share:
+                await self._give_back_idle(len(self._running) - share)
+            await self._rebalance_busy(share)
         # Below its share, the replica wakes when the next lease held elsewhere expires, so that a dead
         # replica's workers move on within the TTL of its last renewal rather than up to a tick later.
         self._next_wait = self._tick_s
@@ -155,6 +171,14 @@ class Supervisor:
         for worker_id in [w for w, r in self._running.items() if r.loop.is_idle][:surplus]:
             await self._stop(worker_id)
             log.info("gave back the lease of idle worker %s to balance the replicas", worker_id)
+
+    async def _orphans(self, entries: list[WorkerEntry]) -> set[str]:
+        """Workers whose lease has been free for more than a TTL, as seen over this replica's ticks."""
+        others = [e.worker_id for e in entries if e.worker_id not in self._running]
+        owners = await self._leases.owners(others)
+        now = asyncio.get_running_loop().time()
+        self._free_since = {w: self._free_since.get(w, now) for w, owner in owners.items() if not owner}
+        return {w for w, since in self._free_since.items() if now - since > self._leases.ttl_s}
 
     async def _rebalance_busy(self, share: int) -> None:
         """Above its share for REBALANCE_AFTER_TTLS TTLs with no idle loop: gives back the lightest busy one."""

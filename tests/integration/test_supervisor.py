@@ -1,0 +1,71 @@
+"""The supervisor against a real redis-server: fair shares, and workers no replica drives."""
+
+from __future__ import annotations
+
+import asyncio
+
+from protos import worker_pb2
+from scheduler_service.leases import Leases
+from scheduler_service.router import Router
+from scheduler_service.store import RedisStore
+from scheduler_service.supervisor import Supervisor
+from shared.worker_registry import WorkerEntry, WorkerRegistry
+from tests.integration.test_store import run
+
+WORKERS = ["10.0.0.1:1", "10.0.0.2:1"]
+
+
+class IdleLoop:
+    """Stands in for an engine loop: runs until stopped, never has work."""
+
+    is_idle = True
+    num_requests = 0
+
+    def __init__(self, entry: WorkerEntry) -> None:
+        self.worker_id = entry.worker_id
+
+    def observe_registration(self, entry: WorkerEntry | None) -> None:
+        pass
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+
+
+async def register(store: RedisStore) -> WorkerRegistry:
+    registry = WorkerRegistry(store.client)
+    for w in WORKERS:
+        await registry.heartbeat(w, worker_pb2.WorkerDescription(instance_id=w), draining=False, ttl_s=30)
+    return registry
+
+
+def test_two_replicas_split_the_workers(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        registry = await register(store)
+        a = Supervisor(registry, Leases(store.client, "a", 2), Router(store), IdleLoop)  # type: ignore[arg-type]
+        b = Supervisor(registry, Leases(store.client, "b", 2), Router(store), IdleLoop)  # type: ignore[arg-type]
+        await b._leases.announce()  # noqa: SLF001 - b is alive before a's first tick
+        await a.tick()
+        await b.tick()
+        assert (len(a.worker_ids), len(b.worker_ids)) == (1, 1)
+        assert set(a.worker_ids + b.worker_ids) == set(WORKERS)
+        for s in (a, b):
+            await s._stop_all()  # noqa: SLF001
+
+    run(url, body)
+
+
+def test_a_worker_no_replica_drives_is_taken_beyond_the_share(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        registry = await register(store)
+        a = Supervisor(registry, Leases(store.client, "a", 1), Router(store), IdleLoop)  # type: ignore[arg-type]
+        stuck = Leases(store.client, "stuck", 30)
+        await stuck.announce()  # counted as alive for 15 s, but it never takes a lease
+        await a.tick()
+        assert len(a.worker_ids) == 1, "its share of two workers over two replicas"
+        for _ in range(2):  # the other worker stays free for more than a TTL; a renews its own lease meanwhile
+            await asyncio.sleep(0.6)
+            await a.tick()
+        assert a.worker_ids == sorted(WORKERS)
+        await a._stop_all()  # noqa: SLF001
+
+    run(url, body)
