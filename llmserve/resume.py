@@ -58,8 +58,10 @@ class ResumingStream(Iterator[generation_pb2.GenerateResponse]):
             raise ValueError("at least one scheduler address is needed")
         if not request.request_id:
             # Re-sending must name the same request, or a lost first call could generate twice.
-            request = generation_pb2.GenerateRequest.FromString(request.SerializeToString())
-            request.request_id = uuid.uuid4().hex
+            own = generation_pb2.GenerateRequest()
+            own.CopyFrom(request)
+            own.request_id = uuid.uuid4().hex
+            request = own
         self._stubs = stubs
         self._request = request
         self._policy = policy

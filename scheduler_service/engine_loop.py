@@ -69,16 +69,15 @@ class EngineLoop:
         store: RedisStore,
         scheduler: Scheduler,
         processor: OutputProcessor,
+        fleet: Fleet,
         profile_path: Path | None = None,
         tracer: trace.Tracer | None = None,
         metrics: EngineMetrics | None = None,
         step_timeout_s: float = STEP_TIMEOUT_SECONDS,
-        fleet: Fleet | None = None,
         channel: grpc.aio.Channel | None = None,
         registration: WorkerEntry | None = None,
     ) -> None:
         self.worker_id = worker_id
-        # Without a fleet (tests that drive one worker directly) epochs come from a plain INCR, unfenced.
         self._fleet = fleet
         self._channel = channel
         self._registration = registration
@@ -120,19 +119,8 @@ class EngineLoop:
         """What the worker registry says of this loop's worker (None: no longer registered)."""
         self._registration = entry
 
-    def _new_commit(self) -> StepCommit:
-        # Fenced by the loop's epoch: a loop that lost its worker to another replica writes nothing.
-        return StepCommit(self.worker_id, self._commit_epoch)
-
-    @property
-    def _commit_epoch(self) -> int:
-        return self._planner.epoch if self._fleet is not None else 0
-
     async def _take_ownership(self) -> None:
-        if self._fleet is not None:
-            epoch = await self._fleet.leases.next_epoch(self.worker_id)
-        else:
-            epoch = await self._store.next_epoch(self.worker_id)
+        epoch = await self._fleet.leases.next_epoch(self.worker_id)
         # The epoch fences this loop's commits from now on, even while the worker cannot be reached.
         self._planner.reset(epoch)
         await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=RESET_TIMEOUT_SECONDS)
@@ -246,7 +234,6 @@ class EngineLoop:
             pending = StepCommit(self.worker_id)
             await self._restore(pending)
             await self._own_worker(stop)
-            pending.epoch = self._commit_epoch
             await self._steps(stop, pending, Pickup([], []))
         finally:
             if self._profiles is not None:
@@ -262,7 +249,7 @@ class EngineLoop:
             clock = PerfClock(started) if self._telemetry.tracing else None
             profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
             self._ingest(pickup, pending)
-            if self._fleet is not None and not await self._follow_registration(pending):
+            if not await self._follow_registration(pending):
                 break
             ingested = time.perf_counter()
             out, plan = self._plan(pending, profile)
@@ -284,7 +271,7 @@ class EngineLoop:
                     failure = exc
                 stepped = time.perf_counter()
                 pickup, commit_start, commit_s = await committed
-                pending = self._new_commit()
+                pending = StepCommit(self.worker_id)
                 if failure is not None:
                     span.set_status(Status(StatusCode.ERROR, f"worker failed: {failure.code().name}"))
                     span.end()
@@ -306,7 +293,7 @@ class EngineLoop:
                                                      processing)
             elif not pending.is_empty():
                 pickup, commit_start, commit_s = await _timed(self._commit(pending))
-                pending = self._new_commit()
+                pending = StepCommit(self.worker_id)
                 self._telemetry.observe_idle_commit(self.steps, commit_start, commit_s, clock)
             else:
                 if self._profiles is not None:
@@ -314,14 +301,15 @@ class EngineLoop:
                 pickup = await self._store.wait_for_work(self.worker_id, IDLE_WAIT_SECONDS)
         if not pending.is_empty():
             await self._commit(pending)
-        if self._fleet is not None and self._departed() and self._registration is not None and self.is_idle:
+        if self._departed() and self._registration is not None and self.is_idle:
             # Only now that the hand-over is committed may the registration go: a registry without the
             # worker is what tells every replica that nothing of it is left to continue.
             await self._fleet.registry.forget(self.worker_id)
 
     def _commit(self, commit: StepCommit) -> Awaitable[Pickup]:
-        # Stamped at commit time: the loop may have taken a newer epoch (worker reset) since the commit began.
-        commit.epoch = self._commit_epoch
+        # Fenced by the loop's epoch, stamped at commit time: the loop may have taken a newer epoch (worker
+        # reset) since the commit began, and a loop that lost its worker to another replica writes nothing.
+        commit.epoch = self._planner.epoch
         return self._store.commit(commit)
 
     async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit, stop: asyncio.Event) -> None:
@@ -344,15 +332,16 @@ class EngineLoop:
         entry = self._registration
         return entry is None or not entry.alive
 
-    async def _own_worker(self, stop: asyncio.Event) -> bool:
-        """Takes (or retakes) the worker; gives up (False) when stopping or when it left and others can serve."""
+    async def _own_worker(self, stop: asyncio.Event) -> None:
+        """Takes (or retakes) the worker; gives up when stopping, or when it left and others can serve
+        (the next iteration then hands its requests over)."""
         while True:
             try:
                 await self._take_ownership()
-                return True
+                return
             except grpc.aio.AioRpcError as exc:
-                if stop.is_set() or (self._fleet is not None and self._departed() and self._fleet.others(self.worker_id)):
-                    return False
+                if stop.is_set() or (self._departed() and self._fleet.others(self.worker_id)):
+                    return
                 log.warning("worker %s unreachable (%s); retrying", self.worker_id, exc.code())
                 await asyncio.sleep(1.0)
 
@@ -362,7 +351,6 @@ class EngineLoop:
         A departed worker's requests all move to other workers (its KV is gone); a draining
         worker keeps its running requests to the end and hands over only those not started.
         """
-        assert self._fleet is not None
         entry = self._registration
         departed = self._departed()
         if not departed and entry is not None and not entry.draining:

@@ -104,9 +104,9 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
         n = next(profiles)
         profile = Path(config.profile_steps if n == 0 else f"{config.profile_steps}.{n}") if config.profile_steps else None
         return EngineLoop(entry.worker_id, worker_pb2_grpc.WorkerStub(channel), store, scheduler,
-                          OutputProcessor(tokenizer, scheduler), profile, tracer=tracer,
+                          OutputProcessor(tokenizer, scheduler), fleet, profile, tracer=tracer,
                           metrics=metrics.engine(entry.worker_id) if metrics is not None else None,
-                          step_timeout_s=config.step_timeout_s, fleet=fleet, channel=channel, registration=entry)
+                          step_timeout_s=config.step_timeout_s, channel=channel, registration=entry)
 
     supervisor = Supervisor(registry, leases, router, make_loop)
     limits = QueueLimits(config.max_num_queued_requests, config.max_queued_tokens)

@@ -182,11 +182,6 @@ class RedisStore:
     # -- engine loop -------------------------------------------------------------------------
 
     @_unavailable_on_redis_error
-    async def next_epoch(self, worker_id: str) -> int:
-        """A new fencing epoch for the worker's engine loop."""
-        return int(await self._r.incr(keys.epoch(worker_id)))
-
-    @_unavailable_on_redis_error
     async def wait_for_work(self, worker_id: str, timeout: float) -> Pickup:
         """Blocks until a request or abort arrives for the worker (or the timeout passes)."""
         item = await self._r.blpop([keys.inbox(worker_id), keys.aborts(worker_id)], timeout=timeout)
@@ -328,18 +323,6 @@ class RedisStore:
         return restored
 
     # -- clients -----------------------------------------------------------------------------
-
-    @_unavailable_on_redis_error
-    async def read_outputs(
-        self, request_id: str, last_id: str, block_ms: int
-    ) -> list[tuple[str, generation_pb2.GenerateResponse]]:
-        """Committed messages of a request after `last_id` ("0" for all), waiting up to block_ms."""
-        reply = await self._r.xread({keys.output_stream(request_id): last_id}, block=block_ms)
-        out: list[tuple[str, generation_pb2.GenerateResponse]] = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                out.append((entry_id.decode(), generation_pb2.GenerateResponse.FromString(fields[b"m"])))
-        return out
 
     @_unavailable_on_redis_error
     async def read_from(

@@ -58,7 +58,9 @@ class SequenceCache:
 
     def num_used_blocks(self) -> int:
         """Distinct blocks referenced by the cached sequences."""
-        return len({b for seq in self._seqs.values() for b in seq.block_table})
+        # list() copies the values in one step under the GIL: Describe and heartbeats call this from the event
+        # loop while a step thread may be adding or dropping sequences.
+        return len({b for seq in list(self._seqs.values()) for b in seq.block_table})
 
     def clear(self) -> None:
         self._seqs.clear()

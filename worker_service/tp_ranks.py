@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from protos import worker_pb2
+from shared.redis_server import free_port
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import load_config
 from worker_service.model_runner import ModelRunner
@@ -51,12 +51,6 @@ log = logging.getLogger("worker_service.tp_ranks")
 
 _POLL_S = 0.2
 _STOP_GRACE_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _runner_fields(config: WorkerConfig) -> dict[str, object]:
@@ -154,7 +148,7 @@ def start_runner(config: WorkerConfig) -> tuple[ModelRunner, RankProcesses | Non
             f"tensor_parallel_size={size} on {config.device} needs GPUs {device.index or 0}.."
             f"{(device.index or 0) + size - 1}, but {torch.cuda.device_count()} are visible"
         )
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     log.info("starting %d tensor-parallel ranks, group at %s", size, init_method)
     ranks = RankProcesses.spawn(config, init_method)
     try:

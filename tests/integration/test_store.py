@@ -26,6 +26,13 @@ from shared.errors import AlreadyExistsError, UnavailableError, status_for
 W = "w0"
 
 
+def unindexed(msgs: list[generation_pb2.GenerateResponse]) -> list[generation_pb2.GenerateResponse]:
+    """The messages without the stream index read_from sets, to compare them with what was committed."""
+    for m in msgs:
+        m.ClearField("index")
+    return msgs
+
+
 def run(url: str, body: Callable[[RedisStore], Awaitable[None]]) -> None:
     """Runs one async test body with a fresh store (pytest-asyncio is not installed)."""
 
@@ -55,11 +62,6 @@ def response(request_id: str, text: str, token_ids: list[int], finish: int = 0) 
         request_id=request_id,
         outputs=[generation_pb2.CompletionDelta(index=0, text=text, token_ids=token_ids, finish_reason=finish)],
     )
-
-
-def stream_id(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-")
-    return int(ms), int(seq)
 
 
 # -- admission ---------------------------------------------------------------------------
@@ -247,20 +249,19 @@ def test_outputs_are_read_in_order_and_finished_requests_expire(url: str, plain)
                 dropped_seqs=[1],
             )
         )
-        got = await store.read_outputs("a", "0", block_ms=100)
-        assert [m for _, m in got] == [
+        got = await store.read_from("a", 0, block_ms=100)
+        assert [m.index for m in got] == [0, 1, 2]
+        assert unindexed(got) == [
             response("a", "He", [1]),
             response("a", "llo", [2, 3]),
             response("a", "!", [4], common_pb2.FINISH_REASON_STOP),
         ]
-        ids = [stream_id(i) for i, _ in got]
-        assert ids == sorted(ids) and len(set(ids)) == 3
-        # Reading after an id returns only what came later.
-        later = await store.read_outputs("a", got[0][0], block_ms=100)
-        assert [i for i, _ in later] == [i for i, _ in got[1:]]
-        # Nothing after the last id: waits block_ms and returns nothing.
+        # Reading from an index returns only what came from there on.
+        later = await store.read_from("a", 1, block_ms=100)
+        assert [m.index for m in later] == [1, 2]
+        # Nothing from past the last index: waits block_ms and returns nothing.
         t0 = time.monotonic()
-        assert await store.read_outputs("a", got[-1][0], block_ms=200) == []
+        assert await store.read_from("a", 3, block_ms=200) == []
         assert time.monotonic() - t0 >= 0.15
         # Finished: the stream lingers with a TTL, the request record is gone.
         assert 0 < plain.ttl(keys.output_stream("a")) <= OUTPUT_TTL_SECONDS
@@ -269,19 +270,19 @@ def test_outputs_are_read_in_order_and_finished_requests_expire(url: str, plain)
         # The unfinished request keeps its record and a stream without TTL.
         assert plain.ttl(keys.output_stream("b")) == -1
         assert plain.exists(keys.request("b")) == 1
-        assert [m for _, m in await store.read_outputs("b", "0", block_ms=100)] == [response("b", "X", [9])]
+        assert unindexed(await store.read_from("b", 0, block_ms=100)) == [response("b", "X", [9])]
 
     run(url, body)
 
 
-def test_read_outputs_waits_for_a_later_commit(url: str) -> None:
+def test_read_from_waits_for_a_later_commit(url: str) -> None:
     async def body(store: RedisStore) -> None:
-        reader = asyncio.ensure_future(store.read_outputs("r", "$", block_ms=5000))
+        reader = asyncio.ensure_future(store.read_from("r", 0, block_ms=5000))
         await asyncio.sleep(0.2)
         assert not reader.done()
         await store.commit(StepCommit(W, outputs=[("r", response("r", "hi", [5]))]))
         got = await asyncio.wait_for(reader, timeout=5)
-        assert [m for _, m in got] == [response("r", "hi", [5])]
+        assert unindexed(got) == [response("r", "hi", [5])]
 
     run(url, body)
 
@@ -393,7 +394,7 @@ def test_reusing_a_finished_request_id_does_not_replay_old_outputs(url: str, pla
         except DuplicateRequestError:
             return  # refusing the reuse while old outputs are readable would also be correct
         await store.commit(StepCommit(W, outputs=[("again", response("again", "new", [2]))]))
-        got = [m for _, m in await store.read_outputs("again", "0", block_ms=100)]
+        got = unindexed(await store.read_from("again", 0, block_ms=100))
         assert old not in got
         assert got == [response("again", "new", [2])]
 
