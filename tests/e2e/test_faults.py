@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ import redis
 
 from llmserve.client import GenerationClient, make_request
 from protos import common_pb2
+from scheduler_service import keys
 from tests.e2e.manifest_cluster import ManifestCluster
 from tests.e2e.test_manifests_local import OVERRIDES, lease_owners, start, wait_for
 from tests.hf_reference import HFReference, compare_greedy
@@ -103,14 +105,14 @@ def cluster(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[ManifestCluster]:
 
 
 def run_with_fault(cluster: ManifestCluster, tiny_llama_dir: Path, fault: str, inject: Callable[[], None],
-                   seed: int) -> FaultRow:
-    """Streams NUM_REQUESTS greedy requests, injects the fault once tokens flow, checks and records the outcome."""
+                   seed: int, num_requests: int = NUM_REQUESTS) -> FaultRow:
+    """Streams num_requests greedy requests, injects the fault once tokens flow, checks and records the outcome."""
     rng = random.Random(seed)
-    tracked = [Tracked([rng.randrange(3, 40000) for _ in range(rng.randint(4, 60))]) for _ in range(NUM_REQUESTS)]
+    tracked = [Tracked([rng.randrange(3, 40000) for _ in range(rng.randint(4, 60))]) for _ in range(num_requests)]
     replicas = [cluster.pods[f"scheduler-{i}"].address for i in range(2)]
     clients = [GenerationClient(replicas[i], fallback_addresses=[replicas[1 - i]]) for i in range(2)]
     try:
-        with ThreadPoolExecutor(max_workers=NUM_REQUESTS) as pool:
+        with ThreadPoolExecutor(max_workers=num_requests) as pool:
             futures = [pool.submit(consume, clients[i % 2], f"{fault.split()[0]}-{i}", t)
                        for i, t in enumerate(tracked)]
             wait_for(lambda: sum(len(t.tokens) >= 3 for t in tracked) >= NUM_REQUESTS // 2, 120, "tokens flow")
@@ -147,6 +149,43 @@ def test_a_worker_sigkilled_under_load_hands_its_requests_to_the_other_worker(
     client = redis.Redis.from_url(cluster.redis_url)
     try:
         assert client.hget("llmserve:workers", cluster.pods["worker-0"].address) is None, "the dead worker is forgotten"
+    finally:
+        client.close()
+
+
+def test_a_worker_drained_under_load_finishes_its_running_requests_and_hands_over_the_waiting(
+        cluster: ManifestCluster, tiny_llama_dir: Path) -> None:
+    """SIGTERM (what Kubernetes sends on scale-in or a rolling update) to a worker with a queue.
+
+    Three times the requests the two engine loops run at once, so that the worker has requests
+    running and requests waiting when the drain starts. The running ones finish where their KV
+    cache is, the waiting ones move to the other worker, then the owner marks the worker drained
+    and it leaves the registry and exits cleanly, well before its drain timeout.
+    """
+    per_loop = int(FAULT_OVERRIDES["scheduler"]["LLMSERVE_MAX_NUM_SEQS"])
+    worker = cluster.pods["worker-0"]
+
+    def drain() -> None:
+        client = redis.Redis.from_url(cluster.redis_url)
+        try:
+            wait_for(lambda: client.llen(keys.waiting(worker.address)) > 0, 30, "worker-0 has a queue")
+        finally:
+            client.close()
+        worker.proc.terminate()
+
+    row = run_with_fault(cluster, tiny_llama_dir, "worker drain (SIGTERM) with a queue",
+                         drain, seed=34, num_requests=6 * per_loop)
+    assert row.completed == row.requests and row.tokens_lost == 0
+    assert worker.proc.wait(timeout=30) == 0, worker.tail()
+    log = worker.log.read_text(errors="replace")
+    assert "drained" in log and "drain timed out" not in log, worker.tail()
+    handed = [int(n) for i in range(2) for n in re.findall(
+        rf"worker {re.escape(worker.address)} drains: handed (\d+) request",
+        cluster.pods[f"scheduler-{i}"].log.read_text(errors="replace"))]
+    assert sum(handed) > 0, "the draining worker's waiting requests moved to the other worker"
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        assert client.hget("llmserve:workers", worker.address) is None, "the drained worker deregistered"
     finally:
         client.close()
 
