@@ -15,13 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from openai_api.errors import OpenAIError
+from shared.auth import parse_bearer
 
 PROTECTED_PREFIX = "/v1"
-
-
-def _presented_key(request: Request) -> str | None:
-    scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
-    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
 def require_api_key(app: FastAPI, api_key: str) -> None:
@@ -34,7 +30,7 @@ def require_api_key(app: FastAPI, api_key: str) -> None:
     async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if not request.url.path.startswith(PROTECTED_PREFIX):
             return await call_next(request)
-        key = _presented_key(request)
+        key = parse_bearer(request.headers.get("authorization", ""))
         if key is not None and hmac.compare_digest(key.encode(), expected):
             return await call_next(request)
         message = ("You didn't provide an API key: send the header 'Authorization: Bearer <key>'." if key is None

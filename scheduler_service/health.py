@@ -47,10 +47,11 @@ class SchedulerHealth:
         loops = list(self._loops())
         activities = [loop_activity(loop) for loop in loops]
         live = is_live(activities, now, self._timeout_s)
-        reasons = [] if live else [
+        stalls = [] if live else [(loop, stalled_for(a, now)) for loop, a in zip(loops, activities)]
+        reasons = [
             f"the engine loop of worker {loop.worker_id} has work but completed no step for "
-            f"{stalled_for(a, now):.1f}s (--liveness-timeout {self._timeout_s:g}s)"
-            for loop, a in zip(loops, activities) if stalled_for(a, now) > self._timeout_s
+            f"{stalled:.1f}s (--liveness-timeout {self._timeout_s:g}s)"
+            for loop, stalled in stalls if stalled > self._timeout_s
         ]
         redis_ok = await self._redis_answers()
         if not redis_ok:

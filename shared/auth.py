@@ -33,14 +33,17 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, f"Bearer {token}"),)
 
 
+def parse_bearer(value: str) -> str | None:
+    """The token of one `Bearer <token>` credential (scheme case-insensitive, RFC 6750), else None."""
+    scheme, _, token = value.strip().partition(" ")
+    return token.strip() if scheme.lower() == SCHEME and token.strip() else None
+
+
 def presented_token(metadata: Any) -> str | None:
-    """The token of an `authorization: Bearer <token>` entry (scheme case-insensitive, RFC 6750), else None."""
+    """The token of the call's `authorization: Bearer <token>` metadata entry, else None."""
     for key, value in metadata or ():
-        if key.lower() != METADATA_KEY or not isinstance(value, str):
-            continue
-        scheme, _, token = value.strip().partition(" ")
-        if scheme.lower() == SCHEME and token.strip():
-            return token.strip()
+        if key.lower() == METADATA_KEY and isinstance(value, str) and (token := parse_bearer(value)) is not None:
+            return token
     return None
 
 
