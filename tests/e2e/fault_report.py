@@ -30,16 +30,20 @@ Written by `make faults` (tests/e2e/test_faults.py) on {time.strftime('%Y-%m-%d 
 commit {_commit()}, {platform.machine()} with {os.cpu_count()} CPUs (load average {load} at the end).
 
 Each row: the cpu overlay's processes on localhost (2 scheduler replicas, 2 workers, Redis with AOF),
-8 greedy requests of 40 tokens streamed through both replicas (clients fall back to the other one),
-the fault injected while tokens flow. "completed" counts requests that ended normally with exactly
-transformers' greedy tokens; "tokens lost" counts tokens a client never received; "time to recover"
-is the longest pause any client saw between two tokens from the fault on. Test knobs: heartbeat TTL
-3 s, lease TTL 4 s (production defaults: 6 s and 10 s).
+greedy requests of 40 tokens (8, or 24 where a queue is needed) streamed through both replicas
+(clients fall back to the other one), the fault injected while tokens flow. "completed" counts
+requests that ended normally with exactly transformers' greedy tokens; "tokens lost" counts tokens
+a client never received; "time to recover" is the longest pause any client saw between two tokens
+from the fault on. Test knobs: heartbeat TTL 3 s, lease TTL 4 s (production defaults: 6 s and 10 s).
 
 {rows}
 - **worker SIGKILL**: the owning loop's step fails; once the worker's heartbeat expires its requests are
   handed to the other worker in the loop's fenced commit and recomputed there from prompt + committed
   outputs; the dead worker's registration is dropped.
+- **worker drain**: SIGTERM, as Kubernetes sends on scale-in or a rolling update, once the worker has
+  a queue; the owner routes nothing new to it, its running requests finish where their KV cache is,
+  the waiting ones move to the other worker, and the worker deregisters and exits once the owner
+  marks it drained (well before its 30 s drain timeout). No client pauses.
 - **scheduler replica SIGKILL**: clients on it resume on the other replica (Resume from their last
   index); its lease expires and the survivor takes it at that moment, rebuilds the loop from Redis and
   recomputes the running requests.
