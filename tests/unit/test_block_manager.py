@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.block_manager import (
-    AllocStatus,
-    BlockAllocator,
-    BlockManager,
-    NoFreeBlocksError,
-)
+from scheduler_service.core.block_admission import AllocStatus
+from scheduler_service.core.block_allocator import BlockAllocator, NoFreeBlocksError
+from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import CacheConfig
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from shared.sampling_params import SamplingParams

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_service.core.block_manager import AllocStatus
+from scheduler_service.core.block_admission import AllocStatus
 from scheduler_service.core.prefix_caching_allocator import PrefixCacheStats, PrefixCachingBlockAllocator
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput

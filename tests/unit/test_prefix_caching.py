@@ -10,7 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from scheduler_service.core.block_manager import AllocStatus, BlockManager, NoFreeBlocksError
+from scheduler_service.core.block_admission import AllocStatus
+from scheduler_service.core.block_allocator import NoFreeBlocksError
+from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import CacheConfig
 from scheduler_service.core.evictor import LRUEvictor
 from scheduler_service.core.prefix_caching_allocator import PrefixCacheStats, PrefixCachingBlockAllocator

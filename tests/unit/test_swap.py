@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.block_manager import AllocStatus, BlockManager, NoFreeBlocksError
+from scheduler_service.core.block_admission import AllocStatus
+from scheduler_service.core.block_allocator import NoFreeBlocksError
+from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import CacheConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
