@@ -19,7 +19,7 @@ from worker_service.profiler import profile_gpu_memory
 from worker_service.prompt_logprobs import PromptLogprobsData, compute_prompt_logprobs
 from worker_service.sampler import sample
 from worker_service.sequence_cache import CachedSequence, PlanError, SequenceCache
-from worker_service.sharding import check_tensor_parallel, local_shape, shard_model
+from worker_service.sharding import local_shape, shard_model
 from worker_service.tensor_parallel import Command, TensorParallelGroup
 
 
@@ -68,8 +68,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         hf_config = load_config(config.model)
         self.shape = model_shape(hf_config)
+        # A size that does not divide the heads is refused by start_runner (before any rank starts) and shard_model.
         tp_size = tp.world_size if tp is not None else 1
-        check_tensor_parallel(hf_config, tp_size)
         # What this rank's attention and KV cache hold; self.shape stays the whole model's.
         self.cache_shape = local_shape(self.shape, tp_size)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
@@ -154,13 +154,15 @@ class ModelRunner:
         else:
             sampled, prompt_logprobs = self._sample(hidden, inputs)
             token_ids = [s.token_id for s in sampled]
+            if self.tp is not None:
+                self.tp.send_tokens(token_ids)
         sampled_ids = {seq.seq_id: token for seq, token in zip(inputs.sampling_seqs, token_ids)}
         for seq in inputs.seqs:
             self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
         return StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs)
 
     def _sample(self, hidden: torch.Tensor, inputs: ModelInputs) -> tuple[list[SampledTokenData], list[PromptLogprobsData]]:
-        """The LM head and the sampler (rank 0 only); with tensor parallelism, sends the tokens on."""
+        """The LM head and the sampler (rank 0 only); a failure tells the other ranks to drop the step."""
         try:
             # Prompt tokens need no logits, unless their request asked for prompt logprobs.
             prompt_logprobs = compute_prompt_logprobs(hidden, self.lm_head, inputs.prompt_logprobs)
@@ -175,6 +177,4 @@ class ModelRunner:
             if self.tp is not None:
                 self.tp.send_tokens(None)  # the other ranks drop the step as well and wait for the next
             raise
-        if self.tp is not None:
-            self.tp.send_tokens([s.token_id for s in sampled])
         return sampled, prompt_logprobs

@@ -28,7 +28,7 @@ def _token_logprobs(logprob: float, top: list[tuple[int, float]]) -> common_pb2.
     )
 
 
-def _step_result(out: StepOutput) -> worker_pb2.StepResult:
+def step_result(out: StepOutput) -> worker_pb2.StepResult:
     """The wire form of a step's output."""
     return worker_pb2.StepResult(
         step_id=out.step_id,
@@ -133,7 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await abort_with(context, exc)
             raise  # unreachable: abort raises
         self._observe(request, out, span)
-        return _step_result(out)
+        return step_result(out)
 
     def _observe(self, plan: worker_pb2.StepPlan, out: StepOutput, span: trace.Span) -> None:
         """The step's span attributes and metrics (execute_seconds is the runner's own measurement)."""

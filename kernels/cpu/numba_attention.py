@@ -25,6 +25,24 @@ from kernels.cpu._numba_decode import decode_attention
 
 # Cache dtypes the Numba kernel reads, and the dtype it sees each one as.
 _KERNEL_VIEW = {torch.float32: torch.float32, torch.bfloat16: torch.int16}
+# Multiply-adds (query heads x context tokens x head size) each thread must have before a call runs on
+# more than one, ~35 us of kernel time on one core. Every parallel call wakes the OpenMP team and ends on a
+# barrier: microseconds on an idle machine, up to a scheduler time slice on a busy one. Measured on 2 cores:
+# 115K multiply-adds (SmolLM2, 4 sequences of 50 tokens) take 125 us on one thread and 67 us on two when
+# idle; the tiny test model's decode step (17K, ~20 us) gains nothing from a second thread, and under
+# load two threads took milliseconds.
+_MIN_WORK_PER_THREAD = 1 << 15
+
+
+def kernel_threads(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, max_context_len: int) -> int:
+    """Threads for one call: what the work fills, at most torch's thread count (the worker's --num-threads).
+
+    Each (sequence, KV head) work item is computed the same way on any thread, so the
+    result does not depend on the count.
+    """
+    limit = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, num_seqs * num_kv_heads)
+    work = num_seqs * num_heads * max_context_len * head_size
+    return max(1, min(limit, work // _MIN_WORK_PER_THREAD))
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -72,8 +90,11 @@ def paged_attention(
     # The kernel's scratch and arithmetic are float32; query/out conversions are small ([S, H, D]).
     result = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(out.shape)
     slopes = torch.empty(0) if alibi_slopes is None else alibi_slopes
-    # torch's own thread count (the worker's --num-threads) also bounds the kernel's threads.
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    num_seqs, num_heads, head_size = query.shape
+    threads = kernel_threads(num_seqs, num_heads, num_kv_heads, head_size, max_context_len)
+    # Numba's count is per calling thread; setting it costs more than reading it.
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
     decode_attention(
         result.numpy(),
         query.to(torch.float32).contiguous().numpy(),
