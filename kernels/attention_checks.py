@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from kernels.metadata_memo import reduce_once
 from kernels.validation import (
     KVCacheDims,
     check_block_id_range,
@@ -58,13 +59,20 @@ def check_paged_attention_args(
     if num_seqs == 0:
         return dims, 0
 
-    ctx = context_lens.long()
     block_size = dims.block_size
-    column = torch.arange(block_tables.shape[1], device=ctx.device)
-    first = torch.zeros_like(ctx) if sliding_window is None else (ctx - sliding_window).clamp_min(0) // block_size
-    read = (column >= first[:, None]) & (column < (ctx[:, None] + block_size - 1) // block_size)
-    ids = _read_block_ids(block_tables, read)
-    shortest, longest, low, high = torch.stack([ctx.min(), ctx.max(), ids.min(), ids.max()]).tolist()
+
+    def reduce() -> tuple[int, int, int, int]:
+        ctx = context_lens.long()
+        column = torch.arange(block_tables.shape[1], device=ctx.device)
+        first = torch.zeros_like(ctx) if sliding_window is None else (ctx - sliding_window).clamp_min(0) // block_size
+        read = (column >= first[:, None]) & (column < (ctx[:, None] + block_size - 1) // block_size)
+        ids = _read_block_ids(block_tables, read)
+        shortest, longest, low, high = torch.stack([ctx.min(), ctx.max(), ids.min(), ids.max()]).tolist()
+        return shortest, longest, low, high
+
+    # Once per step, not per layer: the read-back is a GPU synchronization.
+    shortest, longest, low, high = reduce_once(block_tables, (context_lens,), ("decode", block_size, sliding_window),
+                                               reduce)
 
     if shortest < 0:
         raise ValueError(f"context_lens must be >= 0, got minimum {shortest}")
@@ -112,8 +120,20 @@ def check_context_attention_args(
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {num_seqs} sequences")
     check_same_device(query=query, block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens)
 
-    starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
+    def read() -> tuple[list[int], list[int], int, int]:
+        starts, lengths = query_start_loc.tolist(), seq_lens.tolist()
+        low = high = 0
+        if lengths:
+            needed = (seq_lens.long() + dims.block_size - 1) // dims.block_size
+            used = torch.arange(block_tables.shape[1], device=needed.device) < needed[:, None]
+            ids = _read_block_ids(block_tables, used)
+            low, high = torch.stack([ids.min(), ids.max()]).tolist()
+        return starts, lengths, low, high
+
+    # Once per step, not per layer: the read-back is a GPU synchronization. The lists are shared
+    # with later calls, so they are copied before they are returned.
+    starts, lengths, low, high = reduce_once(block_tables, (query_start_loc, seq_lens), ("prefill", dims.block_size),
+                                             read)
     if starts[0] != 0 or starts[-1] != query.shape[0]:
         raise ValueError(f"query_start_loc must run from 0 to {query.shape[0]} (num tokens), got {starts}")
     for b, seq_len in enumerate(lengths):
@@ -128,12 +148,8 @@ def check_context_attention_args(
                 f"block_tables columns with block_size={dims.block_size}"
             )
     if num_seqs:
-        needed = (seq_lens.long() + dims.block_size - 1) // dims.block_size
-        read = torch.arange(block_tables.shape[1], device=needed.device) < needed[:, None]
-        ids = _read_block_ids(block_tables, read)
-        low, high = torch.stack([ids.min(), ids.max()]).tolist()
         check_block_id_range("block_tables (used entries)", low, high, dims.num_blocks)
-    return dims, starts, lengths
+    return dims, list(starts), list(lengths)
 
 
 def _read_block_ids(block_tables: torch.Tensor, read: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.metadata_memo import reduce_once
 from kernels.validation import (
     KVCacheDims,
     check_block_ids,
@@ -41,7 +42,8 @@ def check_reshape_and_cache_args(
     check_same_device(key_cache=key_cache, key=key, value=value, slot_mapping=slot_mapping)
     if slot_mapping.numel():
         num_slots = dims.num_blocks * dims.block_size
-        max_slot = int(slot_mapping.max())
+        # Once per step, not per layer: the read-back is a GPU synchronization.
+        max_slot = reduce_once(slot_mapping, (), "max", lambda: int(slot_mapping.max()))
         if max_slot >= num_slots:
             raise ValueError(f"slot_mapping has slot {max_slot} but the cache has only {num_slots} slots")
     return dims

@@ -111,21 +111,24 @@ def build_inputs(
         seq_lens.append(end)
 
     num_prefill_tokens = query_start[-1]
-    attn = AttentionMetadata(
-        backend=backend,
-        key_caches=key_caches,
-        value_caches=value_caches,
-        block_size=block_size,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_prefill_tokens=num_prefill_tokens,
-        prefill_block_tables=_block_table_tensor(prefills, device),
-        prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-        prefill_seq_lens=torch.tensor(seq_lens[: len(prefills)], dtype=torch.int32, device=device),
-        decode_block_tables=_block_table_tensor(decodes, device),
-        decode_context_lens=torch.tensor(seq_lens[len(prefills):], dtype=torch.int32, device=device),
-        decode_max_context_len=max(seq_lens[len(prefills):], default=0),
-        wait_for_layer=wait_for_layer,
-    )
+    # Normal tensors, not inference tensors: their version counters let the kernels' argument checks
+    # reduce them once per step instead of once per layer (kernels/metadata_memo.py).
+    with torch.inference_mode(False):
+        attn = AttentionMetadata(
+            backend=backend,
+            key_caches=key_caches,
+            value_caches=value_caches,
+            block_size=block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_block_tables=_block_table_tensor(prefills, device),
+            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            prefill_seq_lens=torch.tensor(seq_lens[: len(prefills)], dtype=torch.int32, device=device),
+            decode_block_tables=_block_table_tensor(decodes, device),
+            decode_context_lens=torch.tensor(seq_lens[len(prefills):], dtype=torch.int32, device=device),
+            decode_max_context_len=max(seq_lens[len(prefills):], default=0),
+            wait_for_layer=wait_for_layer,
+        )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
