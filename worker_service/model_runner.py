@@ -81,6 +81,10 @@ class ModelRunner:
             )
         self.max_model_len = max_len
         self.backend = get_backend(self.device)
+        if config.num_threads:
+            # Loading the CPU kernels starts Numba's OpenMP runtime, which resets the calling thread's
+            # OpenMP thread count (torch's too) to Numba's default: --num-threads is applied again.
+            torch.set_num_threads(config.num_threads)
         rank = tp.rank if tp is not None else 0
         self.model = load_model(config.model, self.dtype, self.device,
                                 prepare=lambda model: shard_model(model, rank, tp_size))

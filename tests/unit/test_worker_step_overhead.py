@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numba
 import pytest
 import torch
@@ -59,3 +63,20 @@ def test_kernel_output_does_not_depend_on_its_thread_count(monkeypatch: pytest.M
         kernel_cases.run_paged(spy, cfg, [1, 17, 40, 300], False, None, 31)
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_runner_keeps_the_configured_thread_count(tiny_llama_dir: Path) -> None:
+    """--num-threads survives loading the CPU kernels, whose OpenMP runtime resets the thread count.
+
+    In a fresh process: the reset happens only when Numba's runtime first loads.
+    """
+    script = (
+        "import sys, torch\n"
+        "from worker_service.config import WorkerConfig\n"
+        "from worker_service.model_runner import ModelRunner\n"
+        "ModelRunner(WorkerConfig(model=sys.argv[1], num_gpu_blocks_override=8, max_model_len=128, num_threads=1))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tiny_llama_dir)], capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert done.stdout.split()[-1] == "1", done.stdout + done.stderr
