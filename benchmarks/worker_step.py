@@ -38,17 +38,22 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
+from shared.omp import prefer_sleeping_threads
 
-from protos import worker_pb2
-from shared.default_model import prepare_default_model
-from shared.sampling_params import SamplingParams
-from shared.sampling_proto import sampling_to_proto
-from worker_service.config import WorkerConfig
-from worker_service.model_runner import ModelRunner
-from worker_service.plan import plan_from_proto
-from worker_service.servicer import step_result
+# As `llmserve worker` does before torch loads: the step is measured with the worker's OpenMP setting.
+prefer_sleeping_threads()
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from protos import worker_pb2  # noqa: E402
+from shared.default_model import prepare_default_model  # noqa: E402
+from shared.sampling_params import SamplingParams  # noqa: E402
+from shared.sampling_proto import sampling_to_proto  # noqa: E402
+from worker_service.config import WorkerConfig  # noqa: E402
+from worker_service.model_runner import ModelRunner  # noqa: E402
+from worker_service.plan import plan_from_proto  # noqa: E402
+from worker_service.servicer import step_result  # noqa: E402
 
 RESULTS = Path("benchmarks/results/worker_step.json")
 PROMPT_LEN = 32
