@@ -58,13 +58,28 @@ end
 return 0
 """
 
-# Appends a step's output messages, each under the entry id that encodes its index in its request's
-# stream (see stream_index), so a client can resume at any index on any replica. XLEN is the next
-# index because the stream is append-only. Runs inside the commit's MULTI/EXEC.
-#   KEYS: output stream per message; ARGV: the serialized messages, in the same order
-APPEND_OUTPUTS_LUA = """
-for i, key in ipairs(KEYS) do
-  redis.call('XADD', key, '0-' .. (redis.call('XLEN', key) + 1), 'm', ARGV[i])
+# A step's appends in one call instead of one command each (a decode step has one token list and one
+# output stream per request): RPUSH values onto lists (new tokens, new block ids), then XADD the output
+# messages, each under the entry id that encodes its index in its request's stream (see stream_index),
+# so a client can resume at any index on any replica. XLEN is the next index because the stream is
+# append-only. Runs inside the commit's MULTI/EXEC.
+#   KEYS: the lists, then one output stream per message
+#   ARGV: number of lists; for each list, its number of values and the values; then the serialized
+#         messages, in the order of their streams
+APPEND_STEP_LUA = """
+local lists = tonumber(ARGV[1])
+local a = 2
+for i = 1, lists do
+  local last = a + tonumber(ARGV[a])
+  -- unpack() is bounded by Lua's C stack: push long lists in chunks.
+  for first = a + 1, last, 4096 do
+    redis.call('RPUSH', KEYS[i], unpack(ARGV, first, math.min(first + 4095, last)))
+  end
+  a = last + 1
+end
+for i = lists + 1, #KEYS do
+  redis.call('XADD', KEYS[i], '0-' .. (redis.call('XLEN', KEYS[i]) + 1), 'm', ARGV[a])
+  a = a + 1
 end
 return 0
 """

@@ -1,0 +1,225 @@
+"""RedisStore.commit leaves exactly the state its StepCommit describes, commit after commit.
+
+The specification is `apply_reference`: one plain command per write, in the documented order, with the
+synchronous client, on database 1 of the same server. The store commits the same StepCommits to
+database 0; after every commit both databases must hold the same keys, values, stream entries (ids
+included) and expiries. The sequence covers what decode, preemption, beam search, n > 1, best_of,
+finishes, hand-overs and snapshots put in a commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from benchmarks.commit import redis_state
+from protos import common_pb2, generation_pb2, state_pb2
+from scheduler_service import keys
+from scheduler_service.leases import LeaseLostError
+from scheduler_service.store import OUTPUT_TTL_SECONDS, CacheStats, RedisStore, StepCommit
+
+W, OTHER = "w0", "w1"
+EPOCH = 3
+
+
+def apply_reference(r: redis.Redis, c: StepCommit) -> None:
+    """What each StepCommit field means in Redis, one command at a time (no transaction: the test is serial)."""
+    for request_id, seq_ids in c.reset_seqs.items():
+        for s in seq_ids:
+            r.delete(keys.seq_tokens(s))
+            r.delete(keys.seq_blocks(s))
+            r.hdel(keys.request(request_id), f"finished:{s}")
+            r.hdel(keys.request(request_id), f"cum:{s}")
+    for s, tokens in c.new_tokens.items():
+        for t in tokens:
+            r.rpush(keys.seq_tokens(s), t)
+    for s in c.dropped_block_tables:
+        r.delete(keys.seq_blocks(s))
+    for s, replaced in c.replaced_blocks.items():
+        for index, block_id in replaced.items():
+            if r.exists(keys.seq_blocks(s)):  # LSET on a missing table is an error that writes nothing
+                r.lset(keys.seq_blocks(s), index, block_id)
+    for s, block_ids in c.new_blocks.items():
+        for b in block_ids:
+            r.rpush(keys.seq_blocks(s), b)
+    for s in c.dropped_seqs:
+        r.delete(keys.seq_tokens(s))
+        r.delete(keys.seq_blocks(s))
+    for request_id, msg in c.outputs:
+        stream = keys.output_stream(request_id)
+        r.xadd(stream, {"m": msg.SerializeToString()}, id=f"0-{r.xlen(stream) + 1}")
+    for request_id, cumulative in c.cumulative_logprobs.items():
+        for s, v in cumulative.items():
+            r.hset(keys.request(request_id), f"cum:{s}", repr(v))
+    for request_id, seqs in c.finished_seqs.items():
+        for s, status in seqs.items():
+            r.hset(keys.request(request_id), f"finished:{s}", status)
+    for request_id in c.finished_requests:
+        r.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
+        r.expire(keys.digest(request_id), OUTPUT_TTL_SECONDS)
+        r.delete(keys.request(request_id))
+        r.srem(keys.live(c.worker_id), request_id)
+    for rec, target in c.handed_over:
+        moved = state_pb2.AdmittedRequest()
+        moved.CopyFrom(rec)
+        moved.worker_id, moved.handed_over = target, True
+        r.hset(keys.request(rec.request_id), "request", moved.SerializeToString())
+        r.hset(keys.request(rec.request_id), "worker", target)
+        r.srem(keys.live(c.worker_id), rec.request_id)
+        r.sadd(keys.live(target), rec.request_id)
+        r.rpush(keys.inbox(target), moved.SerializeToString())
+    for request_id in [*c.newly_scheduled, *c.finished_requests, *(rec.request_id for rec, _ in c.handed_over)]:
+        prompt_tokens = r.hget(keys.queued(c.worker_id), request_id)
+        if prompt_tokens is not None:
+            r.hdel(keys.queued(c.worker_id), request_id)
+            r.hincrby(keys.queue(c.worker_id), "requests", -1)
+            r.hincrby(keys.queue(c.worker_id), "tokens", -int(prompt_tokens))
+    for key, snapshot in ((keys.waiting(W), c.waiting), (keys.running(W), c.running), (keys.swapped(W), c.swapped)):
+        if snapshot is not None:
+            r.delete(key)
+            for request_id in snapshot:
+                r.rpush(key, request_id)
+    if c.cache_stats is not None:
+        for name, value in c.cache_stats.as_hash().items():
+            r.hset(keys.stats(c.worker_id), name, value)
+    if c.num_preemptions:
+        r.hincrby(keys.stats(c.worker_id), "preemptions", c.num_preemptions)
+    if c.num_swaps:
+        r.hincrby(keys.stats(c.worker_id), "swaps", c.num_swaps)
+    r.lpop(keys.inbox(c.worker_id), 64)
+    r.lpop(keys.aborts(c.worker_id), 64)
+
+
+def record(request_id: str, seq_ids: list[int], **sampling: object) -> state_pb2.AdmittedRequest:
+    return state_pb2.AdmittedRequest(
+        request_id=request_id, worker_id=W, seq_ids=seq_ids, arrival_time=float(seq_ids[0]),
+        prompt_token_ids=list(range(1, 20)), sampling=common_pb2.SamplingParams(max_tokens=8, **sampling),
+    )
+
+
+def delta(request_id: str, token_ids: list[int], text: str = " x", index: int = 0, finish: int = 0,
+          usage: bool = False) -> tuple[str, generation_pb2.GenerateResponse]:
+    msg = generation_pb2.GenerateResponse(request_id=request_id, outputs=[
+        generation_pb2.CompletionDelta(index=index, text=text, token_ids=token_ids, finish_reason=finish)])
+    if usage:
+        msg.usage.prompt_tokens, msg.usage.completion_tokens = 19, 3
+    return request_id, msg
+
+
+RECORDS = [record("a", [1]), record("b", [2]), record("n2", [3, 4], n=2), record("best", [5, 6], best_of=2),
+           record("beam", [7, 8], use_beam_search=True, n=2), record("moved", [9])]
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+def commits() -> list[StepCommit]:
+    """A loop's commits, step by step (each with the loop's epoch)."""
+    steps = [
+        # Prefill: block tables, first tokens and messages, snapshots, the admission queue count, stats.
+        StepCommit(W, new_tokens={1: [100], 2: [200], 3: [300], 4: [400], 5: [500], 6: [600], 7: [700]},
+                   new_blocks={1: [0, 1], 2: [2, 3], 3: [4, 5], 4: [6, 7], 5: [8, 9], 6: [10, 11], 7: [12, 13]},
+                   outputs=[delta("a", [100]), delta("b", [200]), delta("n2", [300]), delta("n2", [400], index=1)],
+                   cumulative_logprobs={"best": {5: -0.5, 6: -1.25}},
+                   newly_scheduled=["a", "b", "n2", "best", "beam"], waiting=["moved"],
+                   running=["a", "b", "n2", "best", "beam"], swapped=[], cache_stats=CacheStats(50, 64)),
+        # Decode, a block boundary for seq 1, a beam fork (copy-on-write of seq 8's last block).
+        StepCommit(W, new_tokens={1: [101], 2: [201], 3: [301], 4: [401], 5: [501], 6: [601], 7: [701], 8: [702]},
+                   new_blocks={1: [14], 8: [12, 15]}, replaced_blocks={7: {1: 16}},
+                   outputs=[delta("a", [101], text=""), delta("b", [201]), delta("n2", [301]),
+                            delta("n2", [401], index=1)],
+                   cumulative_logprobs={"best": {5: -0.75, 6: -1.5}, "beam": {7: -0.1, 8: -0.2}},
+                   cache_stats=CacheStats(47, 64, 8, 2)),
+        # Preemption of b by recompute (its table goes and comes back), n2's second sequence ends.
+        StepCommit(W, new_tokens={1: [102], 3: [302], 4: [402]}, dropped_block_tables=[2], new_blocks={2: [17, 18]},
+                   outputs=[delta("a", [102]), delta("n2", [302]), delta("n2", [402], index=1, finish=LENGTH)],
+                   finished_seqs={"n2": {4: "FINISHED_LENGTH"}}, running=["a", "n2", "best", "beam"],
+                   waiting=["b", "moved"], num_preemptions=1),
+        # Beam search drops beam 8 and reuses its id in the same commit; a swap-out.
+        StepCommit(W, reset_seqs={"beam": [8]}, new_tokens={8: [703, 704]}, new_blocks={8: [12, 19]},
+                   cumulative_logprobs={"beam": {7: -0.3, 8: -0.4}}, swapped=["best"],
+                   running=["a", "n2", "beam"], num_preemptions=1, num_swaps=1),
+        # Finishes: a (stop), n2 (its last sequence), an aborted waiting request; the waiting one moves away.
+        StepCommit(W, new_tokens={1: [103], 3: [303]},
+                   outputs=[delta("a", [103], finish=common_pb2.FINISH_REASON_STOP, usage=True),
+                            delta("n2", [303], finish=LENGTH, usage=True)],
+                   finished_requests=["a", "n2"], dropped_seqs=[1, 3, 4], dropped_block_tables=[1],
+                   handed_over=[(RECORDS[-1], OTHER)], running=["beam"], waiting=["b"],
+                   cache_stats=CacheStats(55, 64, 8, 2)),
+        # Only outputs; then only lists, one a long table (the script pushes it in chunks).
+        StepCommit(W, outputs=[delta("b", [202], text="")], finished_requests=["b"], dropped_seqs=[2], waiting=[]),
+        StepCommit(W, new_tokens={6: [602]}, new_blocks={5: list(range(100, 10_100))}, swapped=[],
+                   running=["best", "beam"]),
+        # best_of picks at the end: its one message; beam search ends too; an idle commit picks up nothing.
+        StepCommit(W, outputs=[delta("best", [500, 501], usage=True, finish=LENGTH),
+                               delta("beam", [700, 701], usage=True, finish=LENGTH)],
+                   finished_requests=["best", "beam"], dropped_seqs=[5, 6, 7, 8], running=[],
+                   cache_stats=CacheStats(64, 64, 8, 2)),
+        StepCommit(W),
+    ]
+    for c in steps:
+        c.epoch = EPOCH
+    return steps
+
+
+def _db(url: str, db: int) -> str:
+    return f"{url.rsplit('/', 1)[0]}/{db}"
+
+
+@pytest.fixture()
+def clients(url: str):
+    """Database 0 (the store's) and database 1 (the reference's) of one server, set up alike: the epoch,
+    the admitted requests (digests included), an abort waiting to be picked up."""
+
+    async def admit(db_url: str) -> None:
+        store = RedisStore.from_url(db_url)
+        try:
+            for rec in RECORDS:
+                await store.admit(rec, digest=f"digest-{rec.request_id}")
+            await store.request_abort(W, "gone")
+        finally:
+            await store.close()
+
+    dbs = []
+    for db in (0, 1):
+        dbs.append(redis.Redis.from_url(_db(url, db)))
+        dbs[-1].set(keys.epoch(W), EPOCH)
+        asyncio.run(admit(_db(url, db)))
+    yield dbs
+    for client in dbs:
+        client.close()
+
+
+def test_every_commit_leaves_the_state_the_reference_writes(url: str, clients) -> None:
+    ours, reference = clients
+
+    async def body() -> None:
+        store = RedisStore.from_url(_db(url, 0))
+        try:
+            for step, c in enumerate(commits()):
+                await store.commit(c)
+                apply_reference(reference, c)
+                assert redis_state(ours) == redis_state(reference), f"after commit {step}"
+        finally:
+            await store.close()
+
+    asyncio.run(body())
+    assert ours.dbsize() > 0  # the comparison compared something
+
+
+def test_a_stale_epoch_writes_none_of_it(url: str, clients) -> None:
+    ours, _ = clients
+    before = redis_state(ours)
+
+    async def body() -> None:
+        store = RedisStore.from_url(_db(url, 0))
+        try:
+            for c in commits():
+                c.epoch = EPOCH - 1
+                with pytest.raises(LeaseLostError):
+                    await store.commit(c)
+        finally:
+            await store.close()
+
+    asyncio.run(body())
+    assert redis_state(ours) == before
