@@ -12,7 +12,6 @@ trip; tokens still reach clients only after their step is committed.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable
@@ -40,10 +39,6 @@ from shared.worker_registry import WorkerEntry
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-def _record_time(into: list[float], _done: object) -> None:
-    into.append(time.perf_counter())
 
 
 async def _timed(awaitable: Awaitable[_T]) -> tuple[_T, float, float]:
@@ -149,13 +144,6 @@ class EngineLoop:
 
     def _plan(self, commit: StepCommit, profile: StepProfile | None = None
               ) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
-        # Sequences that finished since the last plan: the worker may drop them.
-        for seq_id in commit.dropped_seqs:
-            self._planner.forget(seq_id)
-        # Dropped beams: their ids may come back as new sequences in this very plan.
-        for seq_ids in commit.reset_seqs.values():
-            for seq_id in seq_ids:
-                self._planner.forget(seq_id)
         started = time.perf_counter()
         out = self._scheduler.schedule()
         scheduled = time.perf_counter()
@@ -172,6 +160,16 @@ class EngineLoop:
                 commit.dropped_block_tables.append(seq.seq_id)
         for group in out.ignored:
             self._processor.fail(group, commit, self._ignored_message(group))
+        # Sequences that finished since the last plan: the worker may drop them. Only now, after the
+        # failures above: a swap-failed group was running on the worker, and its sequences, added to
+        # `commit.dropped_seqs` by fail(), would otherwise never be forgotten (cached on the worker,
+        # kept in the planner, until the next reset).
+        for seq_id in commit.dropped_seqs:
+            self._planner.forget(seq_id)
+        # Dropped beams: their ids may come back as new sequences in this very plan.
+        for seq_ids in commit.reset_seqs.values():
+            for seq_id in seq_ids:
+                self._planner.forget(seq_id)
         built = self._planner.build(out, self._scheduler.block_manager)
         for seq_id, block_ids in built.new_blocks.items():
             commit.new_blocks.setdefault(seq_id, []).extend(block_ids)
@@ -257,12 +255,10 @@ class EngineLoop:
                 if self._processor.record_timings:
                     self._processor.mark_scheduled(out, time.time())
                 span = self._telemetry.start_step(out, clock, started)
-                # The RPC starts when the call is created: time it from here to its done callback.
+                # The RPC starts (and runs by itself) when the call is created: time it from here to the loop
+                # holding its result. Awaited as is: a Task around it cost the loop one more turn per answer.
                 sent = time.perf_counter()
-                step = asyncio.ensure_future(
-                    self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span)))
-                answered: list[float] = []
-                step.add_done_callback(functools.partial(_record_time, answered))
+                step = self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span))
                 committed = asyncio.ensure_future(_timed(self._commit(pending)))
                 failure: grpc.aio.AioRpcError | None = None
                 try:
@@ -284,7 +280,7 @@ class EngineLoop:
                     if profile is not None:
                         done = time.perf_counter()
                         profile.ingest_s = ingested - started
-                        profile.rpc_s, profile.worker_s = answered[0] - sent, result.execute_seconds
+                        profile.rpc_s, profile.worker_s = stepped - sent, result.execute_seconds
                         profile.commit_s, profile.commit_wait_s = commit_s, max(0.0, processing - stepped)
                         profile.process_s, profile.wall_s = done - processing, done - started
                         if self._profiles is not None:
@@ -359,6 +355,9 @@ class EngineLoop:
         groups = [*s.waiting, *s.running, *s.swapped] if departed else list(s.waiting)
         if groups and self._fleet.others(self.worker_id):
             moved = await self._fleet.hand_over(groups, self._processor, self.worker_id, commit)
+            # They never finish here, which is where telemetry drops a request's span context.
+            for record, _ in commit.handed_over:
+                self._telemetry.forget(record.request_id)
             log.info("worker %s %s: handed %d request(s) to other workers", self.worker_id,
                      "left" if departed else "drains", moved)
         if not self.is_idle:

@@ -51,6 +51,10 @@ class StepTelemetry:
             if ctx is not None:
                 self._request_spans[record.request_id] = ctx
 
+    def forget(self, request_id: str) -> None:
+        """The request left this loop unfinished (handed over): the loop that continues it traces it."""
+        self._request_spans.pop(request_id, None)
+
     def start_step(self, out: SchedulerOutput, clock: PerfClock | None, started: float) -> trace.Span:
         """A step's span (its own trace), linked to the request span of every request in the step."""
         if clock is None:
