@@ -8,11 +8,13 @@ engine loops through leases, and route requests over both workers.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,9 @@ from tests.e2e.manifest_cluster import ManifestCluster
 from tests.hf_reference import HFReference, compare_greedy
 
 MAX_NEW = 24
+# Three one-thread workers, two replicas, Redis and the test's clients: a core for each worker and
+# room for the rest, so that the third worker's throughput is not taken from the other two.
+MIN_CPUS_FOR_GAIN = 6
 # Test knobs on top of the manifests: a tiny model's limits, a small KV cache, one thread per worker
 # (two cores run all five processes), and small batches so that one worker's capacity is reached.
 OVERRIDES = {
@@ -34,11 +39,12 @@ OVERRIDES = {
 }
 
 
-def start(tiny_llama_dir: Path, workdir: Path, overrides: dict[str, dict[str, str]] = OVERRIDES) -> ManifestCluster:
+def start(tiny_llama_dir: Path, workdir: Path, overrides: dict[str, dict[str, str]] = OVERRIDES,
+          num_workers: int = 2) -> ManifestCluster:
     cluster = ManifestCluster("cpu", tiny_llama_dir, workdir, overrides)
     try:
         cluster.start_redis()
-        for i in range(2):
+        for i in range(num_workers):
             cluster.start_worker(i)
         for i in range(2):
             cluster.start_scheduler(i)
@@ -112,15 +118,29 @@ def test_two_replicas_share_two_workers_and_answer_correctly(cluster: ManifestCl
     assert sum(sampled.values()) >= len(reqs) * MAX_NEW
 
 
-def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(cluster: ManifestCluster) -> None:
-    """Scale-out under load: the new worker registers, a replica takes its lease, routing sends it work.
+@dataclass(frozen=True)
+class ScaleOut:
+    """Output tokens/s and the most sequences running at once, before and after a worker joined."""
 
-    Capacity is what a worker adds: each engine loop runs at most LLMSERVE_MAX_NUM_SEQS sequences, so
-    the sequences running at once must go past two workers' worth. Output tokens/s is measured and
-    printed, but on this 2-core machine two workers already use every core: the 10x-style throughput
-    gain needs cores (or GPUs) the third worker can use, so the assertion is only that it does not drop.
+    rate_before: float
+    peak_before: int
+    rate_after: float
+    peak_after: int
+    failures: list[str]
+
+    def report(self, before: str, after: str) -> str:
+        return (f"under load: {before} {self.rate_before:.1f} output tokens/s, at most {self.peak_before} "
+                f"sequences running; {after} {self.rate_after:.1f} tokens/s "
+                f"({self.rate_after / self.rate_before:.2f}x), at most {self.peak_after} running")
+
+
+def add_worker_under_load(cluster: ManifestCluster, ordinal: int, num_clients: int = 16,
+                          length_s: float = 10.0) -> ScaleOut:
+    """Clients loop on both replicas; measures a window, starts worker-<ordinal>, measures again.
+
+    The second window starts once a replica holds the new worker's lease and the worker has
+    sampled a token, so it measures the cluster after the scale-out, not during it.
     """
-    per_loop = int(OVERRIDES["scheduler"]["LLMSERVE_MAX_NUM_SEQS"])
     stop = threading.Event()
     done: list[tuple[float, int]] = []  # (finish time, output tokens)
     failures: list[str] = []
@@ -142,7 +162,7 @@ def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(clu
     def sample_running() -> None:
         client = redis.Redis.from_url(cluster.redis_url)
         while not stop.is_set():
-            workers = [p.address for name, p in cluster.pods.items() if name.startswith("worker")]
+            workers = [p.address for name, p in list(cluster.pods.items()) if name.startswith("worker")]
             total = sum(client.llen(keys.running(w)) for w in workers)
             with lock:
                 running.append((time.monotonic(), total))
@@ -154,31 +174,68 @@ def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(clu
             return (sum(n for t, n in done if since <= t < until) / (until - since),
                     max((r for t, r in running if since <= t < until), default=0))
 
-    length = 10.0
-    with ThreadPoolExecutor(max_workers=17) as pool:
-        loops = [pool.submit(client_loop, i) for i in range(16)]
+    with ThreadPoolExecutor(max_workers=num_clients + 1) as pool:
+        loops = [pool.submit(client_loop, i) for i in range(num_clients)]
         sampler = pool.submit(sample_running)
-        time.sleep(3.0)  # warm-up: every worker busy
-        a0 = time.monotonic()
-        time.sleep(length)
-        rate_2, peak_2 = window(a0, a0 + length)
-        cluster.start_worker(2)
-        added = cluster.pods["worker-2"]
-        wait_for(lambda: lease_owners(cluster, ["worker-2"])["worker-2"] != "", 120,
-                 "a replica took the new worker's lease", interval_s=0.2)
-        wait_for(lambda: added.metric("llmserve:worker_sampled_tokens_total") > 0, 60, "the new worker gets requests",
-                 interval_s=0.2)
-        b0 = time.monotonic()
-        time.sleep(length)
-        rate_3, peak_3 = window(b0, b0 + length)
-        stop.set()
-        for f in [*loops, sampler]:
-            f.result()
-    print(f"\nunder load: 2 workers {rate_2:.1f} output tokens/s, at most {peak_2} sequences running; "
-          f"3 workers {rate_3:.1f} tokens/s ({rate_3 / rate_2:.2f}x), at most {peak_3} running")
-    assert not failures, failures[:5]
-    assert peak_2 <= 2 * per_loop < peak_3, (peak_2, peak_3)
-    assert rate_3 > 0.8 * rate_2, (rate_2, rate_3)
+        try:
+            time.sleep(3.0)  # warm-up: every worker busy
+            a0 = time.monotonic()
+            time.sleep(length_s)
+            rate_before, peak_before = window(a0, a0 + length_s)
+            name = f"worker-{ordinal}"
+            cluster.start_worker(ordinal)
+            added = cluster.pods[name]
+            wait_for(lambda: lease_owners(cluster, [name])[name] != "", 120,
+                     "a replica took the new worker's lease", interval_s=0.2)
+            wait_for(lambda: added.metric("llmserve:worker_sampled_tokens_total") > 0, 60,
+                     "the new worker gets requests", interval_s=0.2)
+            b0 = time.monotonic()
+            time.sleep(length_s)
+            rate_after, peak_after = window(b0, b0 + length_s)
+        finally:
+            stop.set()
+            for f in [*loops, sampler]:
+                f.result()
+    return ScaleOut(rate_before, peak_before, rate_after, peak_after, failures)
+
+
+def test_a_second_worker_added_under_load_raises_throughput(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Scale-out where the new worker has a core of its own: 2 replicas on one worker, then a second.
+
+    One one-thread worker uses at most one of the two cores, so the second worker's share of the
+    machine is new compute: output tokens/s must rise, with no failed request.
+    """
+    per_loop = int(OVERRIDES["scheduler"]["LLMSERVE_MAX_NUM_SEQS"])
+    cluster = start(tiny_llama_dir, tmp_path, num_workers=1)
+    try:
+        result = add_worker_under_load(cluster, ordinal=1)
+    finally:
+        cluster.stop()
+    print("\n" + result.report("1 worker", "2 workers"))
+    assert not result.failures, result.failures[:5]
+    assert result.peak_before <= per_loop < result.peak_after, (result.peak_before, result.peak_after)
+    assert result.rate_after > 1.2 * result.rate_before, result
+
+
+def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(cluster: ManifestCluster) -> None:
+    """Scale-out under load: the new worker registers, a replica takes its lease, routing sends it work.
+
+    Capacity is what a worker adds: each engine loop runs at most LLMSERVE_MAX_NUM_SEQS sequences, so
+    the sequences running at once must go past two workers' worth. Throughput (output tokens/s) can
+    only rise where the third worker has a core of its own: each worker runs one thread, and two
+    workers, two replicas, Redis and the clients already fill two cores (measured here: 0.97-1.07x).
+    With at least MIN_CPUS_FOR_GAIN cores the test asserts a gain; with fewer, that it does not drop
+    (the gain where a core is free is test_a_second_worker_added_under_load_raises_throughput).
+    """
+    per_loop = int(OVERRIDES["scheduler"]["LLMSERVE_MAX_NUM_SEQS"])
+    result = add_worker_under_load(cluster, ordinal=2)
+    print("\n" + result.report("2 workers", "3 workers"))
+    assert not result.failures, result.failures[:5]
+    assert result.peak_before <= 2 * per_loop < result.peak_after, (result.peak_before, result.peak_after)
+    if (os.cpu_count() or 1) >= MIN_CPUS_FOR_GAIN:
+        assert result.rate_after > 1.2 * result.rate_before, result
+    else:
+        assert result.rate_after > 0.8 * result.rate_before, result
 
 
 def test_killing_the_lease_owner_moves_the_loop_within_the_ttl_and_loses_nothing(cluster: ManifestCluster, tiny_llama_dir: Path) -> None:
