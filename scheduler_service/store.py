@@ -6,7 +6,8 @@ the next admitted requests and aborts; fenced by the loop's epoch (WATCH and GET
 before it), it costs three round trips, all overlapped with the worker's step.
 Clients read their request's output stream; tokens appear there only once
 their step is committed. The records it takes and returns are in store_types.py,
-its Lua scripts in store_scripts.py; leases and the worker registry have their own small modules.
+its Lua scripts in store_scripts.py, a step's writes in step_writes.py; leases and the worker
+registry have their own small modules.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from scheduler_service.store_types import (
     StreamState,
 )
 from scheduler_service.leases import LeaseLostError
+from scheduler_service.step_writes import OUTPUT_TTL_SECONDS, queue_step_writes
 from shared import redis_client
 from shared.errors import UnavailableError
 
@@ -48,8 +50,6 @@ __all__ = [
     "StreamInfo", "StreamState",
 ]
 
-# How long a finished request's output stream stays readable (for late readers).
-OUTPUT_TTL_SECONDS = 3600
 # How long the router remembers which worker received a prompt block: about as long as an idle
 # block survives in a busy prefix cache; a stale entry only costs one recomputed prefix.
 PREFIX_TTL_SECONDS = 600
@@ -72,23 +72,6 @@ def _unavailable_on_redis_error(method: Callable[_P, Awaitable[_T]]) -> Callable
 
     return wrapper
 
-
-def _append_step_args(c: StepCommit) -> list[object] | None:
-    """numkeys, KEYS and ARGV of APPEND_STEP_LUA for the commit's new tokens, new blocks and outputs (None: none).
-
-    An empty list is no write (as an RPUSH of nothing, which Redis refuses, would have aborted the commit).
-    """
-    lists = [(keys.seq_tokens(s), v) for s, v in c.new_tokens.items() if v]
-    lists += [(keys.seq_blocks(s), v) for s, v in c.new_blocks.items() if v]
-    if not lists and not c.outputs:
-        return None
-    argv: list[object] = [len(lists)]
-    for _, values in lists:
-        argv.append(len(values))
-        argv += values
-    argv += [msg.SerializeToString() for _, msg in c.outputs]
-    return [len(lists) + len(c.outputs), *(key for key, _ in lists), *(keys.output_stream(r) for r, _ in c.outputs),
-            *argv]
 
 
 class RedisStore:
@@ -240,57 +223,7 @@ class RedisStore:
                 if current is None or int(current) != c.epoch:
                     raise LeaseLostError(f"worker {w} moved on to epoch {current!r}; this loop's epoch is {c.epoch}")
                 pipe.multi()
-            for request_id, seq_ids in c.reset_seqs.items():
-                for seq_id in seq_ids:
-                    pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
-                    pipe.hdel(keys.request(request_id), f"finished:{seq_id}", f"cum:{seq_id}")
-            for seq_id in c.dropped_block_tables:
-                pipe.delete(keys.seq_blocks(seq_id))
-            for seq_id, replaced in c.replaced_blocks.items():
-                for index, block_id in replaced.items():
-                    pipe.lset(keys.seq_blocks(seq_id), index, block_id)
-            # New tokens, new blocks and output messages in one script call: one command per sequence costs
-            # redis-py ~10 us of CPU each (packing, parsing its QUEUED reply). Placed after the block-table drops and
-            # replacements and before the dropped sequences' deletes; the output streams are no sequence's keys.
-            appends = _append_step_args(c)
-            if appends is not None:
-                pipe.eval(scripts.APPEND_STEP_LUA, *appends)
-            for seq_id in c.dropped_seqs:
-                pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
-            for request_id, cumulative in c.cumulative_logprobs.items():
-                pipe.hset(keys.request(request_id), mapping={f"cum:{s}": repr(v) for s, v in cumulative.items()})
-            for request_id, seqs in c.finished_seqs.items():
-                pipe.hset(keys.request(request_id), mapping={f"finished:{s}": status for s, status in seqs.items()})
-            for request_id in c.finished_requests:
-                pipe.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
-                pipe.expire(keys.digest(request_id), OUTPUT_TTL_SECONDS)  # re-sends attach while the stream is kept
-                pipe.delete(keys.request(request_id))
-                pipe.srem(keys.live(w), request_id)
-            for record, target in c.handed_over:
-                moved = state_pb2.AdmittedRequest()
-                moved.CopyFrom(record)
-                moved.worker_id, moved.handed_over = target, True
-                data = moved.SerializeToString()
-                pipe.hset(keys.request(record.request_id), mapping={"request": data, "worker": target})
-                pipe.srem(keys.live(w), record.request_id)
-                pipe.sadd(keys.live(target), record.request_id)
-                pipe.rpush(keys.inbox(target), data)
-            # Scheduled (running / swapped), finished or handed-over requests no longer count as queued here.
-            dequeued = [*c.newly_scheduled, *c.finished_requests, *(r.request_id for r, _ in c.handed_over)]
-            if dequeued:
-                pipe.eval(scripts.DEQUEUE_LUA, 2, keys.queued(w), keys.queue(w), *dequeued)
-            snapshots = ((keys.waiting(w), c.waiting), (keys.running(w), c.running), (keys.swapped(w), c.swapped))
-            for key, snapshot in snapshots:
-                if snapshot is not None:
-                    pipe.delete(key)
-                    if snapshot:
-                        pipe.rpush(key, *snapshot)
-            if c.cache_stats is not None:
-                pipe.hset(keys.stats(w), mapping=c.cache_stats.as_hash())
-            if c.num_preemptions:
-                pipe.hincrby(keys.stats(w), "preemptions", c.num_preemptions)
-            if c.num_swaps:
-                pipe.hincrby(keys.stats(w), "swaps", c.num_swaps)
+            queue_step_writes(pipe, c)
             pipe.lpop(keys.inbox(w), INBOX_BATCH)
             pipe.lpop(keys.aborts(w), INBOX_BATCH)
             try:
