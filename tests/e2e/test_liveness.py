@@ -29,6 +29,8 @@ LIVENESS_TIMEOUT_S = 3.0
 # Far longer than the freeze: the loop must be flagged by liveness, not rescued by the step timeout.
 STEP_TIMEOUT_S = 60.0
 MAX_NEW = 40
+# Prompt (30 tokens) + output fill the worker's --max-model-len of 1024.
+DRAIN_TOKENS = 990
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -38,7 +40,7 @@ def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model=str(tiny_llama_dir),
         # A long heartbeat TTL: the frozen worker stays registered, so the scheduler stays ready.
-        worker_args=["--num-gpu-blocks-override", "128", "--max-model-len", "512", "--num-threads", "1",
+        worker_args=["--num-gpu-blocks-override", "160", "--max-model-len", "1024", "--num-threads", "1",
                      "--heartbeat-ttl", "60"],
         scheduler_args=["--max-num-seqs", "2", "--step-timeout", str(STEP_TIMEOUT_S),
                         "--liveness-timeout", str(LIVENESS_TIMEOUT_S)],
@@ -137,8 +139,10 @@ def test_a_frozen_worker_makes_the_scheduler_unlive_but_still_ready(cluster: Loc
 def test_a_draining_worker_is_live_but_not_ready(cluster: LocalCluster) -> None:
     """Last in the module: the worker drains and exits (the fixture's stop copes with that)."""
     worker = cluster._procs["worker"]  # noqa: SLF001
+    # Two requests as long as the model allows: the drain must outlast the checks below (about a
+    # second of health polling) however fast the worker decodes.
     with GenerationClient(cluster.address) as client:
-        streams = Streams(client, [list(range(100, 130))], 400)
+        streams = Streams(client, [list(range(100, 130)), list(range(200, 230))], DRAIN_TOKENS)
         streams.wait_started(60)
         worker.send_signal(signal.SIGTERM)
         # The running request keeps the drain going: the worker is live but takes no new work...
@@ -147,7 +151,7 @@ def test_a_draining_worker_is_live_but_not_ready(cluster: LocalCluster) -> None:
         # ...and the scheduler, whose only worker drains, cannot admit: live but not ready.
         wait_for(cluster.address, READINESS, NOT_SERVING, 5)
         assert statuses(cluster.address, (LIVENESS,)) == {LIVENESS: SERVING}
-        assert streams.tokens[0] and not streams.finish[0], "the drain outlasted the request: nothing was observed"
-        streams.join(60)
-    assert streams.finish == ["FINISH_REASON_LENGTH"] and len(streams.tokens[0]) == 400
+        assert all(streams.tokens) and not any(streams.finish), "the requests ended before the checks: nothing observed"
+        streams.join(120)
+    assert streams.finish == ["FINISH_REASON_LENGTH"] * 2 and all(len(t) == DRAIN_TOKENS for t in streams.tokens)
     worker.wait(30)
