@@ -101,14 +101,12 @@ class EngineLoop:
     @property
     def num_requests(self) -> int:
         """Requests waiting, running or swapped on this loop."""
-        s = self._scheduler
-        return len(s.waiting) + len(s.running) + len(s.swapped)
+        return self._scheduler.get_num_unfinished_requests()
 
     @property
     def is_idle(self) -> bool:
         """No request is waiting, running or swapped on this loop."""
-        s = self._scheduler
-        return not (s.waiting or s.running or s.swapped)
+        return not self._scheduler.has_unfinished_requests()
 
     def observe_registration(self, entry: WorkerEntry | None) -> None:
         """What the worker registry says of this loop's worker (None: no longer registered)."""
