@@ -39,6 +39,11 @@ OVERRIDES = {
 }
 
 
+def usable_cpus() -> int:
+    """Cores this process may run on (a container or taskset can allow fewer than the machine has)."""
+    return len(os.sched_getaffinity(0))
+
+
 def start(tiny_llama_dir: Path, workdir: Path, overrides: dict[str, dict[str, str]] = OVERRIDES,
           num_workers: int = 2) -> ManifestCluster:
     cluster = ManifestCluster("cpu", tiny_llama_dir, workdir, overrides)
@@ -214,7 +219,11 @@ def test_a_second_worker_added_under_load_raises_throughput(tiny_llama_dir: Path
     print("\n" + result.report("1 worker", "2 workers"))
     assert not result.failures, result.failures[:5]
     assert result.peak_before <= per_loop < result.peak_after, (result.peak_before, result.peak_after)
-    assert result.rate_after > 1.2 * result.rate_before, result
+    # One core is all a one-thread worker uses: with two usable cores the second worker's share is new compute.
+    if usable_cpus() >= 2:
+        assert result.rate_after > 1.2 * result.rate_before, result
+    else:
+        assert result.rate_after > 0.8 * result.rate_before, result
 
 
 def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(cluster: ManifestCluster) -> None:
@@ -232,7 +241,7 @@ def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(clu
     print("\n" + result.report("2 workers", "3 workers"))
     assert not result.failures, result.failures[:5]
     assert result.peak_before <= 2 * per_loop < result.peak_after, (result.peak_before, result.peak_after)
-    if (os.cpu_count() or 1) >= MIN_CPUS_FOR_GAIN:
+    if usable_cpus() >= MIN_CPUS_FOR_GAIN:
         assert result.rate_after > 1.2 * result.rate_before, result
     else:
         assert result.rate_after > 0.8 * result.rate_before, result
