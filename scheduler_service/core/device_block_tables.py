@@ -126,22 +126,23 @@ class DeviceBlockTables:
         returned so the worker copies the KV before the step; else None.
         """
         table = self._table(seq)
-        needed = self._num_new_blocks_for_append(seq)
+        num_blocks = self.num_blocks_for_tokens(seq.num_tokens)
+        # The table grows (the slot lands in a fresh, unshared block), or the slot's block is copied if shared.
+        grows = len(table) < num_blocks
+        index = -1 if grows else self._layout.slot_block_index(seq.num_tokens)
+        needed = num_blocks - len(table) if grows else int(self.gpu_allocator.get_ref_count(table[index]) > 1)
         self.tick()
         if needed > self.gpu_allocator.num_free_blocks:
             raise NoFreeBlocksError(
                 f"seq {seq.seq_id} needs {needed} blocks, {self.gpu_allocator.num_free_blocks} free."
             )
-        num_blocks = self.num_blocks_for_tokens(seq.num_tokens)
-        if len(table) < num_blocks:
-            # The slot lands in a fresh, unshared block: no copy needed.
+        if grows:
             while len(table) < num_blocks:
                 table.append(self.gpu_allocator.allocate())
             return None
-        index = self._layout.slot_block_index(seq.num_tokens)
-        src = table[index]
-        if self.gpu_allocator.get_ref_count(src) == 1:
+        if needed == 0:
             return None
+        src = table[index]
         dst = self.gpu_allocator.allocate()
         table[index] = dst
         self.gpu_allocator.free(src)
@@ -192,11 +193,3 @@ class DeviceBlockTables:
     def _forget_hashes(self, seq_id: int) -> None:
         if self._prefix is not None:
             self._prefix.forget(seq_id)
-
-    def _num_new_blocks_for_append(self, seq: Sequence) -> int:
-        table = self._table(seq)
-        missing = self.num_blocks_for_tokens(seq.num_tokens) - len(table)
-        if missing > 0:
-            return missing
-        index = self._layout.slot_block_index(seq.num_tokens)
-        return 1 if self.gpu_allocator.get_ref_count(table[index]) > 1 else 0
