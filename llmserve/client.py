@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from llmserve.resume import RECONNECT_OPTIONS, ResumePolicy, ResumingStream
@@ -98,31 +98,36 @@ class GenerationClient:
 
     def generate_n(self, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> list[Completion]:
         """Collects the whole stream into one Completion per sequence, in index order."""
-        outs: dict[int, Completion] = {}
-        error, usage, prompt = "", None, None
-        for msg in self.stream(request, timeout):
-            if msg.prompt_logprobs or msg.prompt_logprobs_start:
-                prompt = msg
-            for delta in msg.outputs:
-                out = outs.setdefault(delta.index, Completion())
-                out.text += delta.text
-                out.token_ids.extend(delta.token_ids)
-                out.logprobs.extend(delta.logprobs)
-                if delta.finish_reason:
-                    out.finish_reason = common_pb2.FinishReason.Name(delta.finish_reason)
-                    out.stop_reason = delta.stop_reason
-            error = msg.error or error
-            if msg.HasField("usage"):
-                usage = msg.usage
-        completions = [outs[i] for i in sorted(outs)] or [Completion()]
-        for out in completions:
-            out.error = error
-            if usage is not None:
-                out.prompt_tokens, out.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-            if prompt is not None:
-                out.prompt_logprobs = list(prompt.prompt_logprobs)
-                out.prompt_logprobs_start = prompt.prompt_logprobs_start
-        return completions
+        return collect_completions(self.stream(request, timeout))
+
+
+def collect_completions(messages: Iterable[generation_pb2.GenerateResponse]) -> list[Completion]:
+    """One Completion per sequence, in index order, from a request's messages (its whole stream)."""
+    outs: dict[int, Completion] = {}
+    error, usage, prompt = "", None, None
+    for msg in messages:
+        if msg.prompt_logprobs or msg.prompt_logprobs_start:
+            prompt = msg
+        for delta in msg.outputs:
+            out = outs.setdefault(delta.index, Completion())
+            out.text += delta.text
+            out.token_ids.extend(delta.token_ids)
+            out.logprobs.extend(delta.logprobs)
+            if delta.finish_reason:
+                out.finish_reason = common_pb2.FinishReason.Name(delta.finish_reason)
+                out.stop_reason = delta.stop_reason
+        error = msg.error or error
+        if msg.HasField("usage"):
+            usage = msg.usage
+    completions = [outs[i] for i in sorted(outs)] or [Completion()]
+    for out in completions:
+        out.error = error
+        if usage is not None:
+            out.prompt_tokens, out.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        if prompt is not None:
+            out.prompt_logprobs = list(prompt.prompt_logprobs)
+            out.prompt_logprobs_start = prompt.prompt_logprobs_start
+    return completions
 
 
 def make_request(

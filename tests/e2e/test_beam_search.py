@@ -17,9 +17,12 @@ from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2
 from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
+from tests.e2e.concurrency import Streams
 from tests.beam_cases import MAX_NEW, BeamCase, beam_case, hf_beams, stop_token_for
 from tests.hf_reference import HFReference, compare_greedy
 
+# Tokens each greedy single generates: with its 90-token prompt, 10 blocks of 16.
+SINGLE_NEW = 60
 EARLY = {False: common_pb2.EARLY_STOPPING_HEURISTIC, True: common_pb2.EARLY_STOPPING_TRUE,
          "never": common_pb2.EARLY_STOPPING_NEVER}
 
@@ -52,14 +55,17 @@ def test_beam_search_equals_transformers_under_preemption(cluster: LocalCluster,
     cases = [beam_case(i) for i in range(9)]
     stops = [stop_token_for(reference, c) for c in cases]
     expected = [hf_beams(reference, c, s) for c, s in zip(cases, stops)]
-    # Greedy single-sequence requests alongside: they are preempted by recompute, beam groups by swapping.
+    # Greedy single-sequence requests first, running before the beam searches arrive. Alone they need
+    # 4 x 10 blocks (90 + 60 tokens) of the 36: some are preempted by recompute whatever the timing; the
+    # later-arrived beam groups, the first victims while they run, are preempted by swapping.
     singles = [[(53 * i + 7 * j) % 40000 + 100 for j in range(90)] for i in range(4)]
-    with GenerationClient(cluster.address) as client, ThreadPoolExecutor(max_workers=len(cases) + 4) as pool:
+    with GenerationClient(cluster.address) as client, ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        greedy = Streams(client, [make_request(prompt_token_ids=p, max_tokens=SINGLE_NEW, temperature=0.0,
+                                               ignore_eos=True) for p in singles])
+        greedy.wait_started(60)
         futures = [pool.submit(client.generate_n, _request(c, s)) for c, s in zip(cases, stops)]
-        greedy = [pool.submit(client.generate, make_request(prompt_token_ids=p, max_tokens=40, temperature=0.0,
-                                                             ignore_eos=True)) for p in singles]
         results = [f.result() for f in futures]
-        greedy_results = [f.result() for f in greedy]
+        greedy_results = [r[0] for r in greedy.join(120)]
     finished_by_stop = 0
     for case, stop, want, got in zip(cases, stops, expected, results):
         assert [c.error for c in got] == [""] * len(got)
@@ -75,7 +81,7 @@ def test_beam_search_equals_transformers_under_preemption(cluster: LocalCluster,
     # The stop tokens were chosen so that some beams end early: that path is exercised.
     assert finished_by_stop > 0
     for prompt, result in zip(singles, greedy_results):
-        cmp = compare_greedy(result.token_ids, reference.greedy(prompt, 40, stop_at_eos=False))
+        cmp = compare_greedy(result.token_ids, reference.greedy(prompt, SINGLE_NEW, stop_at_eos=False))
         assert cmp.matched, cmp.detail
     state = redis_state(cluster)
     print(f"preemptions: {state['preemptions']} (of which swaps: {state['swaps']})")

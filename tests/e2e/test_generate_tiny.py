@@ -21,7 +21,7 @@ from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2
 from scheduler_service.step_profile import read_profiles
 from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
-from tests.e2e.concurrency import generate_all
+from tests.e2e.concurrency import Streams, generate_all
 from tests.hf_reference import HFReference, compare_greedy
 
 MAX_NEW = 64
@@ -257,11 +257,16 @@ def test_swap_and_recompute_preemption_keep_outputs_identical(swap_cluster: Loca
                          ignore_eos=True, n=2, seed=50 + i) for i in range(6)]
     with GenerationClient(swap_cluster.address) as client:
         alone = [client.generate_n(r) for r in reqs[:3]]
-        singles = [make_request(prompt_token_ids=p[:60], max_tokens=48, ignore_eos=True, temperature=0.0)
+        # Greedy singles first, running before the forked groups arrive. Alone they need 4 x 11 blocks
+        # (60 + 110 tokens) of the 40: some are preempted by recompute whatever the timing; the
+        # later-arrived n = 2 groups, the first victims while they run, are preempted by swapping.
+        singles = [make_request(prompt_token_ids=p[:60], max_tokens=110, ignore_eos=True, temperature=0.0)
                    for p in _prompts(4, 40000, seed=4)]
-        with ThreadPoolExecutor(max_workers=10) as pool:
-            crowd = [pool.submit(client.generate_n, r) for r in reqs] + [pool.submit(client.generate, r) for r in singles]
-            results = [f.result() for f in crowd]
+        greedy = Streams(client, singles)
+        greedy.wait_started(60)
+        with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+            results = [f.result() for f in [pool.submit(client.generate_n, r) for r in reqs]]
+        assert all(len(r[0].token_ids) == 110 for r in greedy.join(120))
     for solo, loaded in zip(alone, results[:3]):
         assert [c.token_ids for c in solo] == [c.token_ids for c in loaded]
     state = redis_state(swap_cluster)

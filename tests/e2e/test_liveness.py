@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
-from protos import common_pb2
+from protos import generation_pb2
 from shared.health_probes import LIVENESS, READINESS
+from tests.e2e.concurrency import Streams
 
 LIVENESS_TIMEOUT_S = 3.0
 # Far longer than the freeze: the loop must be flagged by liveness, not rescued by the step timeout.
@@ -64,43 +64,8 @@ def wait_for(address: str, name: str, status: int, within_s: float) -> float:
     return time.monotonic() - start
 
 
-class Streams:
-    """Requests streamed in threads; `started` is set once each has received a token."""
-
-    def __init__(self, client: GenerationClient, prompts: list[list[int]], max_tokens: int) -> None:
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.finish: list[str] = ["" for _ in prompts]
-        self.errors: list[BaseException] = []
-        self._first = [threading.Event() for _ in prompts]
-        self._threads = [threading.Thread(target=self._run, args=(client, i, p, max_tokens), daemon=True)
-                         for i, p in enumerate(prompts)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, client: GenerationClient, i: int, prompt: list[int], max_tokens: int) -> None:
-        request = make_request(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        try:
-            for msg in client.stream(request, timeout=120):
-                for delta in msg.outputs:
-                    self.tokens[i].extend(delta.token_ids)
-                    if delta.finish_reason:
-                        self.finish[i] = common_pb2.FinishReason.Name(delta.finish_reason)
-                if self.tokens[i]:
-                    self._first[i].set()
-        except BaseException as exc:  # noqa: BLE001 - reported by join()
-            self.errors.append(exc)
-            self._first[i].set()
-
-    def wait_started(self, timeout_s: float) -> None:
-        for event in self._first:
-            assert event.wait(timeout_s), "generation did not start"
-        assert not self.errors, self.errors
-
-    def join(self, timeout_s: float) -> None:
-        for t in self._threads:
-            t.join(timeout_s)
-            assert not t.is_alive(), "a request did not complete"
-        assert not self.errors, self.errors
+def greedy(prompts: list[list[int]], max_tokens: int) -> list[generation_pb2.GenerateRequest]:
+    return [make_request(prompt_token_ids=p, max_tokens=max_tokens, ignore_eos=True, temperature=0.0) for p in prompts]
 
 
 def test_an_idle_cluster_stays_live(cluster: LocalCluster) -> None:
@@ -116,7 +81,7 @@ def test_a_frozen_worker_makes_the_scheduler_unlive_but_still_ready(cluster: Loc
     prompts = [list(range(300 + 7 * i, 330 + 7 * i)) for i in range(3)]
     try:
         with GenerationClient(cluster.address) as client:
-            streams = Streams(client, prompts, MAX_NEW)
+            streams = Streams(client, greedy(prompts, MAX_NEW))
             streams.wait_started(60)
             os.kill(worker_pid, signal.SIGSTOP)
             stopped = time.monotonic()
@@ -142,7 +107,7 @@ def test_a_draining_worker_is_live_but_not_ready(cluster: LocalCluster) -> None:
     # Two requests as long as the model allows: the drain must outlast the checks below (about a
     # second of health polling) however fast the worker decodes.
     with GenerationClient(cluster.address) as client:
-        streams = Streams(client, [list(range(100, 130)), list(range(200, 230))], DRAIN_TOKENS)
+        streams = Streams(client, greedy([list(range(100, 130)), list(range(200, 230))], DRAIN_TOKENS))
         streams.wait_started(60)
         worker.send_signal(signal.SIGTERM)
         # The running request keeps the drain going: the worker is live but takes no new work...
