@@ -39,7 +39,7 @@ class TablePlan:
     hits: list[int]
 
 
-def plan_admission(
+def plan_tables(
     group: SequenceGroup, layout: BlockTableLayout, prefix: PrefixCacheTracker | None
 ) -> tuple[list[TablePlan], int]:
     """The tables allocate() would create, and the copy-on-write blocks the fork will need.
@@ -61,6 +61,27 @@ def plan_admission(
         hashes, hits = prefix.match_prefix(seq) if prefix is not None else ([], [])
         plans.append(TablePlan(seq, layout.num_blocks_for_tokens(seq.num_tokens), hashes, hits))
     return plans, num_cow_blocks
+
+
+@dataclass
+class AdmissionPlan:
+    """What admitting a group now would take: its tables, the fork's copy-on-write blocks, the verdict.
+
+    Valid until the block manager changes: the scheduler plans a group, decides, and allocates from
+    the same plan within one schedule() (so the prompt's prefix is matched and hashed once).
+    """
+
+    group: SequenceGroup
+    tables: list[TablePlan]
+    num_cow_blocks: int
+    status: AllocStatus
+
+    def num_cached_tokens(self, seq: Sequence, block_size: int) -> int:
+        """Leading tokens of seq's table that come from the prefix cache (0 for a seq without a table)."""
+        for table in self.tables:
+            if table.seq is seq:
+                return len(table.hits) * block_size
+        return 0
 
 
 def admission_cost(plans: list[TablePlan], allocator: BlockAllocator) -> int:

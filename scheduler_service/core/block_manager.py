@@ -9,7 +9,13 @@ block_admission (admission plans and verdicts) and BlockSwapper (the CPU pool).
 
 from __future__ import annotations
 
-from scheduler_service.core.block_admission import AllocStatus, admission_cost, alloc_status, plan_admission
+from scheduler_service.core.block_admission import (
+    AdmissionPlan,
+    AllocStatus,
+    admission_cost,
+    alloc_status,
+    plan_tables,
+)
 from scheduler_service.core.block_allocator import BlockAllocator, NoFreeBlocksError
 from scheduler_service.core.block_swapper import BlockSwapper
 from scheduler_service.core.block_table_layout import BlockTableLayout
@@ -119,15 +125,23 @@ class BlockManager(DeviceBlockTables):
         block each, once however many tables take them (evictable blocks are
         counted as free). NEVER ignores hits: they may be evicted later.
         """
-        plans, num_cow_blocks = plan_admission(group, self._layout, self._prefix)
+        return self.plan_admission(group).status
+
+    def plan_admission(self, group: SequenceGroup) -> AdmissionPlan:
+        """The tables allocate() would create for the group now, and can_allocate's verdict on them."""
+        plans, num_cow_blocks = plan_tables(group, self._layout, self._prefix)
         needed = sum(plan.num_blocks for plan in plans) + num_cow_blocks
         cost = admission_cost(plans, self.gpu_allocator) + num_cow_blocks
-        return alloc_status(
+        status = alloc_status(
             needed, cost, self.num_gpu_blocks, self.gpu_allocator.num_free_blocks, self.watermark_blocks
         )
+        return AdmissionPlan(group, plans, num_cow_blocks, status)
 
-    def allocate(self, group: SequenceGroup) -> None:
+    def allocate(self, group: SequenceGroup, plan: AdmissionPlan | None = None) -> None:
         """Allocate block tables for the group's WAITING sequences.
+
+        plan: the group's plan_admission() result, when the caller made one
+        since the last change to the block manager (it is not recomputed).
 
         A group that forks on admission gets a table for its parent (the
         first WAITING sequence) only; the others stay without one until
@@ -139,11 +153,14 @@ class BlockManager(DeviceBlockTables):
         every sequence computes at least one token into a block of its own)
         and the sequence's num_computed_tokens is set to the tokens they hold.
         """
-        plans, _ = plan_admission(group, self._layout, self._prefix)
-        for plan in plans:
-            if plan.seq.seq_id in self.block_tables:
-                raise ValueError(f"seq {plan.seq.seq_id} already has a block table.")
-        cost = admission_cost(plans, self.gpu_allocator)
+        if plan is None:
+            plan = self.plan_admission(group)
+        elif plan.group is not group:
+            raise ValueError(f"the admission plan is for request {plan.group.request_id!r}, not {group.request_id!r}.")
+        for table_plan in plan.tables:
+            if table_plan.seq.seq_id in self.block_tables:
+                raise ValueError(f"seq {table_plan.seq.seq_id} already has a block table.")
+        cost = admission_cost(plan.tables, self.gpu_allocator)
         # Check up front so a failure never leaves half a table allocated.
         if cost > self.gpu_allocator.num_free_blocks:
             raise NoFreeBlocksError(
@@ -154,14 +171,14 @@ class BlockManager(DeviceBlockTables):
             self._prefix.tick()
             # Hits first, every table's: allocating fresh blocks may evict, and
             # must not evict a block one of these tables is about to reuse.
-            for plan in plans:
-                self._prefix.acquire(plan.hits)
-        for plan in plans:
-            table = list(plan.hits)
-            table.extend(self.gpu_allocator.allocate() for _ in range(plan.num_blocks - len(plan.hits)))
-            self.block_tables[plan.seq.seq_id] = table
+            for table_plan in plan.tables:
+                self._prefix.acquire(table_plan.hits)
+        for table_plan in plan.tables:
+            table = list(table_plan.hits)
+            table.extend(self.gpu_allocator.allocate() for _ in range(table_plan.num_blocks - len(table_plan.hits)))
+            self.block_tables[table_plan.seq.seq_id] = table
             if self._prefix is not None:
-                self._prefix.record_admission(plan.seq, plan.hashes, plan.hits)
+                self._prefix.record_admission(table_plan.seq, table_plan.hashes, table_plan.hits)
 
     # -- prefix cache ----------------------------------------------------------
 

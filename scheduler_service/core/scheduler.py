@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from scheduler_service.core.block_admission import AdmissionPlan
 from scheduler_service.core.block_manager import AllocStatus
 from scheduler_service.core.group_fork import add_decodes, fork_if_ready
 from scheduler_service.core.preemption import Preemption, preempt_group
@@ -228,18 +229,20 @@ class Scheduler(RequestQueues):
             if too_wide or can_never_run(seqs, forks, config):
                 self._ignore(group, out)
                 continue
-            status = self.block_manager.can_allocate(group)
-            if status is AllocStatus.NEVER:
+            # One plan serves the verdict, the token count and the allocation: the
+            # prompt's prefix is matched (and hashed) once.
+            plan = self.block_manager.plan_admission(group)
+            if plan.status is AllocStatus.NEVER:
                 self._ignore(group, out)
                 continue
             # FCFS: a group that must wait also holds back everything behind it.
-            if status is AllocStatus.LATER:
+            if plan.status is AllocStatus.LATER:
                 break
             if num_running_seqs + len(seqs) > config.max_num_seqs:
                 break
             # Only the tokens to compute count against the budget, not the
             # ones allocate() will take from the prefix cache.
-            num_new = self._admission_tokens(seqs, forks)
+            num_new = self._admission_tokens(seqs, forks, plan)
             if chunked:
                 chunk = chunk_size(num_new, budget)
                 if chunk == 0:
@@ -249,7 +252,7 @@ class Scheduler(RequestQueues):
                     break
                 chunk = max(num_new)
             self.waiting.popleft()
-            self.block_manager.allocate(group)
+            self.block_manager.allocate(group, plan)
             for seq in seqs[:1] if forks else seqs:
                 seq.status = SequenceStatus.RUNNING
             num_scheduled = len(out.scheduled)
@@ -264,7 +267,7 @@ class Scheduler(RequestQueues):
             self.running.append(group)
             num_running_seqs += len(seqs)
 
-    def _admission_tokens(self, seqs: list[Sequence], forks: bool) -> list[int]:
+    def _admission_tokens(self, seqs: list[Sequence], forks: bool, plan: AdmissionPlan) -> list[int]:
         """Tokens each sequence admitted now would compute (one entry per scheduled sequence).
 
         A forking group schedules its parent's prefill up to the last prompt
@@ -274,7 +277,7 @@ class Scheduler(RequestQueues):
         def num_computed(seq: Sequence) -> int:
             # allocate() sets num_computed_tokens to the cached prefix.
             if self.cache_config.enable_prefix_caching:
-                return self.block_manager.get_num_cached_tokens(seq)
+                return plan.num_cached_tokens(seq, self.cache_config.block_size)
             return seq.num_computed_tokens
 
         if forks:

@@ -124,6 +124,37 @@ def test_second_request_with_same_prompt_hits_two_blocks() -> None:
     assert b.seqs[0].num_computed_tokens == 9
 
 
+def test_admission_hashes_each_prompt_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verdict, the budget count and the allocation share one admission plan: one prefix match."""
+    import scheduler_service.core.prefix_cache_tracker as tracker_module
+
+    sched = caching_scheduler()
+    a = make_group("a", 0, 9)
+    sched.add_request(a)
+    sched.update_after_step(out := sched.schedule(), sample_all(out))
+    calls: list[int] = []
+    real = tracker_module.hash_block_tokens
+
+    def counting(parent: bytes, token_ids: list[int]) -> bytes:
+        calls.append(len(token_ids))
+        return real(parent, token_ids)
+
+    monkeypatch.setattr(tracker_module, "hash_block_tokens", counting)
+    sched.add_request(make_group("b", 1, 9))
+    out = sched.schedule()
+    assert plan(out) == [("a", 1), ("b", 1)]
+    # b's two cacheable blocks, each hashed once (both hit: nothing new to register yet).
+    assert calls == [4, 4]
+
+
+def test_allocate_rejects_another_groups_plan() -> None:
+    bm = caching_bm()
+    a, b = make_group_of("a", 0, [1, 2, 3]), make_group_of("b", 1, [4, 5, 6])
+    with pytest.raises(ValueError, match="plan is for request 'a', not 'b'"):
+        bm.allocate(b, bm.plan_admission(a))
+    assert not bm.block_tables
+
+
 def test_prompt_of_exactly_two_blocks_hits_only_the_first() -> None:
     sched = caching_scheduler()
     sched.add_request(make_group("a", 0, 8))
