@@ -23,7 +23,7 @@ from scheduler_service.core.config import CacheConfig
 from scheduler_service.core.device_block_tables import DeviceBlockTables
 from scheduler_service.core.prefix_cache_tracker import PrefixCacheTracker
 from scheduler_service.core.prefix_caching_allocator import PrefixCacheStats, PrefixCachingBlockAllocator
-from scheduler_service.core.sequence import Sequence, SequenceGroup
+from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # AllocStatus, BlockAllocator, NoFreeBlocksError and PrefixCacheStats live in
 # their own modules; re-exported so existing imports from here keep working.
@@ -247,6 +247,14 @@ class BlockManager(DeviceBlockTables):
         return self._swapper.get_num_used_cpu_blocks()
 
     # -- release ---------------------------------------------------------------
+
+    def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
+        """End every unfinished sequence of the group with status (a FINISHED_* one) and free its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* status, got {status.name}.")
+        for seq in group.unfinished_seqs():
+            seq.status = status
+            self.free(seq)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (ref counted) and drop its table.

@@ -24,6 +24,7 @@ from __future__ import annotations
 from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_service.core.token_budget import tokens_before_fork
 
 
 def fork_if_ready(group: SequenceGroup, block_manager: BlockManager) -> bool:
@@ -36,7 +37,7 @@ def fork_if_ready(group: SequenceGroup, block_manager: BlockManager) -> bool:
     if not pending:
         return False
     (parent,) = group.get_seqs(SequenceStatus.RUNNING)
-    if parent.num_computed_tokens < len(parent.prompt_token_ids) - 1:
+    if tokens_before_fork(parent, parent.num_computed_tokens) > 0:
         return False
     for child in pending:
         block_manager.fork(parent, child)

@@ -51,9 +51,7 @@ def preempt_group(group: SequenceGroup, block_manager: BlockManager, out: Schedu
     swap = block_manager.num_cpu_blocks > 0 and len(running) > 1
     if swap and all(seq.num_uncomputed_tokens == 1 for seq in running):
         if not block_manager.can_swap_out(group):
-            for seq in group.unfinished_seqs():
-                seq.status = SequenceStatus.FINISHED_IGNORED
-                block_manager.free(seq)
+            block_manager.finish_group(group, SequenceStatus.FINISHED_IGNORED)
             return Preemption.SWAP_FAILED
         out.blocks_to_swap_out.extend(block_manager.swap_out(group))
         for seq in running:

@@ -62,9 +62,7 @@ class RequestQueues:
         group = self._requests.get(request_id)
         if group is None:
             return None
-        for seq in group.unfinished_seqs():
-            seq.status = SequenceStatus.FINISHED_ABORTED
-            self.block_manager.free(seq)
+        self.block_manager.finish_group(group, SequenceStatus.FINISHED_ABORTED)
         self._remove(group)
         return group
 
@@ -187,9 +185,7 @@ class RequestQueues:
 
     def _ignore(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Drop a group that can never run: its sequences end FINISHED_IGNORED, reported in out.ignored."""
-        for seq in group.unfinished_seqs():
-            seq.status = SequenceStatus.FINISHED_IGNORED
-            self.block_manager.free(seq)
+        self.block_manager.finish_group(group, SequenceStatus.FINISHED_IGNORED)
         self._remove(group)
         out.ignored.append(group)
 

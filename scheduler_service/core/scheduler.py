@@ -38,7 +38,13 @@ from scheduler_service.core.preemption import Preemption, preempt_group
 from scheduler_service.core.request_queues import RequestQueues
 from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from scheduler_service.core.token_budget import can_never_run, chunk_size, max_seq_len, tokens_to_compute
+from scheduler_service.core.token_budget import (
+    can_never_run,
+    chunk_size,
+    max_seq_len,
+    tokens_before_fork,
+    tokens_to_compute,
+)
 
 
 class Scheduler(RequestQueues):
@@ -282,7 +288,7 @@ class Scheduler(RequestQueues):
 
         if forks:
             parent = seqs[0]
-            to_fork = len(parent.prompt_token_ids) - 1 - num_computed(parent)
+            to_fork = tokens_before_fork(parent, num_computed(parent))
             return [to_fork] if to_fork > 0 else [1] * len(seqs)
         return [seq.num_tokens - num_computed(seq) for seq in seqs]
 

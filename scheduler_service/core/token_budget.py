@@ -71,6 +71,15 @@ def chunk_size(num_uncomputed: list[int], budget: int) -> int:
     return needs[-1]
 
 
+def tokens_before_fork(parent: Sequence, num_computed: int) -> int:
+    """Prompt tokens a pending-fork group's parent still prefills, computed up to num_computed.
+
+    The parent stops before the last prompt token; the group forks once this is 0 (or less: a prefix
+    cache hit may cover more).
+    """
+    return len(parent.prompt_token_ids) - 1 - num_computed
+
+
 def tokens_to_compute(group: SequenceGroup) -> list[tuple[Sequence, int, bool]]:
     """(seq, tokens it may compute now, whether that is a 1-token decode) per sequence to run.
 
@@ -83,7 +92,7 @@ def tokens_to_compute(group: SequenceGroup) -> list[tuple[Sequence, int, bool]]:
     pending = group.pending_fork_seqs()
     if pending:
         (parent,) = group.get_seqs(SequenceStatus.RUNNING)
-        to_fork = len(parent.prompt_token_ids) - 1 - parent.num_computed_tokens
+        to_fork = tokens_before_fork(parent, parent.num_computed_tokens)
         if to_fork > 0:
             return [(parent, to_fork, False)]
         return [(seq, 1, True) for seq in [parent, *pending]]
