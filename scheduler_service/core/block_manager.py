@@ -72,7 +72,6 @@ class BlockManager(DeviceBlockTables):
             enable_prefix_caching=enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
         )
-        self.watermark_blocks = config.watermark_blocks
         self.enable_prefix_caching = config.enable_prefix_caching
         self.prefix_cache_stats = PrefixCacheStats()
         # The tracker's allocator is the same object as gpu_allocator when
@@ -84,10 +83,9 @@ class BlockManager(DeviceBlockTables):
             gpu_allocator: BlockAllocator = cache
         else:
             gpu_allocator = BlockAllocator(config.num_gpu_blocks)
-        super().__init__(layout, gpu_allocator, prefix)
-        self._swapper = BlockSwapper(config.num_cpu_blocks, self, config.watermark_blocks)
+        super().__init__(layout, gpu_allocator, prefix, config.watermark_blocks)
+        self._swapper = BlockSwapper(config.num_cpu_blocks, self)
         # The swapper's own objects, exposed under their long-standing names.
-        self.num_cpu_blocks = config.num_cpu_blocks
         self.cpu_allocator = self._swapper.cpu_allocator
         self.cpu_block_tables = self._swapper.cpu_block_tables
 
@@ -176,7 +174,7 @@ class BlockManager(DeviceBlockTables):
         for table_plan in plan.tables:
             table = list(table_plan.hits)
             table.extend(self.gpu_allocator.allocate() for _ in range(table_plan.num_blocks - len(table_plan.hits)))
-            self.block_tables[table_plan.seq.seq_id] = table
+            self.put_table(table_plan.seq.seq_id, table)
             if self._prefix is not None:
                 self._prefix.record_admission(table_plan.seq, table_plan.hashes, table_plan.hits)
 
@@ -236,6 +234,11 @@ class BlockManager(DeviceBlockTables):
     def get_cpu_block_table(self, seq: Sequence) -> list[int]:
         """A copy of a swapped-out sequence's CPU block ids, in token order."""
         return self._swapper.get_cpu_block_table(seq)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks in the CPU swap pool (0: every preemption recomputes)."""
+        return self._swapper.num_cpu_blocks
 
     @property
     def num_free_cpu_blocks(self) -> int:

@@ -18,17 +18,20 @@ class BlockSwapper:
     bookkeeping on swap-out).
 
     device is the BlockManager's own tables, shared, not copied: the swapper
-    moves tables out of and back into it. Swapping in keeps watermark_blocks
-    device blocks free, like admission.
+    moves tables out of and back into it. Swapping in keeps the device's
+    watermark_blocks free, like admission.
     """
 
-    def __init__(self, num_cpu_blocks: int, device: DeviceBlockTables, watermark_blocks: int) -> None:
-        self.num_cpu_blocks = num_cpu_blocks
+    def __init__(self, num_cpu_blocks: int, device: DeviceBlockTables) -> None:
         self.cpu_allocator: BlockAllocator | None = BlockAllocator(num_cpu_blocks) if num_cpu_blocks else None
         # seq_id -> CPU block ids of a swapped-out sequence, in token order.
         self.cpu_block_tables: dict[int, list[int]] = {}
         self._device = device
-        self._watermark_blocks = watermark_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks in the CPU pool (0: no swap space, every preemption recomputes)."""
+        return 0 if self.cpu_allocator is None else self.cpu_allocator.num_blocks
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         """Whether the CPU pool has a block for each distinct device block of the group's RUNNING sequences."""
@@ -71,7 +74,7 @@ class BlockSwapper:
         needed = len(self._distinct(self.cpu_block_tables, seqs)) + len(seqs)
         device = self._device
         return alloc_status(
-            needed, needed, device.num_gpu_blocks, device.gpu_allocator.num_free_blocks, self._watermark_blocks
+            needed, needed, device.num_gpu_blocks, device.gpu_allocator.num_free_blocks, device.watermark_blocks
         )
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
@@ -92,7 +95,7 @@ class BlockSwapper:
         cpu = self._cpu()
         for seq in seqs:
             table = self.cpu_block_tables.pop(seq.seq_id)
-            self._device.block_tables[seq.seq_id] = [mapping[b] for b in table]
+            self._device.put_table(seq.seq_id, [mapping[b] for b in table])
             for block_id in table:
                 cpu.free(block_id)
         return list(mapping.items())

@@ -25,17 +25,35 @@ class DeviceBlockTables:
     """
 
     def __init__(
-        self, layout: BlockTableLayout, gpu_allocator: BlockAllocator, prefix: PrefixCacheTracker | None
+        self,
+        layout: BlockTableLayout,
+        gpu_allocator: BlockAllocator,
+        prefix: PrefixCacheTracker | None,
+        watermark_blocks: int = 0,
     ) -> None:
-        self.block_size = layout.block_size
-        self.ring_blocks = layout.ring_blocks
-        self.num_gpu_blocks = gpu_allocator.num_blocks
         self.gpu_allocator = gpu_allocator
+        # Blocks that admission and swap-in leave free, so running sequences can still decode.
+        self.watermark_blocks = watermark_blocks
         self.block_tables: dict[int, list[int]] = {}
         self._layout = layout
         self._prefix = prefix
 
     # -- queries ---------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        """Token slots per block."""
+        return self._layout.block_size
+
+    @property
+    def ring_blocks(self) -> int | None:
+        """Most blocks a sliding-window table holds (reused as a ring); None without a sliding window."""
+        return self._layout.ring_blocks
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """Device blocks in the cache."""
+        return self.gpu_allocator.num_blocks
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a table needs to hold num_tokens tokens (at most ring_blocks with a sliding window)."""
@@ -176,6 +194,12 @@ class DeviceBlockTables:
         table = self.block_tables.pop(seq_id)
         self._forget_hashes(seq_id)
         return table
+
+    def put_table(self, seq_id: int, table: list[int]) -> None:
+        """Install a table whose blocks the caller already referenced (admission, swap-in)."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"seq {seq_id} already has a block table.")
+        self.block_tables[seq_id] = table
 
     def tick(self) -> None:
         """Advance the prefix cache's logical clock; a no-op without prefix caching."""
