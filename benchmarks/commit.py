@@ -33,12 +33,10 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
 import platform
 import random
 import statistics
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import redis
@@ -47,6 +45,8 @@ from tqdm import tqdm
 from protos import common_pb2, generation_pb2, state_pb2
 from scheduler_service import keys
 from scheduler_service.store import CacheStats, RedisStore, StepCommit
+from benchmarks.run_info import run_info
+from shared.redis_dump import redis_state
 from shared.redis_server import RedisServer
 
 RESULTS = Path("benchmarks/results/commit.json")
@@ -130,27 +130,6 @@ class _Workload:
         return c
 
 
-def redis_state(client: redis.Redis) -> dict[bytes, tuple[bytes, object, bool]]:
-    """Every key: its type, value (sorted where Redis has no order; streams with their entry ids), whether it expires."""
-    state: dict[bytes, tuple[bytes, object, bool]] = {}
-    for key in sorted(client.scan_iter(count=1000)):
-        kind = client.type(key)
-        if kind == b"string":
-            value: object = client.get(key)
-        elif kind == b"list":
-            value = client.lrange(key, 0, -1)
-        elif kind == b"hash":
-            value = sorted(client.hgetall(key).items())
-        elif kind == b"set":
-            value = sorted(client.smembers(key))
-        elif kind == b"stream":
-            value = [(i, sorted(f.items())) for i, f in client.xrange(key)]
-        else:
-            raise ValueError(f"unexpected type {kind!r} of {key!r}")
-        state[key] = (kind, value, client.ttl(key) > 0)
-    return state
-
-
 def state_digest(client: redis.Redis) -> str:
     return hashlib.sha256(repr(redis_state(client)).encode()).hexdigest()[:16]
 
@@ -231,10 +210,9 @@ def main() -> None:
         rows = asyncio.run(measure(server.url, args.batch_sizes, args.steps, args.repeats, args.warmup))
         version = redis.Redis.from_url(server.url).info("server")["redis_version"]
     result = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores, Python {platform.python_version()}, "
-                   f"redis-py {redis.__version__} (hiredis {'yes' if HIREDIS_AVAILABLE else 'no'}), "
-                   f"redis-server {version} on localhost TCP",
+        **run_info(f"Python {platform.python_version()}",
+                   f"redis-py {redis.__version__} (hiredis {'yes' if HIREDIS_AVAILABLE else 'no'})",
+                   f"redis-server {version} on localhost TCP"),
         "description": (f"RedisStore.commit of steady decode steps of B requests ({PROMPT_LEN}..{PROMPT_LEN + 15}-token "
                         "prompts, one token, one output message per request, new blocks at block boundaries, fenced); "
                         f"medians over {args.repeats} x {args.steps - args.warmup} commits. python: client CPU time; "

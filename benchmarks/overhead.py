@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.run_info import run_info
 from benchmarks.dataset import WorkloadSpec, random_requests
 from benchmarks.llmserve_driver import run_llmserve
 from llmserve.local_cluster import ClusterSpec, LocalCluster
@@ -110,11 +109,9 @@ def main() -> None:
     from transformers import AutoConfig
 
     vocab_size = AutoConfig.from_pretrained(model).vocab_size
-    import os
 
     result = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores",
+        **run_info(),
         "description": (f"Steady decode steps (no prefill) of B requests with {PROMPT_LEN}-token prompts and "
                         f"{OUTPUT_LEN} output tokens on the default model; medians over those steps. Overhead % = "
                         "(step wall time - worker time) / step wall time."),

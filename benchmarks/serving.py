@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from dataclasses import asdict
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from benchmarks.run_info import run_info
 from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests, shared_prefix_requests
 from benchmarks.hf_baselines import run_continuous_batching, run_static_batching
 from benchmarks.llmserve_driver import Target, run_llmserve
@@ -114,8 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab_size = AutoConfig.from_pretrained(model).vocab_size
     requests = random_requests(spec, vocab_size)
     results: dict[str, object] = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()}, {_cpu_count()} CPU cores, torch {torch.__version__}",
+        **run_info(f"torch {torch.__version__}"),
         "workload": spec.describe(),
         "rate": args.rate,
         "dtype": args.dtype,
@@ -185,12 +183,6 @@ def _prefix_caching(model: str, dtype: str, vocab_size: int) -> dict[str, object
             out[label] = asdict(summary)
             _print(summary)
     return out
-
-
-def _cpu_count() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _print(s: Summary) -> None:

@@ -27,15 +27,12 @@ import argparse
 import cProfile
 import hashlib
 import json
-import os
-import platform
 import pstats
 import random
 import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 
 from shared.omp import prefer_sleeping_threads
@@ -46,6 +43,7 @@ prefer_sleeping_threads()
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from benchmarks.run_info import run_info  # noqa: E402
 from protos import worker_pb2  # noqa: E402
 from shared.default_model import prepare_default_model  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
@@ -167,9 +165,7 @@ def main() -> None:
                     row = step_thread.submit(measure, runner, batch, args.steps, args.logprobs, args.profile).result()
                 runs.append({"model": name, **row})
     result = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} torch threads",
+        **run_info(f"torch {torch.__version__}", f"{torch.get_num_threads()} torch threads"),
         "description": (f"Decode steps of B greedy sequences ({PROMPT_LEN}-token prompts, logprobs={args.logprobs}) "
                         "driven in-process through the worker's ExecuteStep path (plan bytes in, reply bytes out, "
                         "no gRPC); medians over the steps. tiny: 2-layer hidden-128 Llama with the default "

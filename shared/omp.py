@@ -1,4 +1,4 @@
-"""OpenMP threads that sleep when idle, for processes that share their cores."""
+"""OpenMP threads that sleep when idle, for processes that share their cores; the cores a process may use."""
 
 from __future__ import annotations
 
@@ -17,3 +17,10 @@ def prefer_sleeping_threads() -> None:
     if "torch" in sys.modules:
         return
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on: a container's cpuset or taskset can allow fewer than the host has."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -8,7 +8,6 @@ engine loops through leases, and route requests over both workers.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from shared.omp import usable_cpus
 from llmserve.client import GenerationClient, make_request
 from scheduler_service import keys
 from scheduler_service.leases import lease_key
@@ -37,11 +37,6 @@ OVERRIDES = {
                "LLMSERVE_NUM_THREADS": "1"},
     "scheduler": {"LLMSERVE_MAX_MODEL_LEN": "512", "LLMSERVE_MAX_NUM_SEQS": "4"},
 }
-
-
-def usable_cpus() -> int:
-    """Cores this process may run on (a container or taskset can allow fewer than the machine has)."""
-    return len(os.sched_getaffinity(0))
 
 
 def start(tiny_llama_dir: Path, workdir: Path, overrides: dict[str, dict[str, str]] = OVERRIDES,

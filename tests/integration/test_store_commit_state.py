@@ -14,11 +14,11 @@ import asyncio
 import pytest
 import redis
 
-from benchmarks.commit import redis_state
 from protos import common_pb2, generation_pb2, state_pb2
 from scheduler_service import keys
 from scheduler_service.leases import LeaseLostError
 from scheduler_service.store import OUTPUT_TTL_SECONDS, CacheStats, RedisStore, StepCommit
+from shared.redis_dump import redis_state
 
 W, OTHER = "w0", "w1"
 EPOCH = 3
