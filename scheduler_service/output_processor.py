@@ -7,7 +7,6 @@ the step's StepCommit, so clients see it only once Redis has it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
 from scheduler_service.beam_processor import BeamProcessor, BeamState, PendingFork, restore_beam_ids
@@ -20,54 +19,10 @@ from scheduler_service.detokenizer import (
     held_back_stop_strings,
     streamable_text_length,
 )
+from scheduler_service.request_state import FINISH_REASONS, REASON_LABELS, RequestState, SeqOutput
 from scheduler_service.store import RestoredRequest, StepCommit
 from shared.metrics import RequestTimings
 from shared.sampling_proto import sampling_from_proto
-
-_FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
-    SequenceStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    SequenceStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
-    SequenceStatus.FINISHED_IGNORED: common_pb2.FINISH_REASON_ERROR,
-}
-# vLLM's finished_reason label values.
-_REASON_LABELS = {
-    SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort", SequenceStatus.FINISHED_IGNORED: "error",
-}
-
-
-@dataclass
-class _SeqOutput:
-    """Per-sequence streaming state."""
-
-    index: int
-    detokenizer: IncrementalDetokenizer
-    sent_chars: int = 0
-    # Sum of the sampled tokens' logprobs: ranks the sequences when best_of > n.
-    cumulative_logprob: float = 0.0
-    stop_reason: str = ""
-
-
-@dataclass
-class _RequestState:
-    record: state_pb2.AdmittedRequest
-    group: SequenceGroup
-    seqs: dict[int, _SeqOutput] = field(default_factory=dict)
-    # Steps of this request that a worker failed; past MAX_WORKER_FAILURES it ends with an error.
-    worker_failures: int = 0
-    # Beam search requests only (their sequences have no per-sequence streaming state).
-    beams: BeamState | None = None
-    # prompt_logprobs requests: prompt index -> entry, gathered over the prefill's chunks until the
-    # first response takes them (after which `prompt_logprobs_sent`).
-    prompt_logprobs: dict[int, common_pb2.TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs_sent: bool = False
-
-    def cumulative_logprobs(self) -> dict[int, float]:
-        if self.beams is not None:
-            return dict(self.beams.cumulative)
-        return {seq_id: out.cumulative_logprob for seq_id, out in self.seqs.items()}
-
 
 # A request that keeps failing its worker is likely the cause: stop retrying it.
 MAX_WORKER_FAILURES = 2
@@ -80,7 +35,7 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self._scheduler = scheduler
         self._eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._beams = BeamProcessor(scheduler, self._eos_token_id)
         # Per-request timings for metrics and traces, kept only when `record_timings` is set:
         # request id -> [first scheduled, first token] (unix seconds; 0 = not yet).
@@ -132,7 +87,7 @@ class OutputProcessor:
             request_id=record.request_id, seqs=seqs, sampling_params=params, arrival_time=record.arrival_time,
         )
         # Outputs were committed only after the response that carried the prompt logprobs.
-        state = _RequestState(record, group, prompt_logprobs_sent=any(restored.outputs.values()))
+        state = RequestState(record, group, prompt_logprobs_sent=any(restored.outputs.values()))
         if params.use_beam_search:
             state.beams = BeamState(
                 list(record.seq_ids), {s: restored.cumulative_logprobs.get(s, 0.0) for s in seq_ids}
@@ -142,7 +97,7 @@ class OutputProcessor:
             detokenizer.step(seq.output_token_ids)
             sent = streamable_text_length(detokenizer.output_text, held_back_stop_strings(params), finished=False)
             cumulative = restored.cumulative_logprobs.get(seq.seq_id, 0.0)
-            state.seqs[seq.seq_id] = _SeqOutput(index, detokenizer, sent, cumulative)
+            state.seqs[seq.seq_id] = SeqOutput(index, detokenizer, sent, cumulative)
         self._scheduler.add_request(group)
         for seq in seqs:
             if seq.seq_id in restored.finished:
@@ -201,7 +156,7 @@ class OutputProcessor:
         msg = generation_pb2.GenerateResponse(request_id=group.request_id, error=error)
         # Clients know indices 0..n-1 only (with best_of > n the extra sequences are never shown).
         for index, seq in enumerate(group.seqs[: group.sampling_params.n]):
-            reason = common_pb2.FINISH_REASON_ERROR if error else _FINISH_REASONS[seq.status]
+            reason = common_pb2.FINISH_REASON_ERROR if error else FINISH_REASONS[seq.status]
             msg.outputs.add(index=index, finish_reason=reason)
         self._add_final(group, msg, commit, group.seqs[: group.sampling_params.n])
 
@@ -220,7 +175,7 @@ class OutputProcessor:
         now = time.time()
         scheduled, first_token = self._times.pop(group.request_id, (0.0, 0.0))
         status = returned[0].status if returned else SequenceStatus.FINISHED_ABORTED
-        reason = "error" if msg.error else _REASON_LABELS.get(status, "abort")
+        reason = "error" if msg.error else REASON_LABELS.get(status, "abort")
         self._finished.append((group.request_id, RequestTimings(
             arrival_time=group.arrival_time, first_scheduled_time=scheduled or now,
             # Beam search streams nothing before the end: its first token is its last.
@@ -233,7 +188,13 @@ class OutputProcessor:
 
     def process(self, out: SchedulerOutput, result: worker_pb2.StepResult, commit: StepCommit) -> None:
         """Applies a step's sampled tokens and emits deltas for every request that advanced."""
-        self._gather_prompt_logprobs(out, result)
+        if result.prompt_logprobs:
+            groups = {item.seq.seq_id: item.group for item in out.scheduled}
+            for piece in result.prompt_logprobs:
+                group = groups.get(piece.seq_id)
+                state = self._requests.get(group.request_id) if group is not None else None
+                if state is not None:
+                    state.gather_prompt_logprobs(piece)
         sampled = {s.seq_id: s.token_id for s in result.sampled}
         by_seq = {s.seq_id: s for s in result.sampled}
         forks = self._beam_steps(out, by_seq, sampled, commit)
@@ -265,10 +226,10 @@ class OutputProcessor:
             streams = group.sampling_params.streams_outputs
             msg = generation_pb2.GenerateResponse(request_id=request_id, outputs=new if streams else [])
             if streams or group.is_finished():
-                self._attach_prompt_logprobs(state, msg)
+                state.attach_prompt_logprobs(msg)
             if group.is_finished():
                 del self._requests[request_id]
-                returned = group.seqs if streams else self._best(state, msg)
+                returned = group.seqs if streams else state.best(msg)
                 self._add_final(group, msg, commit, returned)
                 continue
             if streams:
@@ -306,53 +267,12 @@ class OutputProcessor:
             if group.is_finished():
                 del self._requests[request_id]
                 msg = generation_pb2.GenerateResponse(request_id=request_id)
-                self._attach_prompt_logprobs(state, msg)
+                state.attach_prompt_logprobs(msg)
                 best = self._beams.final_outputs(group, state.beams, self._tokenizer, msg)
                 self._add_final(group, msg, commit, best)
         return forks
 
-    def _gather_prompt_logprobs(self, out: SchedulerOutput, result: worker_pb2.StepResult) -> None:
-        """Keeps the prompt logprobs the worker computed this step, by prompt index.
-
-        A prefill recomputed after a preemption sends some again: same values, overwritten.
-        """
-        if not result.prompt_logprobs:
-            return
-        groups = {item.seq.seq_id: item.group for item in out.scheduled}
-        for piece in result.prompt_logprobs:
-            group = groups.get(piece.seq_id)
-            state = self._requests.get(group.request_id) if group is not None else None
-            if state is None or state.prompt_logprobs_sent:
-                continue
-            for offset, entry in enumerate(piece.positions):
-                state.prompt_logprobs[piece.start + offset] = entry
-
-    def _attach_prompt_logprobs(self, state: _RequestState, msg: generation_pb2.GenerateResponse) -> None:
-        """The request's first response with outputs carries its prompt logprobs."""
-        if state.group.sampling_params.prompt_logprobs is None or state.prompt_logprobs_sent:
-            return
-        gathered = state.prompt_logprobs
-        # Indices form one run ending at the last prompt token: prefills advance in order, and only
-        # a leading run of prefix-cached tokens is never computed.
-        msg.prompt_logprobs_start = min(gathered, default=len(state.record.prompt_token_ids))
-        msg.prompt_logprobs.extend(gathered[i] for i in sorted(gathered))
-        state.prompt_logprobs_sent = True
-        state.prompt_logprobs = {}
-
-    def _best(self, state: _RequestState, msg: generation_pb2.GenerateResponse) -> list[Sequence]:
-        """best_of > n: the n most likely sequences, whole, as the request's only outputs."""
-        group = state.group
-        ranked = sorted(group.seqs, key=lambda s: state.seqs[s.seq_id].cumulative_logprob, reverse=True)
-        best = ranked[: group.sampling_params.n]
-        for index, seq in enumerate(best):
-            out = state.seqs[seq.seq_id]
-            msg.outputs.add(
-                index=index, text=out.detokenizer.output_text, token_ids=seq.output_token_ids,
-                finish_reason=_FINISH_REASONS[seq.status], stop_reason=out.stop_reason,
-            )
-        return best
-
-    def _on_token(self, state: _RequestState, group: SequenceGroup, seq: Sequence, token: int) -> generation_pb2.CompletionDelta:
+    def _on_token(self, state: RequestState, group: SequenceGroup, seq: Sequence, token: int) -> generation_pb2.CompletionDelta:
         out = state.seqs[seq.seq_id]
         params = group.sampling_params
         new_text = out.detokenizer.step([token])
@@ -369,7 +289,7 @@ class OutputProcessor:
         if decision.finished:
             assert decision.status is not None  # guaranteed by StopDecision's invariant
             self._scheduler.finish_sequence(group, seq, decision.status)
-            delta.finish_reason = _FINISH_REASONS[decision.status]
+            delta.finish_reason = FINISH_REASONS[decision.status]
             if decision.reason is not None:
                 delta.stop_reason = out.stop_reason = str(decision.reason)
         return delta

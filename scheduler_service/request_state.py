@@ -1,0 +1,91 @@
+"""What the output processor keeps per live request: streaming state, prompt logprobs, final ranking."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
+from scheduler_service.beam_processor import BeamState
+from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_service.detokenizer import IncrementalDetokenizer
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
+    SequenceStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    SequenceStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
+    SequenceStatus.FINISHED_IGNORED: common_pb2.FINISH_REASON_ERROR,
+}
+# vLLM's finished_reason label values.
+REASON_LABELS = {
+    SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort", SequenceStatus.FINISHED_IGNORED: "error",
+}
+
+
+@dataclass
+class SeqOutput:
+    """Per-sequence streaming state."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    sent_chars: int = 0
+    # Sum of the sampled tokens' logprobs: ranks the sequences when best_of > n.
+    cumulative_logprob: float = 0.0
+    stop_reason: str = ""
+
+
+@dataclass
+class RequestState:
+    """One live request of an engine loop."""
+
+    record: state_pb2.AdmittedRequest
+    group: SequenceGroup
+    seqs: dict[int, SeqOutput] = field(default_factory=dict)
+    # Steps of this request that a worker failed; past MAX_WORKER_FAILURES it ends with an error.
+    worker_failures: int = 0
+    # Beam search requests only (their sequences have no per-sequence streaming state).
+    beams: BeamState | None = None
+    # prompt_logprobs requests: prompt index -> entry, gathered over the prefill's chunks until the
+    # first response takes them (after which `prompt_logprobs_sent`).
+    prompt_logprobs: dict[int, common_pb2.TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
+
+    def cumulative_logprobs(self) -> dict[int, float]:
+        if self.beams is not None:
+            return dict(self.beams.cumulative)
+        return {seq_id: out.cumulative_logprob for seq_id, out in self.seqs.items()}
+
+    def gather_prompt_logprobs(self, piece: worker_pb2.PromptLogprobs) -> None:
+        """Keeps prompt logprobs a step computed, by prompt index, until the first response takes them.
+
+        A prefill recomputed after a preemption sends some again: same values, overwritten.
+        """
+        if self.prompt_logprobs_sent:
+            return
+        for offset, entry in enumerate(piece.positions):
+            self.prompt_logprobs[piece.start + offset] = entry
+
+    def attach_prompt_logprobs(self, msg: generation_pb2.GenerateResponse) -> None:
+        """The request's first response with outputs carries its prompt logprobs."""
+        if self.group.sampling_params.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return
+        gathered = self.prompt_logprobs
+        # Indices form one run ending at the last prompt token: prefills advance in order, and only
+        # a leading run of prefix-cached tokens is never computed.
+        msg.prompt_logprobs_start = min(gathered, default=len(self.record.prompt_token_ids))
+        msg.prompt_logprobs.extend(gathered[i] for i in sorted(gathered))
+        self.prompt_logprobs_sent = True
+        self.prompt_logprobs = {}
+
+    def best(self, msg: generation_pb2.GenerateResponse) -> list[Sequence]:
+        """best_of > n: the n most likely sequences, whole, added to msg as the request's only outputs."""
+        group = self.group
+        ranked = sorted(group.seqs, key=lambda s: self.seqs[s.seq_id].cumulative_logprob, reverse=True)
+        best = ranked[: group.sampling_params.n]
+        for index, seq in enumerate(best):
+            out = self.seqs[seq.seq_id]
+            msg.outputs.add(
+                index=index, text=out.detokenizer.output_text, token_ids=seq.output_token_ids,
+                finish_reason=FINISH_REASONS[seq.status], stop_reason=out.stop_reason,
+            )
+        return best
