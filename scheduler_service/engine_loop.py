@@ -31,7 +31,8 @@ from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
 from scheduler_service.step_profile import StepProfile, StepProfileWriter
 from scheduler_service.step_telemetry import StepTelemetry
-from scheduler_service.store import CacheStats, Pickup, RedisStore, StepCommit
+from scheduler_service.queue_snapshot import QueueSnapshot
+from scheduler_service.store import Pickup, RedisStore, StepCommit
 from shared.metrics import EngineMetrics
 from shared.tracing import PerfClock, metadata_for
 from shared.worker_registry import WorkerEntry
@@ -88,10 +89,7 @@ class EngineLoop:
         # time.monotonic() of the last completed step, or of the last moment the loop was idle:
         # liveness (scheduler_service/health.py) flags a loop holding work that has not stepped since.
         self.last_progress = time.monotonic()
-        self._last_waiting: list[str] | None = None
-        self._last_running: list[str] | None = None
-        self._last_swapped: list[str] | None = None
-        self._last_stats: CacheStats | None = None
+        self._snapshot = QueueSnapshot()
         self._profiles = StepProfileWriter(profile_path) if profile_path is not None else None
         # Spans and metrics are built from the same per-step measurements as --profile-steps.
         self._telemetry = StepTelemetry(worker_id, scheduler, processor, tracer, metrics)
@@ -120,25 +118,6 @@ class EngineLoop:
         # The worker's KV is gone: cached prefix blocks no longer hold what their hashes say.
         self._scheduler.reset_prefix_cache()
         log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
-
-    def _snapshot(self, commit: StepCommit) -> None:
-        """Queue order and free blocks go into the commit only when they changed (an idle loop writes nothing)."""
-        bm = self._scheduler.block_manager
-        waiting = [g.request_id for g in self._scheduler.waiting]
-        running = [g.request_id for g in self._scheduler.running]
-        swapped = [g.request_id for g in self._scheduler.swapped]
-        # Only the requests that just started running leave the admission queue count: sending the whole
-        # running list would cost Redis a lookup per running request whenever the list changes.
-        before = set(self._last_running or ()) | set(self._last_swapped or ())
-        commit.newly_scheduled.extend(r for r in running + swapped if r not in before)
-        commit.waiting = waiting if waiting != self._last_waiting else None
-        commit.running = running if running != self._last_running else None
-        commit.swapped = swapped if swapped != self._last_swapped else None
-        self._last_waiting, self._last_running, self._last_swapped = waiting, running, swapped
-        prefix = bm.prefix_cache_stats
-        stats = CacheStats(bm.num_free_gpu_blocks, bm.num_gpu_blocks, prefix.queries, prefix.hits)
-        commit.cache_stats = stats if stats != self._last_stats else None
-        self._last_stats = stats
 
     def _plan(self, commit: StepCommit, profile: StepProfile | None = None
               ) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
@@ -173,7 +152,7 @@ class EngineLoop:
             commit.new_blocks.setdefault(seq_id, []).extend(block_ids)
         for seq_id, replaced in built.replaced_blocks.items():
             commit.replaced_blocks.setdefault(seq_id, {}).update(replaced)
-        self._snapshot(commit)
+        self._snapshot.write(self._scheduler, commit)
         plan = built.plan
         # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.
         has_work = built.num_sequences or plan.swap_in or plan.swap_out or plan.copy or plan.finished_seq_ids
