@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from llmserve import security_flags as sec
@@ -337,23 +338,23 @@ def _cmd_up(args: argparse.Namespace) -> int:
         log_dir=args.log_dir, http_port=args.http_port, http_args=_passthrough(args, _HTTP_PASS),
         tls_ca_file=args.tls_ca_file,
     )
-    stop = False
+    stop = threading.Event()
 
     def _stop(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
+        stop.set()
 
     signal.signal(signal.SIGTERM, _stop)
     with LocalCluster(spec) as cluster:
+        # From here on Ctrl-C (SIGINT, the terminal's: the services run in sessions of their own and do
+        # not get it) stops the cluster in order, however soon it comes. An Event, not a flag tested
+        # before signal.pause(): a signal between the test and the pause would be missed.
+        signal.signal(signal.SIGINT, _stop)
         http = f", OpenAI API on {cluster.http_url}/v1" if cluster.http_url else ""
         print(f"llmserve is up: Generation API on {cluster.address}{http} (logs in {cluster.log_dir}); "
               "Ctrl-C stops it", flush=True)
-        try:
-            while not stop:
-                signal.pause()
-        except KeyboardInterrupt:
+        while not stop.wait(0.5):
             pass
-        print("stopping...", flush=True)
+        print("stopping (the worker drains first)...", flush=True)
     return 0
 
 

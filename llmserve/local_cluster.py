@@ -132,7 +132,10 @@ class LocalCluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         if self.spec.redis_password:
             env["LLMSERVE_REDIS_PASSWORD"] = self.spec.redis_password
-        self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # A session of its own: Ctrl-C in the terminal reaches only this process, whose stop() then
+        # ends the services in order (the worker drains while the scheduler and Redis still run).
+        self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
         log.close()
 
     def start(self) -> "LocalCluster":
@@ -207,21 +210,31 @@ class LocalCluster:
         """SIGTERM the services, then stop Redis.
 
         The worker goes before the scheduler: it drains, and only a running scheduler can tell it
-        that nothing is left for it (else it would wait out its drain timeout).
+        that nothing is left for it (else it would wait out its drain timeout). Interrupted (a
+        second Ctrl-C), it kills what is left: the services run in sessions of their own and would
+        otherwise outlive this process.
         """
-        for role in ("openai", "worker", "scheduler"):
-            proc = self._procs.get(role)
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
+        try:
+            for role in ("openai", "worker", "scheduler"):
+                proc = self._procs.get(role)
+                if proc is not None and proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+        except BaseException:
+            for proc in self._procs.values():
+                if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        self._procs.clear()
-        if self._redis is not None:
-            self._redis.stop()
-            self._redis = None
+            raise
+        finally:
+            self._procs.clear()
+            if self._redis is not None:
+                self._redis.stop()
+                self._redis = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

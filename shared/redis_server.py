@@ -81,7 +81,9 @@ class RedisServer:
             "--save", "", "--appendonly", "yes" if self._appendonly else "no", "--protected-mode", "yes",
         ]
         log_path = Path(self._dir.name) / "redis.log"
-        self._proc = subprocess.Popen(args + ["--logfile", str(log_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Own session: a terminal's Ctrl-C goes to the owner, which stops Redis last (see LocalCluster.stop).
+        self._proc = subprocess.Popen(args + ["--logfile", str(log_path)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
