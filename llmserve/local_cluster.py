@@ -21,6 +21,7 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.processes import terminate
 from shared.redis_server import RedisServer, free_port
 from shared.tls import client_tls, open_channel
 
@@ -217,13 +218,8 @@ class LocalCluster:
         try:
             for role in ("openai", "worker", "scheduler"):
                 proc = self._procs.get(role)
-                if proc is not None and proc.poll() is None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=15)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                if proc is not None:
+                    terminate(proc, grace_s=15)
         except BaseException:
             for proc in self._procs.values():
                 if proc.poll() is None:

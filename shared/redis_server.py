@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from shared.processes import terminate
+
 
 def find_redis_server() -> str:
     """Path of a redis-server binary; raises FileNotFoundError with what to install."""
@@ -106,13 +108,8 @@ class RedisServer:
         raise TimeoutError(f"redis-server did not answer on {self.host}:{self.port} within {timeout_s}s")
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            terminate(self._proc, grace_s=5)
         self._proc = None
         if self._dir is not None:
             self._dir.cleanup()

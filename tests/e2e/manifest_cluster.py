@@ -28,6 +28,7 @@ from pathlib import Path
 import redis
 
 from llmserve.local_cluster import wait_serving
+from shared.processes import terminate
 from shared.redis_server import find_redis_server, free_port
 from tests.unit.test_deploy import Obj, container, find, rendered
 
@@ -210,11 +211,4 @@ class ManifestCluster:
         # Workers first: they drain while a scheduler can still tell them they are done.
         order = sorted(self.pods, key=lambda n: (not n.startswith("worker"), n.startswith("redis")))
         for name in order:
-            proc = self.pods[name].proc
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            terminate(self.pods[name].proc, grace_s=20)
