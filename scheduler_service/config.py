@@ -15,7 +15,7 @@ class SchedulerServiceConfig:
     tokenizer: local directory with the model's tokenizer (usually the model directory).
     redis_url: the state store.
     lease_ttl_s: how long a worker's lease outlives its last renewal: a replica that dies is replaced
-      on its workers within this time; renewals run three times per TTL.
+      on its workers within this time; renewals run every min(TTL / 3, 1 s).
     worker_connect_timeout_s: how long start-up waits for a first worker to register in Redis.
     max_num_batched_tokens: token budget per step; None = max(max_model_len, 2048) as in vLLM
       without chunked prefill (a prompt must fit in one step), 512 with it.

@@ -89,7 +89,7 @@ class SchedulerMetrics:
                                     buckets=E2E_BUCKETS, registry=r)
         self.step_time = Histogram("llmserve:engine_step_seconds", "Wall time of one engine-loop step.", labels,
                                    buckets=STEP_BUCKETS, registry=r)
-        self.commit_time = Histogram("llmserve:redis_commit_seconds", "One step's Redis commit (one round trip).",
+        self.commit_time = Histogram("llmserve:redis_commit_seconds", "One step's fenced Redis commit (WATCH, GET of the epoch, MULTI/EXEC).",
                                      labels, buckets=STEP_BUCKETS, registry=r)
 
     def engine(self, worker_id: str) -> "EngineMetrics":

@@ -15,7 +15,7 @@ _GIB = 1 << 30
 class WorkerConfig:
     """Everything a worker needs to load its model and size its KV cache.
 
-    model: local Hugging Face checkpoint directory (config.json + safetensors).
+    model: local Hugging Face checkpoint directory (config.json + safetensors), or a .gguf file.
     dtype: "auto" picks float32 on a CPU and the checkpoint's dtype (at least 16-bit) on a GPU.
     block_size: tokens per KV-cache block.
     kv_cache_memory_gib: memory given to the KV cache on a CPU, when no override is set.

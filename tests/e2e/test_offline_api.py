@@ -38,3 +38,7 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
     assert [[c.token_ids for c in o.outputs] for o in seeded][0] == [[c.token_ids for c in o.outputs] for o in seeded][1]
     assert len(seeded[0].outputs) == 2 and seeded[0].outputs[0].token_ids != seeded[0].outputs[1].token_ids
     assert len(answer) == 1 and len(answer[0].outputs[0].token_ids) >= 1
+    # A conversation's prompt tokens are the chat template's rendering, as transformers tokenizes it.
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+    assert answer[0].prompt is None and answer[0].prompt_token_ids == list(rendered)
