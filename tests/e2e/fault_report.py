@@ -30,7 +30,7 @@ Written by `make faults` (tests/e2e/test_faults.py) on {time.strftime('%Y-%m-%d 
 commit {_commit()}, {platform.machine()} with {os.cpu_count()} CPUs (load average {load} at the end).
 
 Each row: the cpu overlay's processes on localhost (2 scheduler replicas, 2 workers, Redis with AOF),
-greedy requests of 40 tokens (8, or 24 where a queue is needed) streamed through both replicas
+greedy requests of 40 tokens (8; or 24 of 300 tokens where a queue is needed) streamed through both replicas
 (clients fall back to the other one), the fault injected while tokens flow. "completed" counts
 requests that ended normally with exactly transformers' greedy tokens; "tokens lost" counts tokens
 a client never received; "time to recover" is the longest pause any client saw between two tokens

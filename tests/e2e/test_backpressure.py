@@ -32,7 +32,10 @@ MAX_NEW = 24
 def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model=str(tiny_llama_dir),
-        worker_args=["--num-gpu-blocks-override", "128", "--max-model-len", "512", "--num-threads", "1"],
+        # A long heartbeat TTL: the frozen worker must stay registered (else requests meet UNAVAILABLE,
+        # no routable worker, instead of the full queue) however long a loaded machine takes.
+        worker_args=["--num-gpu-blocks-override", "128", "--max-model-len", "512", "--num-threads", "1",
+                     "--heartbeat-ttl", "60"],
         scheduler_args=["--max-num-seqs", "1", "--max-num-queued-requests", str(MAX_QUEUED),
                         "--max-queued-tokens", str(MAX_QUEUED_TOKENS), "--step-timeout", "60"],
     )

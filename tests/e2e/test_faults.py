@@ -34,6 +34,9 @@ from tests.e2e.test_manifests_local import OVERRIDES, lease_owners, start, wait_
 from tests.hf_reference import HFReference, compare_greedy
 
 MAX_NEW = 40
+# The drain test's requests: long enough that those waiting on the draining worker are still waiting
+# when the scheduler learns of the drain (at its next tick, up to a second later).
+DRAIN_NEW = 300
 NUM_REQUESTS = 8
 # Test knobs on top of the manifests: faster fault detection than production's defaults.
 FAULT_OVERRIDES = {
@@ -58,8 +61,8 @@ class Tracked:
         return max(gaps, default=0.0)
 
 
-def consume(client: GenerationClient, request_id: str, tracked: Tracked) -> None:
-    request = make_request(request_id=request_id, prompt_token_ids=tracked.prompt, max_tokens=MAX_NEW,
+def consume(client: GenerationClient, request_id: str, tracked: Tracked, max_new: int) -> None:
+    request = make_request(request_id=request_id, prompt_token_ids=tracked.prompt, max_tokens=max_new,
                            ignore_eos=True, temperature=0.0)
     for msg in client.stream(request, timeout=240):
         now = time.monotonic()
@@ -105,7 +108,7 @@ def cluster(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[ManifestCluster]:
 
 
 def run_with_fault(cluster: ManifestCluster, tiny_llama_dir: Path, fault: str, inject: Callable[[], None],
-                   seed: int, num_requests: int = NUM_REQUESTS) -> FaultRow:
+                   seed: int, num_requests: int = NUM_REQUESTS, max_new: int = MAX_NEW) -> FaultRow:
     """Streams num_requests greedy requests, injects the fault once tokens flow, checks and records the outcome."""
     rng = random.Random(seed)
     tracked = [Tracked([rng.randrange(3, 40000) for _ in range(rng.randint(4, 60))]) for _ in range(num_requests)]
@@ -113,11 +116,12 @@ def run_with_fault(cluster: ManifestCluster, tiny_llama_dir: Path, fault: str, i
     clients = [GenerationClient(replicas[i], fallback_addresses=[replicas[1 - i]]) for i in range(2)]
     try:
         with ThreadPoolExecutor(max_workers=num_requests) as pool:
-            futures = [pool.submit(consume, clients[i % 2], f"{fault.split()[0]}-{i}", t)
+            futures = [pool.submit(consume, clients[i % 2], f"{fault.split()[0]}-{i}", t, max_new)
                        for i, t in enumerate(tracked)]
             wait_for(lambda: sum(len(t.tokens) >= 3 for t in tracked) >= NUM_REQUESTS // 2, 120, "tokens flow")
             t0 = time.monotonic()
-            running = [t for t in tracked if len(t.tokens) < MAX_NEW]
+            running = [t for t in tracked if len(t.tokens) < max_new]
+            assert running, "every request finished before the fault: it would test nothing"
             inject()
             for f in futures:
                 f.result()
@@ -127,7 +131,7 @@ def run_with_fault(cluster: ManifestCluster, tiny_llama_dir: Path, fault: str, i
     reference = HFReference(str(tiny_llama_dir))
     lost = 0
     for t in tracked:
-        expected = reference.greedy(t.prompt, MAX_NEW, stop_at_eos=False)
+        expected = reference.greedy(t.prompt, max_new, stop_at_eos=False)
         cmp = compare_greedy(t.tokens, expected)
         assert t.error == "" and t.finish_reason == "FINISH_REASON_LENGTH", (fault, t.error, t.finish_reason)
         assert cmp.matched, (fault, cmp.detail)
@@ -174,7 +178,7 @@ def test_a_worker_drained_under_load_finishes_its_running_requests_and_hands_ove
         worker.proc.terminate()
 
     row = run_with_fault(cluster, tiny_llama_dir, "worker drain (SIGTERM) with a queue",
-                         drain, seed=34, num_requests=6 * per_loop)
+                         drain, seed=34, num_requests=6 * per_loop, max_new=DRAIN_NEW)
     assert row.completed == row.requests and row.tokens_lost == 0
     assert worker.proc.wait(timeout=30) == 0, worker.tail()
     log = worker.log.read_text(errors="replace")
