@@ -207,15 +207,22 @@ def test_cancelling_every_third_of_60_streams_frees_everything(cluster: LocalClu
 
 
 def test_seeded_sampling_survives_preemption(cluster: LocalCluster) -> None:
-    """A seeded request samples the same tokens alone and in a crowd that forces recompute preemption."""
+    """A seeded request samples the same tokens alone and after being preempted by recompute."""
     before = redis_state(cluster)["preemptions"]
-    seeded = dict(prompt_token_ids=list(range(1000, 1100)), max_tokens=40, temperature=0.8, top_p=0.95,
+    seeded = dict(prompt_token_ids=list(range(1000, 1100)), max_tokens=200, temperature=0.8, top_p=0.95,
                   seed=1234, ignore_eos=True)
     (alone,) = generate_all(cluster.address, [make_request(**seeded)])
-    crowd = [make_request(prompt_token_ids=p, max_tokens=40, ignore_eos=True, temperature=1.0)
-             for p in _prompts(15, 40000, seed=9)]
-    results = generate_all(cluster.address, [*crowd[:7], make_request(**seeded), *crowd[7:]])
-    assert results[7].token_ids == alone.token_ids
+    # The crowd runs first and outgrows the cache by itself (4 x 22 blocks of 64 at 40 + 300 tokens).
+    # The seeded request arrives last, so it is the first victim when the blocks run out, about 150
+    # steps in, while it still has about 50 of its 200 tokens to go.
+    crowd = [make_request(prompt_token_ids=[(31 * i + 7 * j) % 40000 + 100 for j in range(40)], max_tokens=300,
+                          ignore_eos=True, temperature=1.0) for i in range(4)]
+    with GenerationClient(cluster.address) as client:
+        streams = Streams(client, crowd)
+        streams.wait_started(60)
+        loaded = client.generate(make_request(**seeded))
+        streams.join(120)
+    assert loaded.token_ids == alone.token_ids
     assert redis_state(cluster)["preemptions"] > before
     assert_all_blocks_free(cluster)
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from llmserve.local_cluster import ClusterSpec, LocalCluster
+from openai_api.routes import DISCONNECT_POLL_S
 from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
 
 openai = pytest.importorskip("openai")
@@ -139,10 +140,11 @@ def _seconds_until_idle(cluster: LocalCluster, timeout_s: float = 30.0) -> float
 def test_client_disconnect_aborts_the_request(client: "openai.OpenAI", cluster: LocalCluster) -> None:
     """A stream closed after its first chunk (or a plain request whose client gives up) frees its blocks
     long before the request could have finished: its gRPC call is cancelled and the scheduler aborts it."""
-    body = dict(model=MODEL, prompt="Tell me a long story", max_tokens=300, temperature=0.0,
+    # As long as the model allows (max-model-len 512): the gap between cut short and run to the end is wide.
+    body = dict(model=MODEL, prompt="Tell me a long story", max_tokens=480, temperature=0.0,
                 extra_body={"ignore_eos": True})
     start = time.monotonic()
-    assert client.completions.create(**body).usage.completion_tokens == 300
+    assert client.completions.create(**body).usage.completion_tokens == 480
     full_s = time.monotonic() - start
 
     stream = client.completions.create(**body, stream=True)
@@ -152,5 +154,6 @@ def test_client_disconnect_aborts_the_request(client: "openai.OpenAI", cluster: 
 
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=full_s / 4).completions.create(**body)
-    assert _seconds_until_idle(cluster) < full_s / 2
+    # The front notices the gone client at its next poll; run to the end, the request would take ~3/4 full_s.
+    assert _seconds_until_idle(cluster) < full_s / 4 + DISCONNECT_POLL_S
     assert_all_blocks_free(cluster)
