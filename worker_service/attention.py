@@ -15,6 +15,7 @@ The flattened batch is ordered prefills first, then decodes:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,9 @@ class AttentionMetadata:
     # Called with a layer's index before it touches its cache: blocks swapped in this step on a GPU
     # side stream must have landed (CacheEngine.wait_for_layer); a no-op on a CPU.
     wait_for_layer: Callable[[int], None] = _no_wait
+    # Entered around the cache write and the attention kernels: on a CPU it gives them every thread
+    # while the ops between run on one (MatmulThreads.full); nothing elsewhere.
+    kernel_threads: Callable[[], AbstractContextManager[object]] = nullcontext
 
     @property
     def num_decodes(self) -> int:
@@ -90,21 +94,22 @@ def paged_attention_forward(
     value_cache = meta.value_caches[layer]
     backend = meta.backend
 
-    backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     num_prefill = meta.num_prefill_tokens
-    if num_prefill:
-        backend.context_attention(
-            out[:num_prefill], q[:num_prefill], key_cache, value_cache, num_kv_heads, scaling,
-            meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_seq_lens,
-            meta.block_size, sliding_window=sliding_window,
-        )
-    if meta.num_decodes:
-        backend.paged_attention(
-            out[num_prefill:], q[num_prefill:], key_cache, value_cache, num_kv_heads, scaling,
-            meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
-            meta.decode_max_context_len, sliding_window=sliding_window,
-        )
+    with meta.kernel_threads():
+        backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if num_prefill:
+            backend.context_attention(
+                out[:num_prefill], q[:num_prefill], key_cache, value_cache, num_kv_heads, scaling,
+                meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_seq_lens,
+                meta.block_size, sliding_window=sliding_window,
+            )
+        if meta.num_decodes:
+            backend.paged_attention(
+                out[num_prefill:], q[num_prefill:], key_cache, value_cache, num_kv_heads, scaling,
+                meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
+                meta.decode_max_context_len, sliding_window=sliding_window,
+            )
     return out.unsqueeze(0), None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ from protos import worker_pb2
 from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_bytes, size_cache
 from worker_service.config import WorkerConfig
 from worker_service.input_builder import ModelInputs, build_inputs
+from worker_service.matmul_threads import MatmulThreads
 from worker_service.model_loader import load_config, load_model, model_shape, resolve_dtype
 from worker_service.plan import StepPlanData
 from worker_service.profiler import profile_gpu_memory
@@ -91,6 +93,8 @@ class ModelRunner:
         # Masked until min_tokens; read once, not on every step.
         self.eos_token_ids = eos_token_ids(self.model)
         self.decoder = self.model.base_model
+        # On a CPU the small ops between matmuls run on one thread (see matmul_threads.py).
+        self._threads = MatmulThreads(self.decoder) if self.device.type == "cpu" else None
         self.lm_head = self.model.get_output_embeddings()
         # A GPU's cache gets what the largest step leaves of --gpu-memory-utilization; a CPU's is set in GiB.
         device_bytes, memory_flag = config.kv_cache_bytes, "--kv-cache-memory"
@@ -144,12 +148,7 @@ class ModelRunner:
             scheduled, self.backend, self.cache.key_caches, self.cache.value_caches,
             self.config.block_size, self.device, self.cache.wait_for_layer,
         )
-        hidden = self.decoder(
-            input_ids=inputs.input_ids.unsqueeze(0),
-            position_ids=inputs.positions.unsqueeze(0),
-            use_cache=False,
-            **{METADATA_KWARG: inputs.attn},
-        ).last_hidden_state[0]
+        hidden = self._forward(inputs)
         sampled: list[SampledTokenData] = []
         prompt_logprobs: list[PromptLogprobsData] = []
         if self.tp is not None and not self.tp.is_driver:
@@ -164,6 +163,20 @@ class ModelRunner:
         for seq in inputs.seqs:
             self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
         return StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The decoder's last hidden states, [num_tokens, hidden]."""
+        threads = contextlib.nullcontext()
+        if self._threads is not None:
+            inputs.attn.kernel_threads = self._threads.full
+            threads = self._threads.forward(int(inputs.input_ids.shape[0]))
+        with threads:
+            return self.decoder(
+                input_ids=inputs.input_ids.unsqueeze(0),
+                position_ids=inputs.positions.unsqueeze(0),
+                use_cache=False,
+                **{METADATA_KWARG: inputs.attn},
+            ).last_hidden_state[0]
 
     def _sample(self, hidden: torch.Tensor, inputs: ModelInputs) -> tuple[list[SampledTokenData], list[PromptLogprobsData]]:
         """The LM head and the sampler (rank 0 only); a failure tells the other ranks to drop the step."""
