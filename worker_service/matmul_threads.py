@@ -5,7 +5,7 @@ cores), so every parallel region pays for waking them. A matmul earns that back 
 the elementwise ops of a decode step do not: at 64 sequences an RMSNorm ([64, 576] floats) took
 27 us on one thread and 340-370 us on two, and a decode step of the default model spent ~45 ms of
 its ~230 in such ops (multiplies, adds, powers, sums, SiLU averaging 50-160 us each). Within a
-forward pass this runs everything on one thread except the nn.Linear modules and the attention
+forward pass this runs everything on one thread except the matmul layers (MATMUL_MODULES) and the attention
 kernels (`full()`, entered by the attention function), which get the configured count back for
 their call (torch.set_num_threads costs ~0.1 us). The Numba decode kernel sizes its OpenMP team
 by torch's count (kernels.cpu.numba_attention.kernel_threads), so it needs the count back too.
@@ -22,18 +22,28 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from transformers.pytorch_utils import Conv1D
+
+from worker_service.sharding import RowParallelLinear
 
 ONE_THREAD_MAX_TOKENS = 512
+# The modules whose forward is a matmul: nn.Linear, GPT-2's Conv1D (not an nn.Linear) and the
+# tensor-parallel row-parallel linear layer.
+MATMUL_MODULES = (torch.nn.Linear, Conv1D, RowParallelLinear)
 
 
 class MatmulThreads:
-    """Forward hooks on a module's linear layers and a `full()` context, active inside `forward()` only."""
+    """Forward hooks on a module's matmul layers and a `full()` context, active inside `forward()` only.
+
+    One instance serves one model, whose forward passes never overlap (the servicer runs one step
+    at a time): the state below is the running pass's.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._threads = 1
         self._active = False
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, MATMUL_MODULES):
                 module.register_forward_pre_hook(self._enter_linear)
                 module.register_forward_hook(self._leave_linear)
 
@@ -60,8 +70,8 @@ class MatmulThreads:
         """One forward pass of num_tokens tokens: one thread outside the linear layers and attention,
         the calling thread's count inside (all of it throughout above ONE_THREAD_MAX_TOKENS).
 
-        The count is the calling thread's (torch keeps one per thread), restored on the way out,
-        whatever happens in between.
+        The count read and restored is the calling thread's (torch.set_num_threads also sets the
+        default a thread started later begins with; it is restored on the way out, whatever happens).
         """
         threads = torch.get_num_threads()
         if threads == 1 or num_tokens > ONE_THREAD_MAX_TOKENS:

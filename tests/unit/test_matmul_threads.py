@@ -74,3 +74,16 @@ def test_a_failed_forward_pass_restores_the_count(two_threads: None) -> None:
     assert torch.get_num_threads() == 2
     probe(torch.ones(1, 4))  # and a later call outside forward() is left alone
     assert probe.seen["before"] == 2 and probe.seen["after"] == 2
+
+
+def test_gpt2_conv1d_layers_get_every_thread(two_threads: None) -> None:
+    """GPT-2 multiplies through transformers' Conv1D, which is not an nn.Linear."""
+    from transformers.pytorch_utils import Conv1D
+
+    seen: list[int] = []
+    model = torch.nn.Sequential(Conv1D(4, 4))
+    model[0].register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+    threads = MatmulThreads(model)
+    with threads.forward(num_tokens=8):
+        model(torch.ones(1, 4))
+    assert seen == [2]
