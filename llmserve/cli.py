@@ -341,9 +341,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def _stop(signum: int, frame: object) -> None:
+        if stop.is_set():  # a second Ctrl-C: stop waiting for the orderly stop, kill what is left
+            raise KeyboardInterrupt
         stop.set()
 
+    # SIGHUP too: a closed terminal no longer reaches the services, which run in sessions of their own.
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
     with LocalCluster(spec) as cluster:
         # From here on Ctrl-C (SIGINT, the terminal's: the services run in sessions of their own and do
         # not get it) stops the cluster in order, however soon it comes. An Event, not a flag tested
@@ -354,7 +358,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
               "Ctrl-C stops it", flush=True)
         while not stop.wait(0.5):
             pass
-        print("stopping (the worker drains first)...", flush=True)
+        print("stopping (the worker drains first; Ctrl-C again kills)...", flush=True)
     return 0
 
 

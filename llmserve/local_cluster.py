@@ -6,6 +6,7 @@ through this class, with the same commands a deployment runs.
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -140,6 +141,9 @@ class LocalCluster:
         log.close()
 
     def start(self) -> "LocalCluster":
+        # The services run in sessions of their own: stop them at interpreter exit too, should the
+        # owner never call stop() (an LLM used without `with`).
+        atexit.register(self.stop)
         if self.log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-")
             self.log_dir = Path(self._tmp.name)
@@ -215,6 +219,7 @@ class LocalCluster:
         second Ctrl-C), it kills what is left: the services run in sessions of their own and would
         otherwise outlive this process.
         """
+        atexit.unregister(self.stop)
         try:
             for role in ("openai", "worker", "scheduler"):
                 proc = self._procs.get(role)

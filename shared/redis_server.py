@@ -86,6 +86,16 @@ class RedisServer:
         # Own session: a terminal's Ctrl-C goes to the owner, which stops Redis last (see LocalCluster.stop).
         self._proc = subprocess.Popen(args + ["--logfile", str(log_path)], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            self._wait_ready(log_path, timeout_s)
+        except BaseException:
+            # Its own session: nothing else would stop it (a Ctrl-C here included).
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, log_path: Path, timeout_s: float) -> None:
+        assert self._proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -97,14 +107,12 @@ class RedisServer:
                     if self._password:
                         s.sendall(_command("AUTH", self._password))
                         if not s.recv(64).startswith(b"+OK"):
-                            self.stop()
                             raise RuntimeError("redis-server refused the password it was started with")
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
-                        return self
+                        return
             except OSError:
                 time.sleep(0.05)
-        self.stop()
         raise TimeoutError(f"redis-server did not answer on {self.host}:{self.port} within {timeout_s}s")
 
     def stop(self) -> None:
