@@ -155,6 +155,9 @@ class BlockManager(DeviceBlockTables):
             plan = self.plan_admission(group)
         elif plan.group is not group:
             raise ValueError(f"the admission plan is for request {plan.group.request_id!r}, not {group.request_id!r}.")
+        elif self._prefix is not None and not all(self._prefix.still_cached(t.hashes, t.hits) for t in plan.tables):
+            # Made before an eviction: a hit may now hold other tokens' KV.
+            raise ValueError(f"the admission plan of request {group.request_id!r} is stale: replan it.")
         for table_plan in plan.tables:
             if table_plan.seq.seq_id in self.block_tables:
                 raise ValueError(f"seq {table_plan.seq.seq_id} already has a block table.")

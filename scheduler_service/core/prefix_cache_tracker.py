@@ -57,6 +57,10 @@ class PrefixCacheTracker:
             hits.append(block_id)
         return hashes, hits
 
+    def still_cached(self, hashes: list[BlockHash], hits: list[int]) -> bool:
+        """Whether each hit of a match_prefix() result is still the block cached under its hash."""
+        return all(self.allocator.lookup(h) == block_id for h, block_id in zip(hashes, hits))
+
     def acquire(self, hits: list[int]) -> None:
         """Take a reference on each hit block (reviving evictable ones)."""
         for block_id in hits:

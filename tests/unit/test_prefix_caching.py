@@ -464,3 +464,18 @@ class PrefixCachingMachine(SchedulerMachine):
 
 TestPrefixCachingMachine = PrefixCachingMachine.TestCase
 TestPrefixCachingMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_allocate_refuses_a_plan_whose_hit_was_evicted() -> None:
+    bm = caching_bm(num_gpu_blocks=3)
+    a = computed_group(bm, "a", 0, [1, 2, 3, 4, 5, 6, 7, 8, 9])  # blocks 0 and 1 cached, 2 holds token 9
+    for seq in a.seqs:
+        bm.free(seq)  # all three evictable
+    b = make_group_of("b", 1, [1, 2, 3, 4, 5])
+    plan = bm.plan_admission(b)
+    assert plan.tables[0].hits == [0]
+    # Another sequence takes every block: the evictor reuses block 0 for other tokens.
+    computed_group(bm, "c", 2, list(range(100, 112)))
+    with pytest.raises(ValueError, match="stale"):
+        bm.allocate(b, plan)
+    assert 1 not in bm.block_tables
