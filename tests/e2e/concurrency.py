@@ -33,6 +33,7 @@ class Streams:
         self.errors: list[BaseException] = []
         self._results: list[list[Completion]] = [[] for _ in requests]
         self._first = [threading.Event() for _ in requests]
+        self._got_token = [False for _ in requests]
         self._threads = [threading.Thread(target=self._run, args=(client, i, r, timeout_s), daemon=True)
                          for i, r in enumerate(requests)]
         for t in self._threads:
@@ -56,6 +57,7 @@ class Streams:
                     if delta.finish_reason:
                         self.finish[i] = common_pb2.FinishReason.Name(delta.finish_reason)
                 if delta.token_ids:
+                    self._got_token[i] = True
                     self._first[i].set()
             yield msg
 
@@ -63,6 +65,8 @@ class Streams:
         for event in self._first:
             assert event.wait(timeout_s), "generation did not start"
         assert not self.errors, self.errors
+        # A stream that ended without a token (an in-band error) also sets its event.
+        assert all(self._got_token), "a request ended without a token"
 
     def join(self, timeout_s: float) -> list[list[Completion]]:
         for t in self._threads:

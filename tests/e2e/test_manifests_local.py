@@ -263,10 +263,10 @@ def test_killing_the_lease_owner_moves_the_loop_within_the_ttl_and_loses_nothing
         futures = [pool.submit((on_victim if i % 2 else on_survivor).generate, r, 180) for i, r in enumerate(reqs)]
         wait_for(lambda: rds.exists("llmserve:seq:1:tokens") and rds.llen("llmserve:seq:1:tokens") >= 3, 60,
                  "generation started")
-        # What is left of the lease: it was renewed up to a supervisor tick (1 s) ago.
-        lease_left_s = rds.pttl(lease_key(cluster.pods["worker-0"].address)) / 1000
         killed_at = time.monotonic()
         cluster.kill(victim)
+        # What is left of the lease, read once its owner is dead and can no longer renew it.
+        lease_left_s = rds.pttl(lease_key(cluster.pods["worker-0"].address)) / 1000
         took = wait_for(lambda: lease_owners(cluster, ["worker-0"])["worker-0"] == schedulers[survivor], ttl + 5,
                         "the surviving replica took worker-0's lease")
         results = [f.result() for f in futures]
