@@ -106,7 +106,7 @@ def can_never_run(seqs: list[Sequence], forks: bool, config: SchedulerConfig) ->
     """True for waiting sequences that no step could ever admit.
 
     Without chunking, what admission computes must fit one step's budget
-    whole: the parent's prefill and then the n forked decodes, or every
+    whole: the parent's prefill (the whole prompt, see below) and then the n forked decodes, or every
     sequence's full prefill (cache hits are not counted on: they may be
     evicted by the time a preempted sequence comes back). With chunking
     each sequence needs at least one token of a step.
@@ -116,7 +116,9 @@ def can_never_run(seqs: list[Sequence], forks: bool, config: SchedulerConfig) ->
     if config.enable_chunked_prefill:
         step_tokens = len(seqs)
     elif forks:
-        step_tokens = max(len(seqs[0].prompt_token_ids) - 1, len(seqs))
+        # The whole prompt, not the parent's prompt_len - 1: a parent that finishes before the fork
+        # hands its table to a sibling, which then computes the whole prompt in one step.
+        step_tokens = max(len(seqs[0].prompt_token_ids), len(seqs))
     else:
         step_tokens = sum(seq.num_uncomputed_tokens for seq in seqs)
     return step_tokens > config.max_num_batched_tokens

@@ -192,22 +192,23 @@ def test_max_num_seqs_counts_every_sequence_of_a_group() -> None:
 
 def test_token_budget_counts_every_sequence() -> None:
     sched = scheduler(max_num_batched_tokens=5)
-    group = make_parallel_group("g", 0, PROMPT6, 3)
+    group = make_parallel_group("g", 0, PROMPT6[:5], 3)
     sched.add_request(group)
-    assert plan(step(sched)) == [("g", 5)]
+    assert plan(step(sched)) == [("g", 4)]
     sched.add_request(make_group("b", 3, 2))
     sched.add_request(make_group("c", 4, 1))
     # The fork step's 3 decodes leave 2 tokens: b fits, c waits behind it.
     out = step(sched)
     assert plan(out) == [("g", 1), ("g", 1), ("g", 1), ("b", 2)]
     assert ids(sched.waiting) == ["c"]
-    # Ignored: the parent's prefill (6 tokens) or the 6 decodes could never fit one step.
+    # Ignored: the whole prompt (6 tokens: a parent finished before the fork leaves it all to a
+    # sibling) or the 6 decodes could never fit one step.
     small = scheduler(max_num_batched_tokens=5, max_num_seqs=8)
-    small.add_request(make_parallel_group("long", 10, list(range(1, 8)), 2))
+    small.add_request(make_parallel_group("long", 10, list(range(1, 7)), 2))
     small.add_request(make_parallel_group("wide", 20, [1, 2], 6))
-    small.add_request(make_parallel_group("ok", 30, list(range(1, 7)), 2))
+    small.add_request(make_parallel_group("ok", 30, list(range(1, 6)), 2))
     out = small.schedule()
-    assert ids(out.ignored) == ["long", "wide"] and plan(out) == [("ok", 5)]
+    assert ids(out.ignored) == ["long", "wide"] and plan(out) == [("ok", 4)]
 
 
 def test_group_waits_unforked_while_its_decodes_do_not_fit_the_budget() -> None:
