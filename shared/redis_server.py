@@ -6,6 +6,7 @@ Production points --redis-url at a managed Redis or the StatefulSet in deploy/.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -36,8 +37,31 @@ def find_redis_server() -> str:
     )
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' local ports from (Linux; else a common default)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
+    """A TCP port that was free a moment ago, below the ephemeral range when there is room.
+
+    A port from the ephemeral range (what binding port 0 gives) may be taken by any outgoing
+    connection between this call and the bind of the server it is for; below the range only
+    another listener can take it.
+    """
+    low, _ = _ephemeral_ports()
+    candidates = list(range(max(1024, low - 12000), low))
+    for port in random.sample(candidates, min(len(candidates), 64)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
