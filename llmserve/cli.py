@@ -339,16 +339,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_ca_file=args.tls_ca_file,
     )
     stop = threading.Event()
+    cluster = LocalCluster(spec)
 
     def _stop(signum: int, frame: object) -> None:
-        if stop.is_set():  # a second Ctrl-C: stop waiting for the orderly stop, kill what is left
-            raise KeyboardInterrupt
+        if stop.is_set():  # a second Ctrl-C: no more waiting for the orderly stop
+            cluster.kill_all()
         stop.set()
 
     # SIGHUP too: a closed terminal no longer reaches the services, which run in sessions of their own.
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGHUP, _stop)
-    with LocalCluster(spec) as cluster:
+    with cluster:
         # From here on Ctrl-C (SIGINT, the terminal's: the services run in sessions of their own and do
         # not get it) stops the cluster in order, however soon it comes. An Event, not a flag tested
         # before signal.pause(): a signal between the test and the pause would be missed.

@@ -215,8 +215,8 @@ class LocalCluster:
         """SIGTERM the services, then stop Redis.
 
         The worker goes before the scheduler: it drains, and only a running scheduler can tell it
-        that nothing is left for it (else it would wait out its drain timeout). Interrupted (a
-        second Ctrl-C), it kills what is left: the services run in sessions of their own and would
+        that nothing is left for it (else it would wait out its drain timeout). Interrupted (an
+        exception), it kills what is left: the services run in sessions of their own and would
         otherwise outlive this process.
         """
         atexit.unregister(self.stop)
@@ -239,6 +239,14 @@ class LocalCluster:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    def kill_all(self) -> None:
+        """SIGKILLs every service and Redis at once (a second Ctrl-C); stop() then only reaps them."""
+        for proc in list(self._procs.values()):
+            if proc.poll() is None:
+                proc.kill()
+        if self._redis is not None:
+            self._redis.kill()
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -139,6 +139,11 @@ class RedisServer:
                 time.sleep(0.05)
         raise TimeoutError(f"redis-server did not answer on {self.host}:{self.port} within {timeout_s}s")
 
+    def kill(self) -> None:
+        """SIGKILL, not waiting (stop() reaps it and removes its directory)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
     def stop(self) -> None:
         if self._proc is not None:
             terminate(self._proc, grace_s=5)
