@@ -28,6 +28,21 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that ran processes (a fixture with `pods`, as ManifestCluster) reports their last log lines.
+
+    A fault in one service usually shows only as a symptom in another (a client's deadline), so the
+    services' own words are what tells the cause.
+    """
+    report = yield
+    if report.failed and call.when == "call":
+        for value in getattr(item, "funcargs", {}).values():
+            for name, pod in (getattr(value, "pods", None) or {}).items():
+                report.sections.append((f"log of {name} (last 80 lines)", pod.tail(80)))
+    return report
+
+
 @pytest.fixture()
 def redis_server() -> Iterator[RedisServer]:
     """A real redis-server process on a free port."""
