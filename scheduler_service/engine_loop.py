@@ -176,7 +176,7 @@ class EngineLoop:
             f"(max_model_len {cfg.max_model_len}{budget}, KV cache {cache.num_gpu_blocks * cache.block_size} tokens)"
         )
 
-    def _ingest(self, pickup: Pickup, commit: StepCommit) -> None:
+    async def _ingest(self, pickup: Pickup, commit: StepCommit) -> None:
         for record in pickup.admitted:
             self._processor.add(record)
             self._telemetry.remember(record)
@@ -186,8 +186,11 @@ class EngineLoop:
             self._telemetry.remember(request.record)
         if pickup.handed_over:
             log.info("worker %s: took over %d request(s) from another worker", self.worker_id, len(pickup.handed_over))
-        for request_id in pickup.aborts:
-            self._processor.abort(request_id, commit)
+        unknown = [r for r in pickup.aborts if not self._processor.abort(r, commit)]
+        if unknown:
+            # Finished here already, or handed over to another worker before the abort arrived: the
+            # latter's abort goes on to the loop that runs the request now.
+            await self._store.route_aborts(unknown, skip_worker=self.worker_id)
 
     async def _restore(self, commit: StepCommit) -> None:
         """Continues what an earlier owner of the worker left: requests it picked up, their outputs.
@@ -207,6 +210,9 @@ class EngineLoop:
         """Runs until `stop` is set."""
         try:
             pending = StepCommit(self.worker_id)
+            # Fence first: once the epoch has moved on, a loop that drove this worker before (its lease lost,
+            # a commit of it still in flight) can take nothing more off the inbox, so the restore sees it all.
+            self._planner.reset(await self._fleet.leases.next_epoch(self.worker_id))
             await self._restore(pending)
             await self._own_worker(stop)
             await self._steps(stop, pending, Pickup([], []))
@@ -223,9 +229,16 @@ class EngineLoop:
                 self.last_progress = time.monotonic()
             clock = PerfClock(started) if self._telemetry.tracing else None
             profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
-            self._ingest(pickup, pending)
+            await self._ingest(pickup, pending)
             if not await self._follow_registration(pending):
-                break
+                # The worker left and every request this loop held has moved on; so must whatever reached the
+                # worker's queue meanwhile (admitted while it still counted as alive): the loop goes round
+                # until a commit finds the queue empty.
+                pickup = await self._commit(pending)
+                pending = StepCommit(self.worker_id)
+                if pickup.is_empty():
+                    break
+                continue
             ingested = time.perf_counter()
             out, plan = self._plan(pending, profile)
             if plan is not None:
@@ -273,6 +286,8 @@ class EngineLoop:
                     self._profiles.flush()  # idle: a reader sees every step so far
                 pickup = await self._store.wait_for_work(self.worker_id, IDLE_WAIT_SECONDS)
         if not pending.is_empty():
+            # Takes nothing more off the queues: what waits there is the next owner's to pick up.
+            pending.pick_up = False
             await self._commit(pending)
         if self._departed() and self._registration is not None and self.is_idle:
             # Only now that the hand-over is committed may the registration go: a registry without the

@@ -104,11 +104,13 @@ class OutputProcessor:
                 self._scheduler.finish_sequence(group, seq, SequenceStatus[restored.finished[seq.seq_id]])
         self._requests[record.request_id] = state
 
-    def abort(self, request_id: str, commit: StepCommit) -> None:
-        """Client-requested abort: frees blocks, ends the stream with FINISH_REASON_ABORT."""
+    def abort(self, request_id: str, commit: StepCommit) -> bool:
+        """Client-requested abort: frees blocks, ends the stream with FINISH_REASON_ABORT; False for a request
+        this loop does not hold."""
         group = self._scheduler.abort_request(request_id)
         if group is not None:
             self._finish_request(group, commit, error="")
+        return group is not None
 
     def requeue(self, group: SequenceGroup, commit: StepCommit, message: str) -> None:
         """The worker lost the group's KV (it failed or restarted): recompute it from prompt + outputs.

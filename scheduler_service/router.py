@@ -11,7 +11,7 @@ prefix elsewhere is cheaper than queueing behind the others.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Sequence, Set as AbstractSet
 from dataclasses import dataclass
 
 from scheduler_service.core.prefix_hash import hash_full_blocks
@@ -79,9 +79,10 @@ class Router:
         num_blocks = min(len(prompt_token_ids) // self._block_size, MAX_INDEXED_BLOCKS)
         return [h.hex() for h in hash_full_blocks(prompt_token_ids, self._block_size, num_blocks)]
 
-    async def pick(self, request_id: str, prompt_token_ids: Sequence[int], exclude: str = "") -> str:
-        """The worker for a new request (`exclude`: a worker that must not get it, e.g. one draining)."""
-        workers = [w for w in self._workers if w != exclude]
+    async def pick(self, request_id: str, prompt_token_ids: Sequence[int], exclude: AbstractSet[str] = frozenset()
+                   ) -> str:
+        """The worker for a new request (`exclude`: workers that must not get it, e.g. one draining or gone)."""
+        workers = [w for w in self._workers if w not in exclude]
         if not workers:
             raise UnavailableError("no worker is ready to serve requests; retry when one has registered")
         hashes = self._prefix_hashes(prompt_token_ids) if self._prefix_aware else []

@@ -11,11 +11,11 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from protos import generation_pb2, generation_pb2_grpc
+from protos import generation_pb2, generation_pb2_grpc, state_pb2
 from scheduler_service.admission import Admission, AdmittedPrompt, to_record
 from scheduler_service.router import Router
 from scheduler_service.output_reader import check_resumable, follow
-from scheduler_service.store import AdmitOutcome, QueueLimits, RedisStore
+from scheduler_service.store import AdmitOutcome, QueueLimits, RedisStore, WorkerGoneError
 from shared.errors import NotFoundError, UnavailableError, abort_with, status_for
 from shared.tracing import context_from_metadata, to_traceparent
 
@@ -61,10 +61,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             admitted = await asyncio.to_thread(self._admission.admit, request)
             self._describe(span, admitted)
             seq_ids = await self._store.reserve_seq_ids(admitted.sampling.num_sequences)
-            worker_id = await self._router.pick(admitted.request_id, admitted.prompt_token_ids)
-            record = to_record(admitted, seq_ids, worker_id, time.time())
+            record = to_record(admitted, seq_ids, "", time.time())  # its worker: chosen by _queue
             record.traceparent = to_traceparent(span)
-            outcome = await self._store.admit(record, self._queue_limits, admitted.digest)
+            outcome = await self._queue(record, admitted.digest)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             await abort_with(context, exc)
@@ -95,7 +94,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not finished and owner:
                 span.set_attribute("llmserve.cancelled", True)
                 # The client went away (or the stream broke): free the request's blocks.
-                await asyncio.shield(self._abort_quietly(worker_id, request_id))
+                await asyncio.shield(self._abort_quietly(request_id))
+
+    async def _queue(self, record: state_pb2.AdmittedRequest, digest: str) -> AdmitOutcome:
+        """Routes the request and admits it to the chosen worker (`record.worker_id` is set to it).
+
+        The router sees the workers as of the supervisor's last tick: a worker that left since then is
+        refused by the admission itself, and the request goes to another one.
+        """
+        gone: set[str] = set()
+        while True:
+            record.worker_id = await self._router.pick(record.request_id, record.prompt_token_ids, exclude=gone)
+            try:
+                return await self._store.admit(record, self._queue_limits, digest, require_alive=True)
+            except WorkerGoneError:
+                log.info("worker %s left; routing request %s to another worker", record.worker_id, record.request_id)
+                gone.add(record.worker_id)
 
     async def Resume(
         self, request: generation_pb2.ResumeRequest, context: grpc.aio.ServicerContext
@@ -150,10 +164,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
         try:
-            worker_id = await self._store.worker_of(request.request_id)
-            if worker_id is None:
+            if not await self._store.route_aborts([request.request_id]):
                 raise NotFoundError(f"no live request has id {request.request_id!r}")
-            await self._store.request_abort(worker_id, request.request_id)
         except Exception as exc:  # noqa: BLE001
             await abort_with(context, exc)
         return generation_pb2.AbortResponse()
@@ -177,8 +189,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await abort_with(context, exc)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
 
-    async def _abort_quietly(self, worker_id: str, request_id: str) -> None:
+    async def _abort_quietly(self, request_id: str) -> None:
         try:
-            await self._store.request_abort(worker_id, request_id)
+            await self._store.route_aborts([request_id])
         except UnavailableError:
             log.warning("could not queue the abort of %s", request_id)

@@ -35,11 +35,13 @@ from scheduler_service.store_types import (
     StepCommit,
     StreamInfo,
     StreamState,
+    WorkerGoneError,
 )
 from scheduler_service.leases import LeaseLostError
 from scheduler_service.step_writes import OUTPUT_TTL_SECONDS, queue_step_writes
 from shared import redis_client
 from shared.errors import UnavailableError
+from shared.worker_registry import heartbeat_key
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "INBOX_BATCH", "OUTPUT_TTL_SECONDS", "PREFIX_TTL_SECONDS", "AdmitOutcome", "CacheStats", "DuplicateRequestError",
     "Pickup", "QueueFullError", "QueueLimits", "QueueStats", "RedisStore", "RestoredRequest", "StepCommit",
-    "StreamInfo", "StreamState",
+    "StreamInfo", "StreamState", "WorkerGoneError",
 ]
 
 # How long the router remembers which worker received a prompt block: about as long as an idle
@@ -105,25 +107,28 @@ class RedisStore:
 
     @_unavailable_on_redis_error
     async def admit(self, req: state_pb2.AdmittedRequest, limits: QueueLimits | None = None,
-                    digest: str = "") -> AdmitOutcome:
+                    digest: str = "", require_alive: bool = False) -> AdmitOutcome:
         """Records the request and queues it for its worker, atomically; or finds it already there.
 
         With a `digest` (the request's id was chosen by its client), a live or kept request with the
         same id and digest is not queued again: ATTACHED, the caller streams its output. A live
         duplicate id with another digest raises DuplicateRequestError; a worker queue at `limits`
-        raises QueueFullError.
+        raises QueueFullError; with `require_alive`, a worker whose heartbeat expired raises
+        WorkerGoneError (the servicer's admission: nothing may queue for a worker that left).
         """
         limits = limits or QueueLimits()
         w = req.worker_id
         status, requests, tokens = await self._r.eval(  # type: ignore[misc]
-            scripts.ADMIT_LUA, 7,
+            scripts.ADMIT_LUA, 8,
             keys.request(req.request_id), keys.output_stream(req.request_id), keys.live(w), keys.inbox(w),
-            keys.queued(w), keys.queue(w), keys.digest(req.request_id),
+            keys.queued(w), keys.queue(w), keys.digest(req.request_id), heartbeat_key(w),
             req.SerializeToString(), w, req.request_id, len(req.prompt_token_ids),
-            limits.max_requests, limits.max_tokens, digest,
+            limits.max_requests, limits.max_tokens, digest, "1" if require_alive else "0",
         )
         if status == 4:
             return AdmitOutcome.ATTACHED
+        if status == 5:
+            raise WorkerGoneError(f"worker {w} left before request {req.request_id!r} could be queued for it")
         if status == 1:
             raise DuplicateRequestError(
                 f"request id {req.request_id!r} is already in use by a live request that asked for something "
@@ -149,14 +154,19 @@ class RedisStore:
         return QueueStats(int(raw.get(b"requests", 0)), int(raw.get(b"tokens", 0)))
 
     @_unavailable_on_redis_error
-    async def worker_of(self, request_id: str) -> str | None:
-        """The worker serving a live request, or None when no live request has this id."""
-        worker = await self._r.hget(keys.request(request_id), "worker")
-        return worker.decode() if worker is not None else None
+    async def route_aborts(self, request_ids: list[str], skip_worker: str = "") -> int:
+        """Queues aborts for the engine loops of the workers now serving these requests; returns how many.
 
-    @_unavailable_on_redis_error
-    async def request_abort(self, worker_id: str, request_id: str) -> None:
-        await self._r.rpush(keys.aborts(worker_id), request_id)
+        Requests that are gone (finished, never admitted) and those of `skip_worker` get none: a loop
+        forwarding aborts of requests it no longer holds names itself there.
+        """
+        if not request_ids:
+            return 0
+        head, tail = keys.aborts("\0").split("\0")
+        return int(await self._r.eval(  # type: ignore[misc]
+            scripts.ROUTE_ABORTS_LUA, len(request_ids), *(keys.request(r) for r in request_ids),
+            head, tail, skip_worker, *request_ids,
+        ))
 
     # -- routing -----------------------------------------------------------------------------
 
@@ -224,12 +234,15 @@ class RedisStore:
                     raise LeaseLostError(f"worker {w} moved on to epoch {current!r}; this loop's epoch is {c.epoch}")
                 pipe.multi()
             queue_step_writes(pipe, c)
-            pipe.lpop(keys.inbox(w), INBOX_BATCH)
-            pipe.lpop(keys.aborts(w), INBOX_BATCH)
+            if c.pick_up:
+                pipe.lpop(keys.inbox(w), INBOX_BATCH)
+                pipe.lpop(keys.aborts(w), INBOX_BATCH)
             try:
                 results = await pipe.execute()
             except WatchError as exc:
                 raise LeaseLostError(f"worker {w} moved on past epoch {c.epoch} during the commit") from exc
+        if not c.pick_up:
+            return Pickup([], [])
         admitted_raw, aborts_raw = results[-2], results[-1]
         return await self._with_handed_over(Pickup(
             admitted=[state_pb2.AdmittedRequest.FromString(v) for v in admitted_raw or []],
@@ -240,11 +253,15 @@ class RedisStore:
     async def load_picked_up(self, worker_id: str) -> list[RestoredRequest]:
         """Live requests of the worker that left its inbox: what a new owner must continue, FCFS.
 
-        Requests still in the inbox are not returned; the new owner picks them up as usual.
+        Requests still in the inbox are not returned; the new owner picks them up as usual. Both are
+        read in one transaction: a request queued in between would otherwise count as picked up.
         """
-        live = {m.decode() for m in await self._r.smembers(keys.live(worker_id))}
-        queued = {state_pb2.AdmittedRequest.FromString(v).request_id
-                  for v in await self._r.lrange(keys.inbox(worker_id), 0, -1)}
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.smembers(keys.live(worker_id))
+            pipe.lrange(keys.inbox(worker_id), 0, -1)
+            members, inbox = await pipe.execute()
+        live = {m.decode() for m in members}
+        queued = {state_pb2.AdmittedRequest.FromString(v).request_id for v in inbox}
         return await self._restore(sorted(live - queued))
 
     async def _restore(self, ids: list[str]) -> list[RestoredRequest]:

@@ -10,18 +10,22 @@ from __future__ import annotations
 # finished with its stream kept: the caller re-attaches), refuse a live duplicate id or a full queue,
 # else record and queue the request and count it in the worker's queue totals. Every replica runs the
 # same check on the same counters, so the bound holds across replicas without any scan; and two
-# replicas receiving the same request at once cannot both admit it.
-#   KEYS: request hash, output stream, live set, inbox, queued hash, queue totals, digest
+# replicas receiving the same request at once cannot both admit it. With the worker's heartbeat key
+# checked, a request is never queued for a worker that is already gone: a router's view of the
+# workers can be a tick old, and the engine loop of a departed worker hands over only what reached
+# its queue while the worker still counted as alive.
+#   KEYS: request hash, output stream, live set, inbox, queued hash, queue totals, digest, worker heartbeat
 #   ARGV: record, worker id, request id, prompt tokens, max requests (0 = none), max tokens (0 = none),
-#         digest ("" for a server-chosen id: never re-sent, nothing to remember)
+#         digest ("" for a server-chosen id: never re-sent, nothing to remember), "1" to require the heartbeat
 #   returns {status, queued requests, queued tokens}; status 0 admitted, 1 duplicate, 2 / 3 request / token
-#   limit, 4 the same request exists (attach to its stream)
+#   limit, 4 the same request exists (attach to its stream), 5 the worker is gone
 ADMIT_LUA = """
 local live = redis.call('EXISTS', KEYS[1]) == 1
 if ARGV[7] ~= '' and redis.call('GET', KEYS[7]) == ARGV[7] and (live or redis.call('EXISTS', KEYS[2]) == 1) then
   return {4, 0, 0}
 end
 if live then return {1, 0, 0} end
+if ARGV[8] == '1' and redis.call('EXISTS', KEYS[8]) == 0 then return {5, 0, 0} end
 local reqs = tonumber(redis.call('HGET', KEYS[6], 'requests') or '0')
 local toks = tonumber(redis.call('HGET', KEYS[6], 'tokens') or '0')
 local n = tonumber(ARGV[4])
@@ -82,4 +86,22 @@ for i = lists + 1, #KEYS do
   a = a + 1
 end
 return 0
+"""
+
+# Aborts go to the engine loop of the worker that serves the request now: a request handed over to
+# another worker is no longer the business of the worker that admitted it. A request that is gone
+# (finished, never admitted) gets nothing.
+#   KEYS: the requests' hashes; ARGV: the aborts key of a worker split around its id (head, tail), a
+#         worker id whose requests are skipped ("" for none), then the request ids in the order of KEYS
+#   returns how many aborts were queued
+ROUTE_ABORTS_LUA = """
+local queued = 0
+for i = 1, #KEYS do
+  local worker = redis.call('HGET', KEYS[i], 'worker')
+  if worker and worker ~= ARGV[3] then
+    redis.call('RPUSH', ARGV[1] .. worker .. ARGV[2], ARGV[3 + i])
+    queued = queued + 1
+  end
+end
+return queued
 """

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos import generation_pb2, state_pb2
-from shared.errors import AlreadyExistsError, ResourceExhaustedError
+from shared.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,10 @@ class QueueFullError(ResourceExhaustedError):
     """The worker's queue is at its bound: the client should retry later."""
 
 
+class WorkerGoneError(UnavailableError):
+    """The worker chosen for a request is no longer alive (its heartbeat expired or it deregistered)."""
+
+
 @dataclass(frozen=True)
 class CacheStats:
     """The KV cache as the engine loop last saw it."""
@@ -87,6 +91,9 @@ class StepCommit:
     worker_id: str
     # Fencing epoch of the engine loop that writes it (0: unfenced).
     epoch: int = 0
+    # Whether the commit also takes the next admitted requests and aborts off the worker's queues. A loop
+    # that stops writes its last commit without: what is queued stays for the worker's next owner.
+    pick_up: bool = True
     # seq_id -> output tokens appended this step.
     new_tokens: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> block ids appended to its table this step.
@@ -150,3 +157,6 @@ class Pickup:
     aborts: list[str]
     # Requests another worker's loop handed over, with the outputs committed for them so far.
     handed_over: list[RestoredRequest] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.admitted or self.aborts or self.handed_over)

@@ -19,7 +19,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,7 @@ import redis
 from llmserve.client import GenerationClient, make_request
 from protos import common_pb2
 from scheduler_service import keys
+from scheduler_service.router import RouteCandidate, choose
 from tests.e2e.manifest_cluster import ManifestCluster
 from tests.e2e.test_manifests_local import OVERRIDES, lease_owners, start, wait_for
 from tests.hf_reference import HFReference, compare_greedy
@@ -155,6 +156,72 @@ def test_a_worker_sigkilled_under_load_hands_its_requests_to_the_other_worker(
         assert client.hget("llmserve:workers", cluster.pods["worker-0"].address) is None, "the dead worker is forgotten"
     finally:
         client.close()
+
+
+def request_id_routed_to(worker: str, workers: list[str], prefix: str) -> str:
+    """A request id that the router's tie-break sends to `worker` when every worker has the same load."""
+    candidates = [RouteCandidate(w, 0) for w in workers]
+    return next(f"{prefix}-{i}" for i in range(1000) if choose(candidates, f"{prefix}-{i}") == worker)
+
+
+@pytest.fixture()
+def slow_heartbeat_cluster(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[ManifestCluster]:
+    """The fault cluster with a 6 s heartbeat TTL: seconds in which a dead worker still counts as alive."""
+    c = start(tiny_llama_dir, tmp_path,
+              {**FAULT_OVERRIDES, "worker": {**FAULT_OVERRIDES["worker"], "LLMSERVE_HEARTBEAT_TTL": "6"}})
+    yield c
+    c.stop()
+
+
+def test_a_request_queued_for_a_worker_that_just_died_is_handed_over_too(
+        slow_heartbeat_cluster: ManifestCluster, tiny_llama_dir: Path) -> None:
+    """The routers learn of a dead worker only when its heartbeat expires: until then admission still
+    queues requests for it. Its engine loop, retrying the worker meanwhile, must hand those over as well
+    as the ones it was running, not only drop them from the queue on its last commit."""
+    cluster = slow_heartbeat_cluster
+    dead, other = (cluster.pods[f"worker-{i}"].address for i in range(2))
+    replicas = [cluster.pods[f"scheduler-{i}"].address for i in range(2)]
+    state = redis.Redis.from_url(cluster.redis_url)
+    clients = [GenerationClient(replicas[i], fallback_addresses=[replicas[1 - i]]) for i in range(2)]
+    rng = random.Random(35)
+    tracked: dict[str, Tracked] = {}
+    lengths: dict[str, int] = {}
+
+    def send(pool: ThreadPoolExecutor, request_id: str, max_new: int) -> Future[None]:
+        tracked[request_id] = Tracked([rng.randrange(3, 40000) for _ in range(rng.randint(4, 40))])
+        lengths[request_id] = max_new
+        future = pool.submit(consume, clients[len(tracked) % 2], request_id, tracked[request_id], max_new)
+        wait_for(lambda: state.exists(keys.request(request_id)), 30, f"{request_id} admitted")
+        return future
+
+    def scheduler_logs() -> str:
+        return "".join(cluster.pods[f"scheduler-{i}"].log.read_text(errors="replace") for i in range(2))
+
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            # One long request on each worker (the second goes to the idle one), so both carry the same load.
+            futures = [send(pool, request_id_routed_to(dead, [dead, other], "long-a"), 400),
+                       send(pool, "long-b", 400)]
+            assert [state.hget(keys.request(r), "worker").decode() for r in tracked] == [dead, other]
+            wait_for(lambda: all(len(t.tokens) >= 3 for t in tracked.values()), 60, "both long requests stream")
+            cluster.kill("worker-0")
+            wait_for(lambda: f"worker {dead} failed a step" in scheduler_logs(), 30, "its loop saw the failure")
+            # Equal loads: the tie-break sends this one to the dead worker, whose heartbeat has not expired yet.
+            late = request_id_routed_to(dead, [dead, other], "late")
+            futures.append(send(pool, late, MAX_NEW))
+            assert state.hget(keys.request(late), "worker").decode() == dead, "queued for the dead worker"
+            for f in futures:
+                f.result()
+        reference = HFReference(str(tiny_llama_dir))
+        for request_id, t in tracked.items():
+            assert t.error == "" and t.finish_reason == "FINISH_REASON_LENGTH", (request_id, t.error, t.finish_reason)
+            cmp = compare_greedy(t.tokens, reference.greedy(t.prompt, lengths[request_id], stop_at_eos=False))
+            assert cmp.matched, (request_id, cmp.detail)
+        assert state.llen(keys.inbox(dead)) == 0 and state.scard(keys.live(dead)) == 0, "nothing is left on it"
+    finally:
+        state.close()
+        for c in clients:
+            c.close()
 
 
 def test_a_worker_drained_under_load_finishes_its_running_requests_and_hands_over_the_waiting(

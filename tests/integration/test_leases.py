@@ -111,7 +111,7 @@ def test_hand_over_moves_a_request_with_its_outputs(url: str) -> None:
         await store.admit(rec)
         assert [r.request_id for r in (await store.commit(StepCommit(W))).admitted] == ["r"]
         await store.commit(StepCommit(W, new_tokens={7: [11, 12]}, handed_over=[(rec, "w2:1")]))
-        assert await store.worker_of("r") == "w2:1"
+        assert await store.client.hget(keys.request("r"), "worker") == b"w2:1"
         assert await store.client.smembers(keys.live(W)) == set()
         assert await store.client.smembers(keys.live("w2:1")) == {b"r"}
         pickup = await store.commit(StepCommit("w2:1"))

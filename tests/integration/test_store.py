@@ -10,7 +10,7 @@ import grpc
 import pytest
 import redis
 
-from protos import common_pb2, generation_pb2, state_pb2
+from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
 from scheduler_service import keys
 from scheduler_service.store import (
     INBOX_BATCH,
@@ -19,9 +19,12 @@ from scheduler_service.store import (
     DuplicateRequestError,
     Pickup,
     RedisStore,
+    AdmitOutcome,
     StepCommit,
+    WorkerGoneError,
 )
 from shared.errors import AlreadyExistsError, UnavailableError, status_for
+from shared.worker_registry import WorkerRegistry
 
 W = "w0"
 
@@ -287,17 +290,54 @@ def test_read_from_waits_for_a_later_commit(url: str) -> None:
     run(url, body)
 
 
-def test_request_abort_is_picked_up_by_the_next_commit(url: str) -> None:
+def test_aborts_go_to_the_worker_serving_the_request_and_the_next_commit_picks_them_up(url: str) -> None:
     async def body(store: RedisStore) -> None:
         await store.admit(record("a"))
-        await store.request_abort(W, "a")
-        await store.request_abort(W, "zz")
-        await store.request_abort("w1", "elsewhere")
+        await store.admit(record("elsewhere", worker_id="w1", seq_ids=[2]))
+        assert await store.route_aborts(["a", "zz", "elsewhere"]) == 2  # zz: no such request
         pickup = await store.commit(StepCommit(W))
         assert [r.request_id for r in pickup.admitted] == ["a"]
-        assert pickup.aborts == ["a", "zz"]
+        assert pickup.aborts == ["a"]
         assert await store.commit(StepCommit(W)) == Pickup([], [])
         assert (await store.commit(StepCommit("w1"))).aborts == ["elsewhere"]
+
+    run(url, body)
+
+
+def test_an_abort_follows_a_handed_over_request_and_its_old_worker_forwards_none(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        rec = record("moving")
+        await store.admit(rec)
+        await store.commit(StepCommit(W))
+        await store.commit(StepCommit(W, handed_over=[(rec, "w1")]))
+        assert await store.route_aborts(["moving"]) == 1
+        assert await store.route_aborts(["moving"], skip_worker="w1") == 0  # w1 itself does not forward it
+        w1 = await store.commit(StepCommit("w1"))
+        assert [r.record.request_id for r in w1.handed_over] == ["moving"] and w1.aborts == ["moving"]
+        assert (await store.commit(StepCommit(W))).aborts == []
+
+    run(url, body)
+
+
+def test_a_commit_without_pick_up_leaves_the_queues_to_the_next_owner(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("queued"))
+        await store.route_aborts(["queued"])
+        assert await store.commit(StepCommit(W, pick_up=False, new_tokens={1: [5]})) == Pickup([], [])
+        assert await store.client.lrange(keys.seq_tokens(1), 0, -1) == [b"5"]
+        pickup = await store.commit(StepCommit(W))
+        assert [r.request_id for r in pickup.admitted] == ["queued"] and pickup.aborts == ["queued"]
+
+    run(url, body)
+
+
+def test_admission_that_requires_a_live_worker_refuses_one_without_a_heartbeat(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        with pytest.raises(WorkerGoneError, match=f"worker {W} left"):
+            await store.admit(record("late"), require_alive=True)
+        assert not await store.client.exists(keys.request("late"), keys.inbox(W), keys.live(W))
+        await WorkerRegistry(store.client).heartbeat(W, worker_pb2.WorkerDescription(instance_id="i"), False, 5)
+        assert await store.admit(record("late"), require_alive=True) is AdmitOutcome.ADMITTED
 
     run(url, body)
 
@@ -328,9 +368,11 @@ def test_wait_for_work_returns_a_record_admitted_while_it_waits(url: str) -> Non
 
 def test_wait_for_work_returns_an_abort(url: str) -> None:
     async def body(store: RedisStore) -> None:
+        await store.admit(record("x"))
+        assert (await store.commit(StepCommit(W))).admitted  # picked up: only the abort will be queued
         waiter = asyncio.ensure_future(store.wait_for_work(W, timeout=5))
         await asyncio.sleep(0.1)
-        await store.request_abort(W, "x")
+        await store.route_aborts(["x"])
         assert await asyncio.wait_for(waiter, timeout=5) == Pickup([], ["x"])
 
     run(url, body)

@@ -88,8 +88,9 @@ def apply_reference(r: redis.Redis, c: StepCommit) -> None:
         r.hincrby(keys.stats(c.worker_id), "preemptions", c.num_preemptions)
     if c.num_swaps:
         r.hincrby(keys.stats(c.worker_id), "swaps", c.num_swaps)
-    r.lpop(keys.inbox(c.worker_id), 64)
-    r.lpop(keys.aborts(c.worker_id), 64)
+    if c.pick_up:
+        r.lpop(keys.inbox(c.worker_id), 64)
+        r.lpop(keys.aborts(c.worker_id), 64)
 
 
 def record(request_id: str, seq_ids: list[int], **sampling: object) -> state_pb2.AdmittedRequest:
@@ -116,8 +117,9 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 def commits() -> list[StepCommit]:
     """A loop's commits, step by step (each with the loop's epoch)."""
     steps = [
-        # Prefill: block tables, first tokens and messages, snapshots, the admission queue count, stats.
-        StepCommit(W, new_tokens={1: [100], 2: [200], 3: [300], 4: [400], 5: [500], 6: [600], 7: [700]},
+        # Prefill: block tables, first tokens and messages, snapshots, the admission queue count, stats; the
+        # queued requests and the abort stay queued (no pick-up) until the next commit.
+        StepCommit(W, pick_up=False, new_tokens={1: [100], 2: [200], 3: [300], 4: [400], 5: [500], 6: [600], 7: [700]},
                    new_blocks={1: [0, 1], 2: [2, 3], 3: [4, 5], 4: [6, 7], 5: [8, 9], 6: [10, 11], 7: [12, 13]},
                    outputs=[delta("a", [100]), delta("b", [200]), delta("n2", [300]), delta("n2", [400], index=1)],
                    cumulative_logprobs={"best": {5: -0.5, 6: -1.25}},
@@ -176,7 +178,7 @@ def clients(url: str):
         try:
             for rec in RECORDS:
                 await store.admit(rec, digest=f"digest-{rec.request_id}")
-            await store.request_abort(W, "gone")
+            assert await store.route_aborts(["b", "never-admitted"]) == 1
         finally:
             await store.close()
 

@@ -8,6 +8,7 @@ next reset), and the planner must keep nothing of it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Set as AbstractSet
 
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -73,7 +74,7 @@ class _Router:
 
     workers = ["w", "other"]
 
-    async def pick(self, request_id: str, prompt: list[int], exclude: str = "") -> str:
+    async def pick(self, request_id: str, prompt: list[int], exclude: AbstractSet[str] = frozenset()) -> str:
         return "other"
 
 
@@ -89,10 +90,36 @@ def test_requests_handed_over_to_another_worker_leave_no_trace_context_behind() 
     records = [_record(f"r{i}", 10 * i, [1, 2, 3], n=1, max_tokens=4) for i in range(3)]
     for i, record in enumerate(records):
         record.traceparent = f"00-{'ab' * 16}-{i + 1:016x}-01"
-    loop._ingest(Pickup(records, []), commit)  # noqa: SLF001 - what a commit's pickup hands the loop
+    asyncio.run(loop._ingest(Pickup(records, []), commit))  # noqa: SLF001 - what a commit's pickup hands the loop
     assert len(loop._telemetry._request_spans) == 3  # noqa: SLF001
 
     assert asyncio.run(loop._follow_registration(commit)) is False  # noqa: SLF001 - idle and departed: ends
     assert [r.request_id for r, target in commit.handed_over if target == "other"] == ["r0", "r1", "r2"]
     assert len(processor) == 0
     assert loop._telemetry._request_spans == {}  # noqa: SLF001 - the per-request map the hand-over left behind
+
+
+class _Store:
+    """Records the aborts a loop forwards."""
+
+    def __init__(self) -> None:
+        self.forwarded: list[tuple[list[str], str]] = []
+
+    async def route_aborts(self, request_ids: list[str], skip_worker: str = "") -> int:
+        self.forwarded.append((request_ids, skip_worker))
+        return len(request_ids)
+
+
+def test_aborts_of_requests_the_loop_no_longer_holds_go_on_to_their_current_worker() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                          CacheConfig(block_size=4, num_gpu_blocks=8))
+    processor = OutputProcessor(_Tokenizer(), scheduler)
+    store = _Store()
+    loop = EngineLoop("w", None, store, scheduler, processor, None)  # type: ignore[arg-type]
+    commit = StepCommit("w")
+    asyncio.run(loop._ingest(Pickup([_record("here", 0, [1, 2, 3], n=1, max_tokens=4)], []), commit))  # noqa: SLF001
+    asyncio.run(loop._ingest(Pickup([], ["here", "moved"]), commit))  # noqa: SLF001
+    assert commit.finished_requests == ["here"] and len(processor) == 0  # aborted here
+    assert store.forwarded == [(["moved"], "w")]  # handed over (or finished) before: forwarded, never to itself
+    asyncio.run(loop._ingest(Pickup([], []), commit))  # noqa: SLF001
+    assert len(store.forwarded) == 1  # nothing to forward: no round trip
