@@ -53,6 +53,10 @@ async def _timed(awaitable: Awaitable[_T]) -> tuple[_T, float, float]:
 STEP_TIMEOUT_SECONDS = 60.0
 RESET_TIMEOUT_SECONDS = 30.0
 IDLE_WAIT_SECONDS = 1.0
+# A worker that leaves or drains gets requests handed over only when one came back from a target that
+# went away meanwhile (or a router's view was a tick old): the pause before handing them on again lets
+# the routers' next tick (about a second) learn of it, rather than sending them round in a tight loop.
+HAND_ON_PAUSE_SECONDS = 0.25
 
 
 class EngineLoop:
@@ -94,6 +98,8 @@ class EngineLoop:
         # Spans and metrics are built from the same per-step measurements as --profile-steps.
         self._telemetry = StepTelemetry(worker_id, scheduler, processor, tracer, metrics)
         self._measure = self._profiles is not None or self._telemetry.enabled
+        # The last pickup held requests handed over to this worker.
+        self._took_over = False
         processor.record_timings = self._telemetry.enabled
 
     @property
@@ -184,6 +190,7 @@ class EngineLoop:
         for request in pickup.handed_over:
             self._processor.restore(request)
             self._telemetry.remember(request.record)
+        self._took_over = bool(pickup.handed_over)
         if pickup.handed_over:
             log.info("worker %s: took over %d request(s) from another worker", self.worker_id, len(pickup.handed_over))
         unknown = [r for r in pickup.aborts if not self._processor.abort(r, commit)]
@@ -346,6 +353,8 @@ class EngineLoop:
         s = self._scheduler
         groups = [*s.waiting, *s.running, *s.swapped] if departed else list(s.waiting)
         if groups and self._fleet.others(self.worker_id):
+            if self._took_over:
+                await asyncio.sleep(HAND_ON_PAUSE_SECONDS)
             moved = await self._fleet.hand_over(groups, self._processor, self.worker_id, commit)
             # They never finish here, which is where telemetry drops a request's span context.
             for record, _ in commit.handed_over:

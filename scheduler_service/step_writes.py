@@ -13,6 +13,7 @@ from protos import state_pb2
 from scheduler_service import keys
 from scheduler_service import store_scripts as scripts
 from scheduler_service.store_types import StepCommit
+from shared.worker_registry import heartbeat_key
 
 # How long a finished request's output stream stays readable (for late readers).
 OUTPUT_TTL_SECONDS = 3600
@@ -34,6 +35,14 @@ def _append_step_args(c: StepCommit) -> list[object] | None:
     argv += [msg.SerializeToString() for _, msg in c.outputs]
     return [len(lists) + len(c.outputs), *(key for key, _ in lists), *(keys.output_stream(r) for r, _ in c.outputs),
             *argv]
+
+
+def handed_over_record(record: state_pb2.AdmittedRequest, worker_id: str) -> bytes:
+    """The request's record as the loop of `worker_id` picks it up: to recompute from its committed outputs."""
+    moved = state_pb2.AdmittedRequest()
+    moved.CopyFrom(record)
+    moved.worker_id, moved.handed_over = worker_id, True
+    return moved.SerializeToString()
 
 
 def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
@@ -66,15 +75,13 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
         pipe.delete(keys.request(request_id))
         pipe.srem(keys.live(w), request_id)
     for record, target in c.handed_over:
-        moved = state_pb2.AdmittedRequest()
-        moved.CopyFrom(record)
-        moved.worker_id, moved.handed_over = target, True
-        data = moved.SerializeToString()
-        pipe.hset(keys.request(record.request_id), mapping={"request": data, "worker": target})
-        pipe.srem(keys.live(w), record.request_id)
-        pipe.sadd(keys.live(target), record.request_id)
-        pipe.rpush(keys.inbox(target), data)
-    # Scheduled (running / swapped), finished or handed-over requests no longer count as queued here.
+        r = record.request_id
+        pipe.eval(scripts.HAND_OVER_LUA, 6,
+                  keys.request(r), keys.live(w), keys.inbox(w), keys.live(target), keys.inbox(target),
+                  heartbeat_key(target),
+                  handed_over_record(record, target), handed_over_record(record, w), target, r)
+    # Scheduled (running / swapped), finished or handed-over requests no longer count as queued here (one that
+    # comes back from a worker gone meanwhile is recomputed here, or handed over again, uncounted).
     dequeued = [*c.newly_scheduled, *c.finished_requests, *(r.request_id for r, _ in c.handed_over)]
     if dequeued:
         pipe.eval(scripts.DEQUEUE_LUA, 2, keys.queued(w), keys.queue(w), *dequeued)

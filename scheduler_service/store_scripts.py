@@ -105,3 +105,23 @@ for i = 1, #KEYS do
 end
 return queued
 """
+
+# A request handed over to another worker moves only if that worker is still alive: the giving loop's
+# router saw it alive up to a tick ago, and a worker that died since would never serve it (its own loop
+# may have ended already). Otherwise the request comes back to the giving worker's inbox, still marked
+# handed over, and its loop recomputes it or hands it over again with a fresher view.
+#   KEYS: request hash, giver's live set, giver's inbox, target's live set, target's inbox, target's heartbeat
+#   ARGV: the record for the target, the record for the giver, the target's id, the request id
+#   returns 1 when moved, 0 when it came back
+HAND_OVER_LUA = """
+if redis.call('EXISTS', KEYS[6]) == 1 then
+  redis.call('HSET', KEYS[1], 'request', ARGV[1], 'worker', ARGV[3])
+  redis.call('SREM', KEYS[2], ARGV[4])
+  redis.call('SADD', KEYS[4], ARGV[4])
+  redis.call('RPUSH', KEYS[5], ARGV[1])
+  return 1
+end
+redis.call('HSET', KEYS[1], 'request', ARGV[2])
+redis.call('RPUSH', KEYS[3], ARGV[2])
+return 0
+"""

@@ -11,7 +11,7 @@ from scheduler_service import keys
 from scheduler_service.leases import LeaseLostError, Leases
 from scheduler_service.store import RedisStore, StepCommit
 from shared.worker_registry import WorkerRegistry
-from tests.integration.test_store import record, run
+from tests.integration.test_store import alive, record, run
 
 W = "10.0.0.1:50061"
 
@@ -109,6 +109,7 @@ def test_hand_over_moves_a_request_with_its_outputs(url: str) -> None:
     async def body(store: RedisStore) -> None:
         rec = record("r", seq_ids=[7], worker_id=W)
         await store.admit(rec)
+        await alive(store, "w2:1")
         assert [r.request_id for r in (await store.commit(StepCommit(W))).admitted] == ["r"]
         await store.commit(StepCommit(W, new_tokens={7: [11, 12]}, handed_over=[(rec, "w2:1")]))
         assert await store.client.hget(keys.request("r"), "worker") == b"w2:1"

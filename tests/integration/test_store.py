@@ -309,6 +309,7 @@ def test_an_abort_follows_a_handed_over_request_and_its_old_worker_forwards_none
         rec = record("moving")
         await store.admit(rec)
         await store.commit(StepCommit(W))
+        await alive(store, "w1")
         await store.commit(StepCommit(W, handed_over=[(rec, "w1")]))
         assert await store.route_aborts(["moving"]) == 1
         assert await store.route_aborts(["moving"], skip_worker="w1") == 0  # w1 itself does not forward it
@@ -331,13 +332,33 @@ def test_a_commit_without_pick_up_leaves_the_queues_to_the_next_owner(url: str) 
     run(url, body)
 
 
+async def alive(store: RedisStore, worker_id: str) -> None:
+    """Registers the worker with a heartbeat (as a running worker keeps doing)."""
+    await WorkerRegistry(store.client).heartbeat(worker_id, worker_pb2.WorkerDescription(instance_id="i"), False, 5)
+
+
 def test_admission_that_requires_a_live_worker_refuses_one_without_a_heartbeat(url: str) -> None:
     async def body(store: RedisStore) -> None:
         with pytest.raises(WorkerGoneError, match=f"worker {W} left"):
             await store.admit(record("late"), require_alive=True)
         assert not await store.client.exists(keys.request("late"), keys.inbox(W), keys.live(W))
-        await WorkerRegistry(store.client).heartbeat(W, worker_pb2.WorkerDescription(instance_id="i"), False, 5)
+        await alive(store, W)
         assert await store.admit(record("late"), require_alive=True) is AdmitOutcome.ADMITTED
+
+    run(url, body)
+
+
+def test_a_request_handed_over_to_a_worker_gone_meanwhile_comes_back_with_its_outputs(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        rec = record("bounce", seq_ids=[4])
+        await store.admit(rec)
+        await store.commit(StepCommit(W))
+        # The same commit picks it up again (its pick-up comes after its writes).
+        [back] = (await store.commit(StepCommit(W, new_tokens={4: [21, 22]}, handed_over=[(rec, "dead:1")]))).handed_over
+        assert back.record.worker_id == W and back.record.handed_over and back.outputs == {4: [21, 22]}
+        assert await store.client.hget(keys.request("bounce"), "worker") == W.encode()
+        assert await store.client.smembers(keys.live(W)) == {b"bounce"}
+        assert not await store.client.exists(keys.inbox("dead:1"), keys.live("dead:1"))
 
     run(url, body)
 

@@ -19,8 +19,9 @@ from scheduler_service import keys
 from scheduler_service.leases import LeaseLostError
 from scheduler_service.store import OUTPUT_TTL_SECONDS, CacheStats, RedisStore, StepCommit
 from shared.redis_dump import redis_state
+from shared.worker_registry import heartbeat_key
 
-W, OTHER = "w0", "w1"
+W, OTHER, GONE = "w0", "w1", "w2"
 EPOCH = 3
 
 
@@ -62,14 +63,17 @@ def apply_reference(r: redis.Redis, c: StepCommit) -> None:
         r.delete(keys.request(request_id))
         r.srem(keys.live(c.worker_id), request_id)
     for rec, target in c.handed_over:
+        # To a live target it moves; from one gone meanwhile it comes back to the giver's inbox.
+        to = target if r.exists(heartbeat_key(target)) else c.worker_id
         moved = state_pb2.AdmittedRequest()
         moved.CopyFrom(rec)
-        moved.worker_id, moved.handed_over = target, True
+        moved.worker_id, moved.handed_over = to, True
         r.hset(keys.request(rec.request_id), "request", moved.SerializeToString())
-        r.hset(keys.request(rec.request_id), "worker", target)
-        r.srem(keys.live(c.worker_id), rec.request_id)
-        r.sadd(keys.live(target), rec.request_id)
-        r.rpush(keys.inbox(target), moved.SerializeToString())
+        if to == target:
+            r.hset(keys.request(rec.request_id), "worker", target)
+            r.srem(keys.live(c.worker_id), rec.request_id)
+            r.sadd(keys.live(target), rec.request_id)
+        r.rpush(keys.inbox(to), moved.SerializeToString())
     for request_id in [*c.newly_scheduled, *c.finished_requests, *(rec.request_id for rec, _ in c.handed_over)]:
         prompt_tokens = r.hget(keys.queued(c.worker_id), request_id)
         if prompt_tokens is not None:
@@ -110,7 +114,7 @@ def delta(request_id: str, token_ids: list[int], text: str = " x", index: int = 
 
 
 RECORDS = [record("a", [1]), record("b", [2]), record("n2", [3, 4], n=2), record("best", [5, 6], best_of=2),
-           record("beam", [7, 8], use_beam_search=True, n=2), record("moved", [9])]
+           record("beam", [7, 8], use_beam_search=True, n=2), record("moved", [9]), record("bounced", [10])]
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 
 
@@ -141,12 +145,13 @@ def commits() -> list[StepCommit]:
         StepCommit(W, reset_seqs={"beam": [8]}, new_tokens={8: [703, 704]}, new_blocks={8: [12, 19]},
                    cumulative_logprobs={"beam": {7: -0.3, 8: -0.4}}, swapped=["best"],
                    running=["a", "n2", "beam"], num_preemptions=1, num_swaps=1),
-        # Finishes: a (stop), n2 (its last sequence), an aborted waiting request; the waiting one moves away.
+        # Finishes: a (stop), n2 (its last sequence), an aborted waiting request; the waiting ones are handed
+        # over, one to a live worker, one to a worker gone meanwhile (it comes back; picked up next commit).
         StepCommit(W, new_tokens={1: [103], 3: [303]},
                    outputs=[delta("a", [103], finish=common_pb2.FINISH_REASON_STOP, usage=True),
                             delta("n2", [303], finish=LENGTH, usage=True)],
                    finished_requests=["a", "n2"], dropped_seqs=[1, 3, 4], dropped_block_tables=[1],
-                   handed_over=[(RECORDS[-1], OTHER)], running=["beam"], waiting=["b"],
+                   handed_over=[(RECORDS[-2], OTHER), (RECORDS[-1], GONE)], running=["beam"], waiting=["b"],
                    cache_stats=CacheStats(55, 64, 8, 2)),
         # Only outputs; then only lists, one a long table (the script pushes it in chunks).
         StepCommit(W, outputs=[delta("b", [202], text="")], finished_requests=["b"], dropped_seqs=[2], waiting=[]),
@@ -186,6 +191,7 @@ def clients(url: str):
     for db in (0, 1):
         dbs.append(redis.Redis.from_url(_db(url, db)))
         dbs[-1].set(keys.epoch(W), EPOCH)
+        dbs[-1].set(heartbeat_key(OTHER), "alive")  # GONE has none
         asyncio.run(admit(_db(url, db)))
     yield dbs
     for client in dbs:
