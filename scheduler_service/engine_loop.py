@@ -98,8 +98,6 @@ class EngineLoop:
         # Spans and metrics are built from the same per-step measurements as --profile-steps.
         self._telemetry = StepTelemetry(worker_id, scheduler, processor, tracer, metrics)
         self._measure = self._profiles is not None or self._telemetry.enabled
-        # The last pickup held requests handed over to this worker.
-        self._took_over = False
         processor.record_timings = self._telemetry.enabled
 
     @property
@@ -190,7 +188,6 @@ class EngineLoop:
         for request in pickup.handed_over:
             self._processor.restore(request)
             self._telemetry.remember(request.record)
-        self._took_over = bool(pickup.handed_over)
         if pickup.handed_over:
             log.info("worker %s: took over %d request(s) from another worker", self.worker_id, len(pickup.handed_over))
         unknown = [r for r in pickup.aborts if not self._processor.abort(r, commit)]
@@ -237,7 +234,7 @@ class EngineLoop:
             clock = PerfClock(started) if self._telemetry.tracing else None
             profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
             await self._ingest(pickup, pending)
-            if not await self._follow_registration(pending):
+            if not await self._follow_registration(pending, took_over=bool(pickup.handed_over)):
                 # The worker left and every request this loop held has moved on; so must whatever reached the
                 # worker's queue meanwhile (admitted while it still counted as alive): the loop goes round
                 # until a commit finds the queue empty.
@@ -340,11 +337,12 @@ class EngineLoop:
                 log.warning("worker %s unreachable (%s); retrying", self.worker_id, exc.code())
                 await asyncio.sleep(1.0)
 
-    async def _follow_registration(self, commit: StepCommit) -> bool:
+    async def _follow_registration(self, commit: StepCommit, took_over: bool = False) -> bool:
         """Acts on the worker leaving or draining; False when the loop has nothing left to drive.
 
         A departed worker's requests all move to other workers (its KV is gone); a draining
         worker keeps its running requests to the end and hands over only those not started.
+        `took_over`: the last pickup held handed-over requests (see HAND_ON_PAUSE_SECONDS).
         """
         entry = self._registration
         departed = self._departed()
@@ -353,7 +351,7 @@ class EngineLoop:
         s = self._scheduler
         groups = [*s.waiting, *s.running, *s.swapped] if departed else list(s.waiting)
         if groups and self._fleet.others(self.worker_id):
-            if self._took_over:
+            if took_over:
                 await asyncio.sleep(HAND_ON_PAUSE_SECONDS)
             moved = await self._fleet.hand_over(groups, self._processor, self.worker_id, commit)
             # They never finish here, which is where telemetry drops a request's span context.
