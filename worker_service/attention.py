@@ -1,10 +1,11 @@
-"""Paged attention plugged into Hugging Face models.
+"""Attention over the paged KV cache for one step, for the worker's own models and transformers' modules.
 
-The worker reuses transformers' model code and only replaces its attention
-function: the function registered here writes the step's new keys/values into
-the paged KV cache and attends over it with the `kernels` backend. Per-step
-metadata reaches it through the model's forward kwargs (transformers passes
-unknown kwargs down to the attention interface).
+`attend` writes the step's new keys/values into the paged cache and attends over
+it with the `kernels` backend; the fused models (worker_service/models) call it
+directly. For models that run transformers' modules, the same function is
+registered as a transformers attention implementation: per-step metadata then
+reaches it through the model's forward kwargs (transformers passes unknown
+kwargs down to the attention interface).
 
 The flattened batch is ordered prefills first, then decodes:
 
@@ -62,39 +63,26 @@ class AttentionMetadata:
         return int(self.decode_context_lens.shape[0])
 
 
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention interface over the paged KV cache.
+def attend(
+    meta: AttentionMetadata,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Writes the step's keys/values of ``layer`` into the paged cache and attends over it.
 
-    query: [1, num_heads, T, D]; key/value: [1, num_kv_heads, T, D] (rotary applied).
-    Returns [1, T, num_heads, D] as transformers' own attention functions do.
+    q: ``[T, num_heads, D]``; k/v: ``[T, num_kv_heads, D]`` (rotary applied; views are fine).
+    Returns ``[T, num_heads, D]``: prefill rows first, then one row per decode, as the batch is ordered.
     """
-    meta = kwargs.get(METADATA_KWARG)
-    if not isinstance(meta, AttentionMetadata):
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs {METADATA_KWARG} in the forward kwargs")
-    layer = module.layer_idx
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
     num_kv_heads = k.shape[1]
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
-    # Models with sliding-window layers (Mistral) pass the window per call.
-    sliding_window = kwargs.get("sliding_window")
     meta.wait_for_layer(layer)
     key_cache = meta.key_caches[layer]
     value_cache = meta.value_caches[layer]
     backend = meta.backend
-
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_prefill = meta.num_prefill_tokens
     with meta.kernel_threads():
         backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -110,6 +98,34 @@ def paged_attention_forward(
                 meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
                 meta.decode_max_context_len, sliding_window=sliding_window,
             )
+    return out
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface over the paged KV cache (the transformers-modules path).
+
+    query: [1, num_heads, T, D]; key/value: [1, num_kv_heads, T, D] (rotary applied).
+    Returns [1, T, num_heads, D] as transformers' own attention functions do.
+    """
+    meta = kwargs.get(METADATA_KWARG)
+    if not isinstance(meta, AttentionMetadata):
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs {METADATA_KWARG} in the forward kwargs")
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    # Models with sliding-window layers (Mistral) pass the window per call.
+    sliding_window = kwargs.get("sliding_window")
+    out = attend(meta, module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), scaling,
+                 sliding_window)  # type: ignore[arg-type]
     return out.unsqueeze(0), None
 
 

@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig, PretrainedConfig
 
 from kernels import get_backend
-from worker_service.attention import METADATA_KWARG
 from protos import worker_pb2
+from shared.checkpoint import pretrained_source
 from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_bytes, size_cache
 from worker_service.config import WorkerConfig
 from worker_service.input_builder import ModelInputs, build_inputs
-from worker_service.matmul_threads import MatmulThreads
-from worker_service.model_loader import load_config, load_model, model_shape, resolve_dtype
+from worker_service.model_loader import load_config, model_shape, resolve_dtype
+from worker_service.models import build_model
 from worker_service.plan import StepPlanData
 from worker_service.profiler import profile_gpu_memory
 from worker_service.prompt_logprobs import PromptLogprobsData, compute_prompt_logprobs
 from worker_service.sampler import sample
 from worker_service.sequence_cache import CachedSequence, PlanError, SequenceCache
-from worker_service.sharding import local_shape, shard_model
+from worker_service.sharding import local_shape
 from worker_service.tensor_parallel import Command, TensorParallelGroup
 
 
@@ -45,10 +45,17 @@ class StepOutput:
     prompt_logprobs: list[PromptLogprobsData] = field(default_factory=list)
 
 
-def eos_token_ids(model: torch.nn.Module) -> list[int]:
+def eos_token_ids(config: PretrainedConfig, path: str) -> list[int]:
     """The model's end-of-sequence ids (generation config first, as transformers' generate), for min_tokens."""
-    for config in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(config, "eos_token_id", None)
+    generation = None
+    source, kwargs = pretrained_source(path)
+    if not kwargs:  # a directory; a GGUF file's ids are in its config
+        try:
+            generation = GenerationConfig.from_pretrained(source)
+        except OSError:  # no generation_config.json
+            generation = None
+    for cfg in (generation, config):
+        eos = getattr(cfg, "eos_token_id", None)
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
     return []
@@ -88,14 +95,9 @@ class ModelRunner:
             # OpenMP thread count (torch's too) to Numba's default: --num-threads is applied again.
             torch.set_num_threads(config.num_threads)
         rank = tp.rank if tp is not None else 0
-        self.model = load_model(config.model, self.dtype, self.device,
-                                prepare=lambda model: shard_model(model, rank, tp_size))
+        self.model = build_model(hf_config, config.model, self.dtype, self.device, max_len, rank, tp_size)
         # Masked until min_tokens; read once, not on every step.
-        self.eos_token_ids = eos_token_ids(self.model)
-        self.decoder = self.model.base_model
-        # On a CPU the small ops between matmuls run on one thread (see matmul_threads.py).
-        self._threads = MatmulThreads(self.decoder) if self.device.type == "cpu" else None
-        self.lm_head = self.model.get_output_embeddings()
+        self.eos_token_ids = eos_token_ids(hf_config, config.model)
         # A GPU's cache gets what the largest step leaves of --gpu-memory-utilization; a CPU's is set in GiB.
         device_bytes, memory_flag = config.kv_cache_bytes, "--kv-cache-memory"
         if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
@@ -148,7 +150,7 @@ class ModelRunner:
             scheduled, self.backend, self.cache.key_caches, self.cache.value_caches,
             self.config.block_size, self.device, self.cache.wait_for_layer,
         )
-        hidden = self._forward(inputs)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn)
         sampled: list[SampledTokenData] = []
         prompt_logprobs: list[PromptLogprobsData] = []
         if self.tp is not None and not self.tp.is_driver:
@@ -164,28 +166,14 @@ class ModelRunner:
             self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
         return StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs)
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The decoder's last hidden states, [num_tokens, hidden]."""
-        threads = contextlib.nullcontext()
-        if self._threads is not None:
-            inputs.attn.kernel_threads = self._threads.full
-            threads = self._threads.forward(int(inputs.input_ids.shape[0]))
-        with threads:
-            return self.decoder(
-                input_ids=inputs.input_ids.unsqueeze(0),
-                position_ids=inputs.positions.unsqueeze(0),
-                use_cache=False,
-                **{METADATA_KWARG: inputs.attn},
-            ).last_hidden_state[0]
-
     def _sample(self, hidden: torch.Tensor, inputs: ModelInputs) -> tuple[list[SampledTokenData], list[PromptLogprobsData]]:
         """The LM head and the sampler (rank 0 only); a failure tells the other ranks to drop the step."""
         try:
             # Prompt tokens need no logits, unless their request asked for prompt logprobs.
-            prompt_logprobs = compute_prompt_logprobs(hidden, self.lm_head, inputs.prompt_logprobs)
+            prompt_logprobs = compute_prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt_logprobs)
             sampled: list[SampledTokenData] = []
             if inputs.sampling_seqs:
-                logits = self.lm_head(hidden[inputs.sample_indices]).float()
+                logits = self.model.compute_logits(hidden[inputs.sample_indices])
                 seqs = inputs.sampling_seqs
                 out = sample(logits, [s.sampling for s in seqs], seqs, self.eos_token_ids)
                 for seq, token, logprob, top in zip(seqs, out.token_ids, out.logprobs, out.top_logprobs):

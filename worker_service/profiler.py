@@ -11,12 +11,11 @@ are not counted in the peak, since the real cache takes its place.
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
-
 from kernels import KernelBackend, allocate_kv_cache
-from worker_service.attention import METADATA_KWARG, AttentionMetadata
+from worker_service.attention import AttentionMetadata
 from worker_service.cache_engine import MemoryProfile
 from worker_service.model_loader import ModelShape
+from worker_service.models import CausalLM
 
 # The scheduler's default step budget is max(max_model_len, 2048) tokens (vLLM's); the
 # worker does not know the scheduler's flags, so it profiles that default.
@@ -29,7 +28,7 @@ def profile_num_tokens(max_model_len: int) -> int:
 
 
 def profile_step(
-    model: PreTrainedModel,
+    model: CausalLM,
     backend: KernelBackend,
     shape: ModelShape,
     dtype: torch.dtype,
@@ -75,19 +74,14 @@ def profile_step(
     )
     positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
     with torch.inference_mode():
-        hidden = model.base_model(
-            input_ids=torch.zeros(1, num_tokens, dtype=torch.int64, device=device),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            **{METADATA_KWARG: meta},
-        ).last_hidden_state[0]
+        hidden = model.forward(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, meta)
         last_rows = tensor(starts[1:], torch.int64) - 1
-        model.get_output_embeddings()(hidden[last_rows]).float()
+        model.compute_logits(hidden[last_rows])
     return cache_bytes
 
 
 def profile_gpu_memory(
-    model: PreTrainedModel,
+    model: CausalLM,
     backend: KernelBackend,
     shape: ModelShape,
     dtype: torch.dtype,

@@ -7,6 +7,7 @@ materialises a [prompt tokens, vocab] logits tensor at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ class PromptLogprobsData:
 
 
 def compute_prompt_logprobs(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, wanted: PromptLogprobRows
+    hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor], wanted: PromptLogprobRows
 ) -> list[PromptLogprobsData]:
     """Raw-distribution logprobs of the prompt tokens in `wanted`, from the step's hidden states."""
     if not wanted.spans:
@@ -39,7 +40,7 @@ def compute_prompt_logprobs(
     token_lps, top_lps, top_ids = [], [], []
     for begin in range(0, len(wanted.rows), _ROWS_PER_SLICE):
         rows = wanted.rows[begin : begin + _ROWS_PER_SLICE]
-        logprobs = torch.log_softmax(lm_head(hidden[rows]).float(), dim=-1)
+        logprobs = torch.log_softmax(compute_logits(hidden[rows]), dim=-1)
         targets = wanted.targets[begin : begin + _ROWS_PER_SLICE]
         token_lps.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1))
         values, ids = logprobs.topk(k, dim=-1)

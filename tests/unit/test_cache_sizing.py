@@ -8,16 +8,17 @@ through the paged attention, on a tiny random model.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kernels
-from worker_service import attention
 from worker_service.cache_engine import CacheSizeError, MemoryProfile, block_bytes, gpu_cache_bytes, size_cache
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import ModelShape, model_shape
+from worker_service.models import build_model
 from worker_service.profiler import profile_num_tokens, profile_step
 
 GIB = 1 << 30
@@ -79,11 +80,12 @@ def test_profile_steps_the_scheduler_default_budget() -> None:
     assert profile_num_tokens(8192) == 8192
 
 
-def test_profile_step_runs_the_largest_step_through_the_paged_attention() -> None:
+def test_profile_step_runs_the_largest_step_through_the_paged_attention(tmp_path: Path) -> None:
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention.register()).eval()
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = build_model(config, str(tmp_path), torch.float32, torch.device("cpu"), 64)
     shape = model_shape(config)
     cpu = kernels.get_backend("cpu")
     calls: list[tuple[int, list[int]]] = []

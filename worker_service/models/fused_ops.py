@@ -1,0 +1,79 @@
+"""The elementwise ops between a decoder layer's matmuls, fused: RMSNorm (+ residual add), rotary, SiLU-and-mul.
+
+Each op has a torch implementation that computes exactly what transformers' modules
+compute, in the same dtype steps (float32 norms of 16-bit activations, and so on),
+and a Numba kernel (``_numba_ops``) that runs instead for float32 tensors on the CPU,
+where the torch version is several dispatched ops per call. The torch version serves
+every other case (CUDA, bf16/fp16 on the CPU) and is the Numba kernels' reference.
+
+Conventions as vLLM's layers: ``add_rms_norm`` keeps the running residual stream in
+``residual`` (updated in place) and returns the normalised input of the next block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.models import _numba_ops as nb
+
+# Elements per call above which a Numba kernel runs over rows on several threads. Below it, waking
+# the thread team costs more than the pass (an RMSNorm of [64, 576] floats is ~10 us on one thread).
+PARALLEL_MIN_ELEMENTS = 1 << 18
+
+
+def _numba_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _variant(serial: object, parallel: object, elements: int) -> object:
+    return parallel if elements >= PARALLEL_MIN_ELEMENTS else serial
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of ``x`` ``[T, H]``: a new tensor."""
+    if _numba_ok(x, weight) and x.is_contiguous():
+        out = torch.empty_like(x)
+        _variant(nb.rms_norm_serial, nb.rms_norm_parallel, x.numel())(x.numpy(), weight.numpy(), eps, out.numpy())
+        return out
+    dtype = x.dtype
+    wide = x.to(torch.float32)
+    variance = wide.pow(2).mean(-1, keepdim=True)
+    return weight * (wide * torch.rsqrt(variance + eps)).to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` in place, then RMSNorm of the new residual (written over ``x`` where possible)."""
+    if _numba_ok(x, residual, weight) and x.is_contiguous() and residual.is_contiguous():
+        kernel = _variant(nb.add_rms_norm_serial, nb.add_rms_norm_parallel, x.numel())
+        kernel(x.numpy(), residual.numpy(), weight.numpy(), eps, x.numpy())
+        return x
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def apply_rotary(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates ``qk`` ``[T, heads, D]`` in place (halves paired); cos/sin ``[max_positions, D/2]`` in qk's dtype."""
+    if _numba_ok(qk, cos, sin) and qk.stride(-1) == 1:
+        kernel = _variant(nb.rotary_serial, nb.rotary_parallel, qk.shape[0] * qk.shape[1] * qk.shape[2])
+        kernel(qk.numpy(), positions.numpy(), cos.numpy(), sin.numpy())
+        return
+    half = qk.shape[-1] // 2
+    c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    s = sin[positions].unsqueeze(1)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    # transformers: q * cos + rotate_half(q) * sin, each product rounded in qk's dtype.
+    rotated1 = x1 * c - x2 * s
+    rotated2 = x2 * c + x1 * s
+    x1.copy_(rotated1)
+    x2.copy_(rotated2)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of ``gate_up`` ``[T, 2I]`` (the gate's I features first): ``[T, I]``."""
+    width = gate_up.shape[-1] // 2
+    if _numba_ok(gate_up) and gate_up.is_contiguous():
+        out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
+        _variant(nb.silu_and_mul_serial, nb.silu_and_mul_parallel, out.numel())(gate_up.numpy(), out.numpy())
+        return out
+    return F.silu(gate_up[:, :width]) * gate_up[:, width:]

@@ -1,0 +1,117 @@
+"""Builds a LlamaModel from a checkpoint: Hugging Face tensor names into the fused, sharded layout.
+
+    checkpoint (per layer)                         fused (rank r of N)
+    self_attn.q_proj [Hq*D, H]  ─┐
+    self_attn.k_proj [Hkv*D, H] ─┼─ rows of r ──▶  qkv [(Hq + 2 Hkv) * D / N, H]
+    self_attn.v_proj [Hkv*D, H] ─┘
+    self_attn.o_proj [H, Hq*D]  ── columns of r ─▶ o [H, Hq*D / N]
+    mlp.gate_proj    [I, H]     ─┐
+    mlp.up_proj      [I, H]     ─┴─ rows of r ──▶  gate_up [2 I / N, H]
+    mlp.down_proj    [H, I]     ── columns of r ─▶ down [H, I / N]
+
+Query head h uses KV head h // (Hq / Hkv); rank r keeps query heads [r Hq/N, (r+1) Hq/N)
+and KV heads [r Hkv/N, (r+1) Hkv/N), so every GQA group stays on one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+from worker_service.models.checkpoint_tensors import CheckpointTensors
+from worker_service.models.llama import LlamaDims, LlamaLayer, LlamaModel
+from worker_service.models.rotary import DYNAMIC_ROPE_TYPES, build_rotary_table, rope_type
+
+ROTARY_MODULES: dict[str, type] = {
+    "llama": LlamaRotaryEmbedding,
+    "mistral": MistralRotaryEmbedding,
+    "qwen2": Qwen2RotaryEmbedding,
+}
+
+
+def fused_llama_supports(config: PretrainedConfig) -> str | None:
+    """None if the fused model computes what transformers' modules do for ``config``; else why not."""
+    if config.model_type not in ROTARY_MODULES:
+        return f"model type {config.model_type!r} is not in the Llama family"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the fused MLP is SiLU-and-mul)"
+    if rope_type(config) in DYNAMIC_ROPE_TYPES:
+        return f"rope type {rope_type(config)!r} (frequencies that change with the sequence length)"
+    return None
+
+
+def _rows(tensor: torch.Tensor | None, index: slice) -> torch.Tensor | None:
+    return None if tensor is None else tensor[index]
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The fused bias of projections that all have one (Qwen2's q/k/v), None when none has."""
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("checkpoint has biases on some of a fused projection's parts only")
+    return torch.cat(parts).contiguous()  # type: ignore[arg-type]
+
+
+def _share(total: int, rank: int, size: int) -> slice:
+    step = total // size
+    return slice(rank * step, (rank + 1) * step)
+
+
+def _sliding_window(config: PretrainedConfig, index: int) -> int | None:
+    """The window of layer ``index`` as transformers' module for the family passes it to attention."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "llama" or not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type == "qwen2" and layer_types is not None:
+        return int(window) if layer_types[index] == "sliding_attention" else None
+    return int(window)
+
+
+def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int, q_rows: slice, kv_rows: slice,
+                mlp_rows: slice) -> LlamaLayer:
+    prefix = f"model.layers.{index}."
+
+    def get(name: str) -> torch.Tensor | None:
+        return tensors.get(prefix + name)
+
+    def need(name: str) -> torch.Tensor:
+        return tensors.require(prefix + name)
+
+    parts = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+    return LlamaLayer(
+        input_norm=need("input_layernorm.weight"),
+        qkv=torch.cat([need(f"self_attn.{p}_proj.weight")[rows] for p, rows in parts]).contiguous(),
+        qkv_bias=_cat([_rows(get(f"self_attn.{p}_proj.bias"), rows) for p, rows in parts]),
+        o=need("self_attn.o_proj.weight")[:, q_rows].contiguous(),
+        o_bias=get("self_attn.o_proj.bias"),
+        post_norm=need("post_attention_layernorm.weight"),
+        gate_up=torch.cat([need("mlp.gate_proj.weight")[mlp_rows], need("mlp.up_proj.weight")[mlp_rows]]).contiguous(),
+        gate_up_bias=_cat([_rows(get("mlp.gate_proj.bias"), mlp_rows), _rows(get("mlp.up_proj.bias"), mlp_rows)]),
+        down=need("mlp.down_proj.weight")[:, mlp_rows].contiguous(),
+        down_bias=get("mlp.down_proj.bias"),
+        sliding_window=_sliding_window(config, index),
+    )
+
+
+def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: torch.device,
+               max_positions: int, rank: int = 0, tp_size: int = 1) -> LlamaModel:
+    """Reads ``path``'s weights into rank ``rank``'s share of the fused layout (of ``tp_size`` ranks)."""
+    tensors = CheckpointTensors(path, dtype, device)
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    dims = LlamaDims(num_heads // tp_size, num_kv_heads // tp_size, head_size, float(config.rms_norm_eps), tp_size)
+    q_rows = _share(num_heads * head_size, rank, tp_size)
+    kv_rows = _share(num_kv_heads * head_size, rank, tp_size)
+    mlp_rows = _share(config.intermediate_size, rank, tp_size)
+    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows) for i in range(config.num_hidden_layers)]
+    embed = tensors.require("model.embed_tokens.weight")
+    tied = getattr(config, "tie_word_embeddings", False)
+    lm_head = embed if tied else tensors.require("lm_head.weight")
+    rotary = build_rotary_table(ROTARY_MODULES[config.model_type], config, max_positions, dtype, device)
+    return LlamaModel(dims, embed, layers, tensors.require("model.norm.weight"), lm_head, rotary)
