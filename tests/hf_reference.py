@@ -27,8 +27,8 @@ class Reference:
 class HFReference:
     """Greedy generation with transformers, one prompt at a time (no padding effects)."""
 
-    def __init__(self, model_dir: str) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         self.model.eval()
 
     @torch.inference_mode()
@@ -71,13 +71,13 @@ class Comparison:
     detail: str = ""
 
 
-def compare_greedy(ours: list[int], ref: Reference) -> Comparison:
-    """Token-exact comparison, tolerating a divergence only at a near-tie."""
+def compare_greedy(ours: list[int], ref: Reference, near_tie: float = NEAR_TIE) -> Comparison:
+    """Token-exact comparison, tolerating a divergence only at a near-tie (``near_tie``: float32's by default)."""
     for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
         if a == b:
             continue
         gap = abs(float(ref.logprobs[i, a] - ref.logprobs[i, b]))
-        if gap <= NEAR_TIE:
+        if gap <= near_tie:
             return Comparison(True, i, f"near-tie at position {i}: {a} vs {b}, logprob gap {gap:.2e}")
         return Comparison(False, None, f"diverged at position {i}: ours {a}, reference {b}, logprob gap {gap:.3g}")
     if len(ours) != len(ref.token_ids):

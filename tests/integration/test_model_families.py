@@ -6,7 +6,10 @@ transformers' `generate` for each prompt alone, and each token's logprob must
 be HF's log_softmax within 1e-4. Mistral runs with a sliding window shorter
 than the sequences, so the windowed kernels are exercised; a Llama with
 Llama 3.1 rope scaling covers scaled rotary positions; OPT (facebook/opt-125m's
-architecture) and GPT-2 cover learned positions and tied embeddings.
+architecture) and GPT-2 cover learned positions and tied embeddings. The Llama
+family runs the worker's fused layers, the others (and dynamic rope scaling)
+transformers' modules; bf16 and fp16 are compared with transformers in the same
+dtype, within a tolerance set by the dtype's precision (HALF_TOLERANCE).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from tests.hf_reference import HFReference, compare_greedy
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import UnsupportedModelError, load_config
 from worker_service.model_runner import ModelRunner
+from worker_service.models.llama import LlamaModel
+from worker_service.models.transformers_model import TransformersModel
 from worker_service.plan import NewSequenceData, SequenceDeltaData, StepPlanData
 
 COMMON = dict(
@@ -53,32 +58,78 @@ def _build(directory: Path, family: str) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_batch_matches_transformers(family: str, tmp_path: Path) -> None:
-    model_dir = _build(tmp_path / family, family)
+PROMPTS = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(100, 119))]
+# Families the worker runs with its own fused layers; the others run transformers' modules.
+FUSED = {"llama", "llama3-rope", "mistral", "qwen2"}
+# Half precision: both sides round every activation to the dtype, in different places (our attention
+# accumulates in float32 over the cache, transformers' in the dtype; fused and separate projections
+# accumulate in different orders), so a logit of magnitude L differs by a few L * eps / 2. These
+# models' logits stay under ~16, and a logprob is a difference of two such numbers: 32 eps covers it
+# (bf16: eps 2^-7, tolerance 0.25 nats; measured at most 0.084. fp16: eps 2^-10, 0.031; measured 0.008).
+HALF_TOLERANCE = {dtype: 32 * torch.finfo(dtype).eps for dtype in (torch.bfloat16, torch.float16)}
+
+
+def _greedy_batch(model_dir: Path, dtype: str = "auto") -> tuple[ModelRunner, dict[int, list[int]], dict[int, list[float]]]:
+    """The three prompts prefilled together, then decoded together: (runner, tokens, logprobs) per prompt."""
     runner = ModelRunner(WorkerConfig(model=str(model_dir), num_gpu_blocks_override=64, max_model_len=256,
-                                      block_size=8))
-    prompts = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(100, 119))]
+                                      block_size=8, dtype=dtype))
     greedy = SamplingParams(temperature=0.0)
-    tables = {i: list(range(i * 10, i * 10 + 10)) for i in range(len(prompts))}
-    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    logprobs: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
+    tables = {i: list(range(i * 10, i * 10 + 10)) for i in range(len(PROMPTS))}
+    outputs: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    logprobs: dict[int, list[float]] = {i: [] for i in range(len(PROMPTS))}
     plan = StepPlanData(1, 1, [], [], [], [NewSequenceData(i, p, [], greedy, tables[i], 0, len(p))
-                                           for i, p in enumerate(prompts)], [], [])
+                                           for i, p in enumerate(PROMPTS)], [], [])
     for step in range(NEW_TOKENS):
         for s in runner.execute(plan).sampled:
             outputs[s.seq_id].append(s.token_id)
             logprobs[s.seq_id].append(s.logprob)
         plan = StepPlanData(1, step + 2, [], [], [], [], [SequenceDeltaData(i, [], 1) for i in outputs], [])
-    reference = HFReference(str(model_dir))
-    for i, prompt in enumerate(prompts):
+    return runner, outputs, logprobs
+
+
+def _assert_matches(label: str, reference: HFReference, outputs: dict[int, list[int]],
+                    logprobs: dict[int, list[float]], tolerance: float) -> None:
+    for i, prompt in enumerate(PROMPTS):
         ref = reference.greedy(prompt, NEW_TOKENS, stop_at_eos=False)
-        cmp = compare_greedy(outputs[i], ref)
-        assert cmp.matched, f"{family}, prompt {i}: {cmp.detail}"
+        cmp = compare_greedy(outputs[i], ref, near_tie=tolerance)
+        assert cmp.matched, f"{label}, prompt {i}: {cmp.detail}"
+        if cmp.near_tie_at is not None:
+            print(f"{label}, prompt {i}: {cmp.detail}")
         # Each sampled token's logprob is HF's log_softmax at that position (up to any accepted near-tie).
         same = NEW_TOKENS if cmp.near_tie_at is None else cmp.near_tie_at
         expected = [float(ref.logprobs[t, tok]) for t, tok in enumerate(outputs[i][:same])]
-        assert logprobs[i][:same] == pytest.approx(expected, abs=1e-4), f"{family}, prompt {i}"
+        assert logprobs[i][:same] == pytest.approx(expected, abs=tolerance), f"{label}, prompt {i}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_batch_matches_transformers(family: str, tmp_path: Path) -> None:
+    model_dir = _build(tmp_path / family, family)
+    runner, outputs, logprobs = _greedy_batch(model_dir)
+    assert isinstance(runner.model, LlamaModel if family in FUSED else TransformersModel)
+    _assert_matches(family, HFReference(str(model_dir)), outputs, logprobs, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_half_precision_matches_transformers_in_the_same_dtype(family: str, dtype: torch.dtype,
+                                                               tmp_path: Path) -> None:
+    model_dir = _build(tmp_path / family, family)
+    _, outputs, logprobs = _greedy_batch(model_dir, str(dtype).removeprefix("torch."))
+    _assert_matches(f"{family} {dtype}", HFReference(str(model_dir), dtype), outputs, logprobs,
+                    HALF_TOLERANCE[dtype])
+
+
+def test_dynamic_rope_scaling_runs_transformers_modules(tmp_path: Path) -> None:
+    """Frequencies that change with the sequence length have no cached table: transformers' modules serve it."""
+    spec = dict(FAMILIES["llama"])
+    spec.pop("model_type")
+    rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    config = AutoConfig.for_model("llama", **COMMON, **spec, rope_parameters=rope)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    runner, outputs, logprobs = _greedy_batch(tmp_path)
+    assert isinstance(runner.model, TransformersModel)
+    _assert_matches("llama dynamic rope", HFReference(str(tmp_path)), outputs, logprobs, 1e-4)
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
