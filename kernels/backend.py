@@ -107,12 +107,14 @@ def _cpu_backend() -> KernelBackend:
     # decode kernel compiles it or loads it from Numba's on-disk cache; doing it
     # here puts that cost at worker start (get_backend), not in the first step.
     from kernels import cpu
-    from kernels.cpu import numba_attention
+    from kernels.cpu import numba_attention, numba_cache_ops
 
     # Decode attention reads the cache in place with Numba (several times faster
-    # than gathering copies with torch ops); it falls back to the torch kernel
-    # for inputs it does not cover. The other kernels are the torch ones.
-    return dataclasses.replace(_backend_of("cpu", cpu), paged_attention=numba_attention.paged_attention)
+    # than gathering copies with torch ops), and new keys/values are copied into
+    # their slots by a Numba loop (the torch version rebuilds index tensors per
+    # call); both fall back to the torch kernels for inputs they do not cover.
+    return dataclasses.replace(_backend_of("cpu", cpu), paged_attention=numba_attention.paged_attention,
+                               reshape_and_cache=numba_cache_ops.reshape_and_cache)
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kernels
 from kernels.backend import PagedAttentionFn
 from kernels.cpu import attention as cpu_attention
-from kernels.cpu import numba_attention
+from kernels.cpu import numba_attention, numba_cache_ops
 from tests import kernel_cases
 from tests.kernel_cases import (
     TOLERANCE,
@@ -366,7 +366,7 @@ def test_get_backend() -> None:
     assert isinstance(backend, kernels.KernelBackend)
     assert backend.paged_attention is numba_attention.paged_attention
     assert backend.context_attention is kernels.context_attention
-    assert backend.reshape_and_cache is kernels.reshape_and_cache
+    assert backend.reshape_and_cache is numba_cache_ops.reshape_and_cache
     assert backend.copy_blocks is kernels.copy_blocks
     assert backend.swap_blocks is kernels.swap_blocks
     assert kernels.get_backend(torch.device("cpu")) == backend

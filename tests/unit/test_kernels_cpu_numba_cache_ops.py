@@ -1,0 +1,51 @@
+"""The Numba reshape_and_cache writes exactly what the torch kernel writes, for every dtype and input layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import cache_ops, numba_cache_ops
+from kernels.layout import allocate_kv_cache
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _caches(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    key_caches, value_caches = allocate_kv_cache(1, 40, 3, 32, 8, dtype, torch.device("cpu"))
+    # NaN everywhere first: a slot the kernel should not touch stays NaN in both results.
+    return key_caches[0].fill_(float("nan")), value_caches[0].fill_(float("nan"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 17, 300])
+def test_writes_what_the_torch_kernel_writes(dtype: torch.dtype, tokens: int) -> None:
+    torch.manual_seed(tokens)
+    # Keys as a strided view of a wider row (the fused QKV output), values contiguous.
+    key = torch.randn(tokens, 5 * 96)[:, 96:192].view(tokens, 3, 32).to(dtype) if dtype == torch.float32 else \
+        torch.randn(tokens, 3, 32).to(dtype)
+    value = torch.randn(tokens, 3, 32).to(dtype)
+    slots = torch.randperm(40 * 8)[:tokens]
+    slots[tokens // 2] = -1  # a padding token is skipped
+    ours, theirs = _caches(dtype), _caches(dtype)
+    assert numba_cache_ops.supports(key, value, *ours)
+    numba_cache_ops.reshape_and_cache(key, value, ours[0], ours[1], slots)
+    cache_ops.reshape_and_cache(key, value, theirs[0], theirs[1], slots)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_unsupported_inputs_go_to_the_torch_kernel_and_its_checks() -> None:
+    key_cache, value_cache = _caches(torch.float32)
+    key = torch.randn(2, 3, 64)[..., ::2]  # innermost stride 2: not covered
+    assert not numba_cache_ops.supports(key, key, key_cache, value_cache)
+    numba_cache_ops.reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([0, 9]))
+    assert torch.equal(value_cache[1, :, :, 1], key[1])
+
+
+def test_a_slot_past_the_cache_is_refused() -> None:
+    key_cache, value_cache = _caches(torch.float32)
+    key = torch.randn(1, 3, 32)
+    with pytest.raises(ValueError, match="cache has only 320 slots"):
+        numba_cache_ops.reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([320]))
