@@ -1,0 +1,144 @@
+"""Where a start-up spent its time, phase by phase, for one log line per process.
+
+    worker ready in 6.2 s (imports 2.9 s, kernels 0.4 s, model 1.6 s, server 0.1 s, registration 0.1 s, other 1.1 s)
+    llmserve up: serving after 8.4 s (redis 0.1 s, worker 6.2 s and scheduler 5.0 s in parallel, first lease 0.3 s)
+
+A phase is a span of wall time; consecutive phases marked `parallel` ran at the same time and count
+as the longest of them. Whatever no phase covers is shown as `other`, so the parts add up to the
+total (to the rounding of the line). The report also travels as JSON: each local service sends its
+own to `llmserve up` (llmserve/ready_pipe.py), which puts them in its line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+# A remainder shorter than this is rounding, not a phase worth a word.
+_MIN_OTHER_S = 0.05
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One named span of a start-up. parallel: ran at the same time as its parallel neighbours."""
+
+    name: str
+    seconds: float
+    parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or ", " in self.name or " and " in self.name:
+            raise ValueError(f"phase name must be non-empty without ', ' or ' and ', got {self.name!r}")
+        if self.seconds < 0:
+            raise ValueError(f"phase {self.name!r}: seconds must be non-negative, got {self.seconds}")
+
+
+def _groups(phases: tuple[Phase, ...]) -> list[list[Phase]]:
+    """Sequential phases alone, consecutive parallel ones together."""
+    groups: list[list[Phase]] = []
+    for phase in phases:
+        if phase.parallel and groups and groups[-1][-1].parallel:
+            groups[-1].append(phase)
+        else:
+            groups.append([phase])
+    return groups
+
+
+@dataclass(frozen=True)
+class StartupReport:
+    """A start-up's total wall time and the phases it went through (in order)."""
+
+    total_s: float
+    phases: tuple[Phase, ...] = field(default_factory=tuple)
+
+    @property
+    def accounted_s(self) -> float:
+        """Wall time the phases cover: sequential ones add up, a parallel group counts its longest."""
+        return sum(max(p.seconds for p in group) for group in _groups(self.phases))
+
+    def seconds(self, name: str) -> float:
+        """The named phase's seconds; KeyError when there is none."""
+        for phase in self.phases:
+            if phase.name == name:
+                return phase.seconds
+        raise KeyError(name)
+
+    def summary(self) -> str:
+        """`6.2 s (imports 2.9 s, ..., other 0.3 s)`: the total, then the parts."""
+        parts = []
+        for group in _groups(self.phases):
+            words = " and ".join(f"{p.name} {p.seconds:.1f} s" for p in group)
+            parts.append(f"{words} in parallel" if len(group) > 1 else words)
+        other = self.total_s - self.accounted_s
+        if other >= _MIN_OTHER_S:
+            parts.append(f"other {other:.1f} s")
+        return f"{self.total_s:.1f} s ({', '.join(parts)})"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"total_s": self.total_s,
+                "phases": [{"name": p.name, "seconds": p.seconds, "parallel": p.parallel} for p in self.phases]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> StartupReport:
+        phases = data.get("phases", [])
+        if not isinstance(phases, list):
+            raise ValueError(f"phases must be a list, got {phases!r}")
+        return cls(float(data["total_s"]),  # type: ignore[arg-type]
+                   tuple(Phase(str(p["name"]), float(p["seconds"]), bool(p.get("parallel", False))) for p in phases))
+
+
+_SUMMARY = re.compile(r"(?P<total>\d+\.\d) s \((?P<parts>[^()]*)\)$")
+_PART = re.compile(r"(?P<name>.+?) (?P<seconds>\d+\.\d) s")
+
+
+def parse_summary(line: str) -> StartupReport:
+    """The report a line ending in StartupReport.summary() shows (seconds to its 0.1 s rounding).
+
+    `other` comes back as a phase of its own; ValueError when the line holds no summary.
+    """
+    match = _SUMMARY.search(line)
+    if match is None:
+        raise ValueError(f"no start-up summary in {line!r}")
+    phases: list[Phase] = []
+    for part in match.group("parts").split(", "):
+        parallel = part.endswith(" in parallel")
+        members = part.removesuffix(" in parallel").split(" and ") if parallel else [part]
+        for member in members:
+            found = _PART.fullmatch(member)
+            if found is None:
+                raise ValueError(f"not a phase: {member!r} in {line!r}")
+            phases.append(Phase(found.group("name"), float(found.group("seconds")), parallel))
+    return StartupReport(float(match.group("total")), tuple(phases))
+
+
+class StartupTimer:
+    """Times the phases of one start-up from `started` (time.monotonic(); default: now)."""
+
+    def __init__(self, started: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.started = clock() if started is None else started
+        self._phases: list[Phase] = []
+
+    def elapsed(self) -> float:
+        """Seconds since the start."""
+        return self._clock() - self.started
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Times the block as the phase `name` (recorded even when the block raises)."""
+        begun = self._clock()
+        try:
+            yield
+        finally:
+            self.add(name, self._clock() - begun)
+
+    def add(self, name: str, seconds: float, parallel: bool = False) -> None:
+        """Records a phase measured elsewhere (e.g. another process's start-up)."""
+        self._phases.append(Phase(name, max(0.0, seconds), parallel))
+
+    def report(self) -> StartupReport:
+        """The phases so far, with the time since the start as the total."""
+        return StartupReport(self.elapsed(), tuple(self._phases))

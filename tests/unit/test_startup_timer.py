@@ -1,0 +1,85 @@
+"""The start-up timer: phases on a fake clock, the one-line summary, and reading it back."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.startup_timer import Phase, StartupReport, StartupTimer, parse_summary
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_phases_are_timed_in_order_and_the_rest_is_other() -> None:
+    clock = FakeClock()
+    timer = StartupTimer(clock=clock)
+    clock.now += 0.5  # before the first phase: shows as other
+    with timer.phase("imports"):
+        clock.now += 2.9
+    with timer.phase("model"):
+        clock.now += 1.1
+    timer.add("registration", 0.2)
+    clock.now += 0.2
+    report = timer.report()
+    assert report.total_s == pytest.approx(4.7)
+    assert [p.name for p in report.phases] == ["imports", "model", "registration"]
+    assert report.seconds("model") == pytest.approx(1.1)
+    assert report.summary() == "4.7 s (imports 2.9 s, model 1.1 s, registration 0.2 s, other 0.5 s)"
+
+
+def test_a_phase_that_raises_is_still_recorded() -> None:
+    clock = FakeClock()
+    timer = StartupTimer(clock=clock)
+    with pytest.raises(RuntimeError), timer.phase("tokenizer"):
+        clock.now += 0.3
+        raise RuntimeError("no tokenizer")
+    assert timer.report().seconds("tokenizer") == pytest.approx(0.3)
+
+
+def test_parallel_phases_count_as_the_longest() -> None:
+    report = StartupReport(8.4, (Phase("imports", 0.2), Phase("redis", 0.1, parallel=True),
+                                 Phase("worker", 6.2, parallel=True), Phase("scheduler", 5.0, parallel=True),
+                                 Phase("first lease", 0.3)))
+    assert report.accounted_s == pytest.approx(0.2 + 6.2 + 0.3)
+    assert report.summary() == ("8.4 s (imports 0.2 s, redis 0.1 s and worker 6.2 s and scheduler 5.0 s in parallel, "
+                                "first lease 0.3 s, other 1.7 s)")
+
+
+def test_the_summary_reads_back() -> None:
+    report = StartupReport(8.43, (Phase("redis", 0.12, parallel=True), Phase("worker", 6.21, parallel=True),
+                                  Phase("waiting for a worker", 1.0), Phase("first lease", 0.3)))
+    parsed = parse_summary("2026-01-01 12:00:00,000 up INFO x: llmserve up: serving after " + report.summary())
+    assert parsed.total_s == 8.4
+    assert [(p.name, p.seconds, p.parallel) for p in parsed.phases] == [
+        ("redis", 0.1, True), ("worker", 6.2, True), ("waiting for a worker", 1.0, False), ("first lease", 0.3, False),
+        ("other", 0.9, False)]
+
+
+def test_json_round_trip() -> None:
+    report = StartupReport(3.0, (Phase("imports", 1.5), Phase("worker", 1.0, parallel=True)))
+    assert StartupReport.from_dict(report.to_dict()) == report
+
+
+@pytest.mark.parametrize("line", ["worker ready", "ready in 3.0 s", "ready in 3.0 s (imports)"])
+def test_a_line_without_a_summary_is_refused(line: str) -> None:
+    with pytest.raises(ValueError):
+        parse_summary(line)
+
+
+@pytest.mark.parametrize("name", ["", "a, b", "this and that"])
+def test_phase_names_that_the_line_could_not_carry_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="phase name"):
+        Phase(name, 1.0)
+
+
+def test_negative_seconds_are_refused_and_added_ones_clamped() -> None:
+    with pytest.raises(ValueError, match="non-negative"):
+        Phase("model", -0.1)
+    timer = StartupTimer(clock=FakeClock())
+    timer.add("first lease", -0.001)  # two clocks a hair apart
+    assert timer.report().seconds("first lease") == 0.0
