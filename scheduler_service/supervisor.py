@@ -12,6 +12,10 @@ Every tick (a fraction of the lease TTL) the supervisor
 
 A replica that dies simply stops renewing: its leases expire after the TTL and the other replicas'
 next tick takes them over, rebuilding each loop's state from Redis.
+
+A worker that registers, starts draining or leaves announces it (shared/registry_changes.py): the
+next tick comes at once rather than up to a tick later, so a new worker's lease is taken (and a
+draining one's waiting requests handed over) the moment the registry shows it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from scheduler_service.engine_loop import EngineLoop
 from scheduler_service.leases import LeaseLostError, Leases
 from scheduler_service.router import Router
 from shared.errors import UnavailableError
+from shared.registry_changes import RegistryChanges
 from shared.worker_registry import WorkerEntry, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -53,8 +58,11 @@ class Supervisor:
     """Starts, feeds and stops this replica's engine loops."""
 
     def __init__(self, registry: WorkerRegistry, leases: Leases, router: Router,
-                 make_loop: Callable[[WorkerEntry], EngineLoop], tick_s: float | None = None) -> None:
+                 make_loop: Callable[[WorkerEntry], EngineLoop], tick_s: float | None = None,
+                 changes: RegistryChanges | None = None) -> None:
+        """changes: registry changes that bring the next tick forward (its listener runs elsewhere)."""
         self._registry = registry
+        self._changes = changes
         self._leases = leases
         self._router = router
         self._make_loop = make_loop
@@ -94,10 +102,17 @@ class Supervisor:
                     log.warning("supervisor tick failed, Redis unavailable: %s", exc)
                 except Exception:  # noqa: BLE001 - no bug in one tick may end the replica; the next tick retries
                     log.exception("supervisor tick failed")
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._next_wait)
+                await self._pause(stop)
         finally:
             await self._stop_all()
+
+    async def _pause(self, stop: asyncio.Event) -> None:
+        """Until the next tick is due, `stop` is set, or a worker registers, drains or leaves."""
+        if self._changes is not None:
+            await self._changes.wait(self._next_wait, stop)
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), self._next_wait)
 
     async def tick(self) -> None:
         entries = await self._registry.workers()

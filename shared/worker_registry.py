@@ -3,6 +3,7 @@
     llmserve:workers                 hash   worker id -> WorkerRegistration (protobuf)
     llmserve:worker:<id>:heartbeat   string the worker's instance id, expires after the heartbeat TTL
     llmserve:worker:<id>:drained     string the instance id, set by the owner once a draining worker is empty
+    llmserve:workers:changed         channel a worker's id, published when it registers, starts draining or leaves
 
 Workers write both (the registration again on every heartbeat, so a registry that was lost with
 Redis fills again); schedulers only read them. A worker whose heartbeat key expired is dead for
@@ -20,6 +21,9 @@ import redis.asyncio as aioredis
 from protos import state_pb2, worker_pb2
 
 WORKERS = "llmserve:workers"
+# Schedulers listen here to act on a change at once rather than at their next read of the registry
+# (shared/registry_changes.py); the registry itself stays the truth, a lost message only delays.
+CHANGES_CHANNEL = "llmserve:workers:changed"
 
 # A restarted worker re-registers under the same id: only a registration without a heartbeat is dropped.
 #   KEYS: heartbeat key, WORKERS; ARGV: worker id
@@ -71,13 +75,19 @@ class WorkerRegistry:
         self._r = client
 
     async def heartbeat(self, worker_id: str, description: worker_pb2.WorkerDescription, draining: bool,
-                        ttl_s: float) -> None:
-        """Registers (or re-registers) the worker and marks it alive for `ttl_s` seconds."""
+                        ttl_s: float, announce: bool = False) -> None:
+        """Registers (or re-registers) the worker and marks it alive for `ttl_s` seconds.
+
+        announce: also tell listening schedulers (CHANGES_CHANNEL), in the same transaction, so that
+        what they read on the message includes this write. For a first registration or a drain.
+        """
         record = state_pb2.WorkerRegistration(worker_id=worker_id, draining=draining, registered_at=time.time())
         record.description.CopyFrom(description)
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.hset(WORKERS, worker_id, record.SerializeToString())
             pipe.set(heartbeat_key(worker_id), description.instance_id, px=int(ttl_s * 1000))
+            if announce:
+                pipe.publish(CHANGES_CHANNEL, worker_id)
             await pipe.execute()
 
     async def deregister(self, worker_id: str, instance_id: str) -> None:
@@ -88,6 +98,7 @@ class WorkerRegistry:
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.hdel(WORKERS, worker_id)
             pipe.delete(heartbeat_key(worker_id))
+            pipe.publish(CHANGES_CHANNEL, worker_id)
             await pipe.execute()
 
     async def mark_drained(self, worker_id: str, instance_id: str) -> None:

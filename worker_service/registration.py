@@ -63,6 +63,10 @@ class Registration:
         self._describe = describe
         self._draining = False
         self._registered = False
+        # Set by the first heartbeat that reaches Redis: the worker's readiness and its start-up line wait on it.
+        self._first_beat = asyncio.Event()
+        # The draining flag schedulers last heard of (CHANGES_CHANNEL); None before the first heartbeat.
+        self._announced: bool | None = None
         self._wake = asyncio.Event()
 
     @property
@@ -75,9 +79,21 @@ class Registration:
         return self._registered
 
     async def beat(self) -> None:
-        """One heartbeat (also the registration itself)."""
-        await self._registry.heartbeat(self.worker_id, self._describe(), self._draining, self._config.heartbeat_ttl_s)
+        """One heartbeat (also the registration itself).
+
+        The first one, and the first after draining begins, are announced to listening schedulers, which
+        then take the worker's lease (or hand its waiting requests over) at once instead of at their next tick.
+        """
+        draining = self._draining
+        await self._registry.heartbeat(self.worker_id, self._describe(), draining, self._config.heartbeat_ttl_s,
+                                       announce=draining != self._announced)
+        self._announced = draining
         self._registered = True
+        self._first_beat.set()
+
+    async def wait_registered(self) -> None:
+        """Returns once a heartbeat has reached Redis (at once if one has)."""
+        await self._first_beat.wait()
 
     async def run(self) -> None:
         """Heartbeats until cancelled; a failed heartbeat is logged and retried (Redis may be restarting)."""
