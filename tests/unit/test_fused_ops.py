@@ -108,3 +108,14 @@ def test_serial_and_parallel_variants_agree() -> None:
     for kernel, out in zip((nb.silu_and_mul_serial, nb.silu_and_mul_parallel), outs):
         kernel(gate_up.numpy(), out.numpy())
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("rows", [1, 5, fused_ops.SKINNY_MAX_ROWS, fused_ops.SKINNY_MAX_ROWS + 1])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64_on_both_paths(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, 576), torch.randn(333, 576)  # a feature count no work item divides
+    bias = torch.randn(333) if with_bias else None
+    expected = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+    # float32 sums of 576 products of unit normals: errors ~ sqrt(576) * 2^-24 * |terms|.
+    torch.testing.assert_close(fused_ops.linear(x, weight, bias).double(), expected, rtol=1e-5, atol=2e-4)

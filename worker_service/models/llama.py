@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from worker_service.attention import AttentionMetadata, attend
-from worker_service.models.fused_ops import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from worker_service.models.fused_ops import add_rms_norm, apply_rotary, linear, rms_norm, silu_and_mul
 from worker_service.models.rotary import RotaryTable
 
 
@@ -94,7 +94,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             if index:
                 x = add_rms_norm(x, residual, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
             apply_rotary(qkv[:, : q_width + kv_width].view(tokens, dims.num_heads + dims.num_kv_heads, dims.head_size),
                          positions, self.rotary.cos, self.rotary.sin)
             q = qkv[:, :q_width].view(tokens, dims.num_heads, dims.head_size)
@@ -103,17 +103,17 @@ class LlamaModel:
             out = attend(attn, index, q, k, v, dims.scaling, layer.sliding_window)
             x = self._row_parallel(out.view(tokens, q_width), layer.o, layer.o_bias)
             x = add_rms_norm(x, residual, layer.post_norm, eps)
-            x = self._row_parallel(silu_and_mul(F.linear(x, layer.gate_up, layer.gate_up_bias)), layer.down,
+            x = self._row_parallel(silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down,
                                    layer.down_bias)
         return add_rms_norm(x, residual, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of the given hidden rows."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.dims.tp_size == 1:
-            return F.linear(x, weight, bias)
-        y = F.linear(x, weight)
+            return linear(x, weight, bias)
+        y = linear(x, weight)
         dist.all_reduce(y)
         return y if bias is None else y + bias
