@@ -30,13 +30,20 @@ _F32_1D = numba.float32[::1]
 _JIT = dict(cache=True, nogil=True)
 
 
+@numba.njit(fastmath={"reassoc"}, cache=True)
+def _sum_of_squares(row: np.ndarray) -> float:
+    """float64 sum of a float32 row's squares; reassociated (only here) so that it vectorizes."""
+    total = 0.0
+    for i in range(row.shape[0]):
+        value = np.float64(row[i])
+        total += value * value
+    return total
+
+
 @numba.njit(inline="always")
 def _rms_norm_row(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray, t: int) -> None:
     width = x.shape[1]
-    total = 0.0
-    for i in range(width):
-        value = np.float64(x[t, i])
-        total += value * value
+    total = _sum_of_squares(x[t])
     inverse = np.float32(1.0) / np.float32(math.sqrt(np.float32(total / width) + eps))
     for i in range(width):
         out[t, i] = weight[i] * (x[t, i] * inverse)
@@ -46,12 +53,9 @@ def _rms_norm_row(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
 def _add_rms_norm_row(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray,
                       t: int) -> None:
     width = x.shape[1]
-    total = 0.0
     for i in range(width):
-        value = residual[t, i] + x[t, i]
-        residual[t, i] = value
-        wide = np.float64(value)
-        total += wide * wide
+        residual[t, i] += x[t, i]
+    total = _sum_of_squares(residual[t])
     inverse = np.float32(1.0) / np.float32(math.sqrt(np.float32(total / width) + eps))
     for i in range(width):
         out[t, i] = weight[i] * (residual[t, i] * inverse)
