@@ -8,6 +8,7 @@ with each other.
 
 from __future__ import annotations
 
+import numba
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,3 +120,15 @@ def test_linear_matches_float64_on_both_paths(rows: int, with_bias: bool) -> Non
     expected = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
     # float32 sums of 576 products of unit normals: errors ~ sqrt(576) * 2^-24 * |terms|.
     torch.testing.assert_close(fused_ops.linear(x, weight, bias).double(), expected, rtol=1e-5, atol=2e-4)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="Numba runs one thread here")
+def test_parallel_kernels_take_the_workers_threads_back_from_a_small_attention_call() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        numba.set_num_threads(1)  # as the decode-attention kernel leaves it after a small call
+        fused_ops.linear(torch.randn(1, 64), torch.randn(32, 64))
+        assert numba.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -12,6 +12,7 @@ Conventions as vLLM's layers: ``add_rms_norm`` keeps the running residual stream
 
 from __future__ import annotations
 
+import numba
 import torch
 import torch.nn.functional as F
 
@@ -30,8 +31,22 @@ def _numba_ok(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
+def _full_team() -> None:
+    """Numba's threads for the next parallel kernel: the worker's count (torch's), all of them.
+
+    Numba's count is per calling thread and the decode-attention kernel lowers it for small
+    calls (kernels.cpu.numba_attention.kernel_threads); reading it costs ~1 us, setting it ~6 us.
+    """
+    want = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+
+
 def _variant(serial: object, parallel: object, elements: int) -> object:
-    return parallel if elements >= PARALLEL_MIN_ELEMENTS else serial
+    if elements < PARALLEL_MIN_ELEMENTS:
+        return serial
+    _full_team()
+    return parallel
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,6 +54,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[0] <= SKINNY_MAX_ROWS and _numba_ok(x, weight) and x.is_contiguous() and weight.is_contiguous():
         out = torch.empty(x.shape[0], weight.shape[0])
         kernel_bias = _NO_BIAS if bias is None else bias
+        _full_team()
         skinny_linear(x.numpy(), weight.numpy(), kernel_bias.numpy(), out.numpy())
         return out
     return F.linear(x, weight, bias)
