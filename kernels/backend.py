@@ -104,16 +104,17 @@ def _backend_of(name: str, module: ModuleType) -> KernelBackend:
 def _cpu_backend() -> KernelBackend:
     # Imported here so that `kernels.backend` stays importable by the CUDA
     # backend without pulling in the CPU implementation. Importing the Numba
-    # decode kernel compiles it or loads it from Numba's on-disk cache; doing it
+    # kernels compiles them or loads them from Numba's on-disk cache; doing it
     # here puts that cost at worker start (get_backend), not in the first step.
     from kernels import cpu
     from kernels.cpu import numba_attention, numba_cache_ops
 
-    # Decode attention reads the cache in place with Numba (several times faster
-    # than gathering copies with torch ops), and new keys/values are copied into
-    # their slots by a Numba loop (the torch version rebuilds index tensors per
-    # call); both fall back to the torch kernels for inputs they do not cover.
+    # Decode and prefill attention read the cache in place with Numba (faster than
+    # gathering copies with torch ops: docs/kernels-cpu.md), and new keys/values are
+    # copied into their slots by a Numba loop (the torch version rebuilds index tensors
+    # per call); all fall back to the torch kernels for inputs they do not cover.
     return dataclasses.replace(_backend_of("cpu", cpu), paged_attention=numba_attention.paged_attention,
+                               context_attention=numba_attention.context_attention,
                                reshape_and_cache=numba_cache_ops.reshape_and_cache)
 
 
@@ -128,7 +129,7 @@ def _cuda_backend() -> KernelBackend:
 def get_backend(device: torch.device | str) -> KernelBackend:
     """Return the kernel backend for tensors on ``device`` (``"cpu"``, ``"cuda:0"``, ...).
 
-    ``cpu`` gets the torch kernels with Numba decode attention, ``cuda`` the Numba-CUDA kernels (whose
+    ``cpu`` gets the torch kernels with Numba attention and cache writes, ``cuda`` the Numba-CUDA kernels (whose
     swaps can also run per layer on a side stream: :class:`kernels.cuda.LayerSwapper`).
     Raises NotImplementedError for other device types, ValueError for an
     unparsable device.

@@ -1,27 +1,34 @@
-"""CPU decode attention with Numba: the paged cache read in place, no gathered copies.
+"""CPU attention with Numba, decode and prefill: the paged cache read in place, no gathered copies.
 
-Same signature and semantics as :func:`kernels.cpu.attention.paged_attention`
-(the torch twin), which stays the fallback for what this kernel does not
-cover: float16 and float64 caches, caches that are not contiguous, a query
-whose dtype is not the cache's, and tensors off the CPU. float32 caches are
+Same signatures and semantics as :func:`kernels.cpu.attention.paged_attention` and
+:func:`kernels.cpu.attention.context_attention` (the torch twins), which stay the
+fallback for what these kernels do not cover: float16 and float64 caches, caches
+that are not contiguous, a query whose dtype is not the cache's, tensors off the
+CPU, and (prefill) block sizes that are not a multiple of 4. float32 caches are
 read as they are; bf16 caches through an int16 view, widened to float32 in the
 kernel (exactly: bf16 is a float32's top half). Arithmetic is float32, as in
 the torch kernel for these dtypes. float16 is left to the torch kernel because
 widening it by bit manipulation (subnormals, infinities) is not worth a third
 compiled variant for a dtype CPU workers do not pick by default.
 
-Importing this module compiles the kernel or loads it from Numba's cache
-(see :mod:`kernels.cpu._numba_decode`).
+Importing this module compiles the kernels or loads them from Numba's cache
+(see :mod:`kernels.cpu._numba_decode`, :mod:`kernels.cpu._numba_prefill`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba
+import numpy as np
 import torch
 
-from kernels.attention_checks import check_paged_attention_args
+from kernels.attention_checks import check_context_attention_args, check_paged_attention_args
 from kernels.cpu import attention as torch_attention
 from kernels.cpu._numba_decode import decode_attention
+from kernels.cpu._numba_prefill import context_attention as prefill_attention
+from kernels.cpu._numba_prefill import plan_tiles
+from kernels.metadata_memo import reduce_once
 
 # Cache dtypes the Numba kernel reads, and the dtype it sees each one as.
 _KERNEL_VIEW = {torch.float32: torch.float32, torch.bfloat16: torch.int16}
@@ -35,18 +42,29 @@ _MIN_WORK_PER_THREAD = 1 << 15
 
 
 def kernel_threads(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, max_context_len: int) -> int:
-    """Threads for one call: what the work fills, at most torch's thread count (the worker's --num-threads).
+    """Threads for one decode call: what the work fills, at most torch's thread count (the worker's --num-threads).
 
     Each (sequence, KV head) work item is computed the same way on any thread, so the
     result does not depend on the count.
     """
-    limit = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, num_seqs * num_kv_heads)
-    work = num_seqs * num_heads * max_context_len * head_size
+    return _threads_for(num_seqs * num_heads * max_context_len * head_size, num_seqs * num_kv_heads)
+
+
+def _threads_for(work: int, items: int) -> int:
+    """Threads for ``work`` multiply-adds in ``items`` independent work items (see ``_MIN_WORK_PER_THREAD``)."""
+    limit = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, items)
     return max(1, min(limit, work // _MIN_WORK_PER_THREAD))
 
 
+def _use_threads(threads: int) -> None:
+    # Numba's count is per calling thread; setting it costs more than reading it.
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether :func:`paged_attention` runs these inputs with Numba (otherwise it runs the torch kernel)."""
+    """Whether the Numba kernels take these inputs (otherwise they run the torch kernels; prefill also
+    needs a block size that is a multiple of 4)."""
     tensors = (query, key_cache, value_cache)
     # Anything else goes to the torch kernel, whose checks name what is wrong.
     return (
@@ -86,25 +104,86 @@ def paged_attention(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, context_lens, block_size,
         max_context_len, alibi_slopes, sliding_window,
     )  # fmt: skip
+    num_seqs, num_heads, head_size = query.shape
+    _use_threads(kernel_threads(num_seqs, num_heads, num_kv_heads, head_size, max_context_len))
+    lens = context_lens.to(torch.int32).contiguous().numpy()
+    _run(decode_attention, out, query, key_cache, value_cache, block_tables, (lens,), alibi_slopes,
+         (float(scale), sliding_window or 0))  # fmt: skip
+
+
+def _run(
+    kernel: Callable[..., None],
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    metadata: tuple[np.ndarray, ...],
+    alibi_slopes: torch.Tensor | None,
+    scalars: tuple[float | int, ...],
+) -> None:
+    """Call a Numba attention kernel: ``kernel(out, query, caches, block_tables, *metadata, slopes, *scalars)``."""
     view = _KERNEL_VIEW[key_cache.dtype]
-    # The kernel's scratch and arithmetic are float32; query/out conversions are small ([S, H, D]).
+    # The kernels' scratch and arithmetic are float32; query/out conversions are small ([tokens, H, D]).
     result = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(out.shape)
     slopes = torch.empty(0) if alibi_slopes is None else alibi_slopes
-    num_seqs, num_heads, head_size = query.shape
-    threads = kernel_threads(num_seqs, num_heads, num_kv_heads, head_size, max_context_len)
-    # Numba's count is per calling thread; setting it costs more than reading it.
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-    decode_attention(
+    kernel(
         result.numpy(),
         query.to(torch.float32).contiguous().numpy(),
         key_cache.view(view).flatten(3).numpy(),  # [blocks, kv heads, D/x, BS * x]
         value_cache.view(view).numpy(),
         block_tables.to(torch.int32).contiguous().numpy(),
-        context_lens.to(torch.int32).contiguous().numpy(),
+        *metadata,
         slopes.to(torch.float32).contiguous().numpy(),
-        float(scale),
-        sliding_window or 0,
+        *scalars,
     )
     if result is not out:
         out.copy_(result)
+
+
+def context_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> None:
+    """Prefill attention, as :func:`kernels.cpu.attention.context_attention`; writes ``out`` in place."""
+    # The kernel's loops take 4 slots of a block per pass (vLLM's block sizes are 8, 16, 32).
+    if not supports(query, key_cache, value_cache) or key_cache.dim() != 5 or key_cache.shape[3] % 4:
+        torch_attention.context_attention(
+            out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, query_start_loc, seq_lens,
+            block_size, alibi_slopes, sliding_window,
+        )  # fmt: skip
+        return
+    # The checks also read back the block ids the kernel will read, which it then trusts.
+    check_context_attention_args(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, query_start_loc, seq_lens,
+        block_size, alibi_slopes, sliding_window,
+    )  # fmt: skip
+    num_heads, head_size = query.shape[1], query.shape[2]
+    window = sliding_window or 0
+
+    def plan() -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        starts = query_start_loc.to(torch.int32).contiguous().numpy()
+        lengths = seq_lens.to(torch.int32).contiguous().numpy()
+        tiles, size = plan_tiles(starts, lengths, num_kv_heads, num_heads // num_kv_heads, window)
+        return starts, lengths, tiles, size
+
+    # Once per step, not per layer (every layer has the same metadata).
+    starts, lengths, tiles, size = reduce_once(
+        block_tables, (query_start_loc, seq_lens), ("prefill tiles", num_kv_heads, num_heads, window), plan
+    )
+    if tiles.shape[0] == 0:  # no queries
+        return
+    threads = _threads_for(size * head_size, tiles.shape[0])
+    _use_threads(threads)
+    _run(prefill_attention, out, query, key_cache, value_cache, block_tables, (starts, lengths, tiles), alibi_slopes,
+         (float(scale), window, threads))  # fmt: skip

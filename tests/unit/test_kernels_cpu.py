@@ -2,13 +2,12 @@
 
 Attention cases (NaN-poisoned caches and outputs, permuted block tables) come
 from :mod:`tests.kernel_cases`, shared with the CUDA tests; contexts are ragged.
-Decode attention has two CPU twins, the torch kernel and the Numba kernel the
-CPU backend uses; every decode case runs on both.
+Decode and prefill attention each have two CPU twins, the torch kernel and the
+Numba kernel the CPU backend uses; every attention case runs on both.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -17,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels.backend import PagedAttentionFn
+from kernels.backend import ContextAttentionFn, PagedAttentionFn
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import numba_attention, numba_cache_ops
 from tests import kernel_cases
@@ -32,8 +31,6 @@ from tests.kernel_cases import (
     stable_seed,
 )
 from tests.kernels_reference import ref_paged_attention, ref_reshape_and_cache
-
-run_context = functools.partial(kernel_cases.run_context, kernels.context_attention)
 
 # (dtype, num_heads, num_kv_heads, head_size, block_size): GQA, MHA and MQA,
 # every head size and block size, each dtype at least twice.
@@ -53,6 +50,10 @@ FEATURES = [(False, None), (True, None), (False, 11), (True, 11)]
 # Both decode kernels; parametrize a decode test with `@for_each_decode_kernel` and take `paged`.
 for_each_decode_kernel = pytest.mark.parametrize(
     "paged", [cpu_attention.paged_attention, numba_attention.paged_attention], ids=["torch", "numba"]
+)
+# Both prefill kernels, likewise: `@for_each_context_kernel`, taking `context`.
+for_each_context_kernel = pytest.mark.parametrize(
+    "context", [cpu_attention.context_attention, numba_attention.context_attention], ids=["torch", "numba"]
 )
 
 
@@ -151,9 +152,10 @@ def test_paged_attention_property(
 CONTEXT_FEATURES = [(False, None), (True, None), (False, 6), (True, 6)]
 
 
+@for_each_context_kernel
 @pytest.mark.parametrize("feature", CONTEXT_FEATURES, ids=feature_id)
 @pytest.mark.parametrize("cfg", ATTENTION_CONFIGS, ids=config_id)
-def test_context_attention_matches_reference(cfg: tuple, feature: tuple) -> None:
+def test_context_attention_matches_reference(context: ContextAttentionFn, cfg: tuple, feature: tuple) -> None:
     block_size = cfg[4]
     seqs = [
         (block_size + 3, block_size + 3),  # pure prefill, not a block multiple
@@ -163,7 +165,8 @@ def test_context_attention_matches_reference(cfg: tuple, feature: tuple) -> None
         (1, 1),  # one-token prompt
         (7, 0),  # sequence with no queries this step
     ]
-    err = run_context(cfg, seqs, *feature, seed=stable_seed("ctx", config_id(cfg), feature_id(feature)))
+    seed = stable_seed("ctx", config_id(cfg), feature_id(feature))
+    err = kernel_cases.run_context(context, cfg, seqs, *feature, seed=seed)
     assert err < TOLERANCE[cfg[0]]
 
 
@@ -175,10 +178,11 @@ def test_context_attention_query_tiles(monkeypatch: pytest.MonkeyPatch, budget: 
     monkeypatch.setattr(cpu_attention, "_PREFILL_SCORES_BUDGET", budget)
     seqs = [(21, 21), (30, 11), (5, 1)]
     seed = stable_seed("tiles", str(budget), feature_id(feature))
-    err = run_context((torch.float32, 4, 2, 64, 8), seqs, *feature, seed=seed)
+    err = kernel_cases.run_context(cpu_attention.context_attention, (torch.float32, 4, 2, 64, 8), seqs, *feature, seed)
     assert err < TOLERANCE[torch.float32]
 
 
+@for_each_context_kernel
 @settings(max_examples=10, deadline=None)
 @given(
     data=st.data(),
@@ -189,7 +193,13 @@ def test_context_attention_query_tiles(monkeypatch: pytest.MonkeyPatch, budget: 
     sliding_window=st.one_of(st.none(), st.integers(1, 30)),
 )
 def test_context_attention_property(
-    data: st.DataObject, num_kv_heads: int, group: int, block_size: int, use_alibi: bool, sliding_window: int | None
+    context: ContextAttentionFn,
+    data: st.DataObject,
+    num_kv_heads: int,
+    group: int,
+    block_size: int,
+    use_alibi: bool,
+    sliding_window: int | None,
 ) -> None:
     seq_lens = data.draw(st.lists(st.integers(1, 30), min_size=1, max_size=3))
     seqs = [(n, data.draw(st.integers(0, n))) for n in seq_lens]
@@ -197,11 +207,14 @@ def test_context_attention_property(
     cfg = (torch.float32, num_kv_heads * group, num_kv_heads, 64, block_size)
     if sum(q for _, q in seqs) == 0:
         seqs[0] = (seqs[0][0], 1)
-    assert run_context(cfg, seqs, use_alibi, sliding_window, seed) < TOLERANCE[torch.float32]
+    assert kernel_cases.run_context(context, cfg, seqs, use_alibi, sliding_window, seed) < TOLERANCE[torch.float32]
 
 
 @for_each_decode_kernel
-def test_context_attention_with_one_query_per_sequence_equals_paged_attention(paged: PagedAttentionFn) -> None:
+@for_each_context_kernel
+def test_context_attention_with_one_query_per_sequence_equals_paged_attention(
+    context: ContextAttentionFn, paged: PagedAttentionFn
+) -> None:
     gen = torch.Generator().manual_seed(9)
     lens_list = [1, 8, 13, 30]
     cache = PagedCache(lens_list, 2, 64, 8, torch.float32, gen)
@@ -211,14 +224,15 @@ def test_context_attention_with_one_query_per_sequence_equals_paged_attention(pa
     decode, prefill = nan_like(query), nan_like(query)
     paged(decode, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 30, slopes, 10)
     qsl = torch.arange(5, dtype=torch.int32)
-    kernels.context_attention(
-        prefill, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, qsl, lens, 8, slopes, 10
-    )
+    context(prefill, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, qsl, lens, 8, slopes, 10)
     torch.testing.assert_close(decode, prefill, rtol=1e-5, atol=1e-5)
 
 
 @for_each_decode_kernel
-def test_attention_accepts_strided_query_and_out_and_empty_batches(paged: PagedAttentionFn) -> None:
+@for_each_context_kernel
+def test_attention_accepts_strided_query_and_out_and_empty_batches(
+    context: ContextAttentionFn, paged: PagedAttentionFn
+) -> None:
     # Query/out are often views into a fused qkv / output buffer.
     gen = torch.Generator().manual_seed(15)
     cache = PagedCache([6, 20], 2, 64, 8, torch.float32, gen)
@@ -234,9 +248,7 @@ def test_attention_accepts_strided_query_and_out_and_empty_batches(paged: PagedA
 
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
     prefill = torch.full_like(query, float("nan"))
-    kernels.context_attention(
-        prefill, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, qsl, lens, 8
-    )
+    context(prefill, query, cache.key_cache, cache.value_cache, 2, 0.125, cache.block_tables, qsl, lens, 8)
     torch.testing.assert_close(prefill, out, rtol=1e-5, atol=1e-5)
 
     empty = torch.empty(0, 4, 64)
@@ -245,7 +257,7 @@ def test_attention_accepts_strided_query_and_out_and_empty_batches(paged: PagedA
     paged(empty, empty, cache.key_cache, cache.value_cache, 2, 0.125, no_rows, no_lens, 8, 0)
     no_starts = torch.zeros(1, dtype=torch.int32)
     caches = (cache.key_cache, cache.value_cache)
-    kernels.context_attention(empty, empty, *caches, 2, 0.125, no_rows, no_starts, no_lens, 8)
+    context(empty, empty, *caches, 2, 0.125, no_rows, no_starts, no_lens, 8)
 
 
 # ---------------------------------------------------------------- cache ops
@@ -365,7 +377,7 @@ def test_get_backend() -> None:
     backend = kernels.get_backend("cpu")
     assert isinstance(backend, kernels.KernelBackend)
     assert backend.paged_attention is numba_attention.paged_attention
-    assert backend.context_attention is kernels.context_attention
+    assert backend.context_attention is numba_attention.context_attention
     assert backend.reshape_and_cache is numba_cache_ops.reshape_and_cache
     assert backend.copy_blocks is kernels.copy_blocks
     assert backend.swap_blocks is kernels.swap_blocks
@@ -462,12 +474,13 @@ PREFILL_BAD = {
 }
 
 
+@for_each_context_kernel
 @pytest.mark.parametrize("name", list(PREFILL_BAD))
-def test_context_attention_rejects_invalid_arguments(name: str) -> None:
+def test_context_attention_rejects_invalid_arguments(context: ContextAttentionFn, name: str) -> None:
     args = _prefill_args()
     args.update(PREFILL_BAD[name])
     with pytest.raises(ValueError):
-        kernels.context_attention(**args)
+        context(**args)
 
 
 def test_cache_ops_reject_invalid_arguments() -> None:

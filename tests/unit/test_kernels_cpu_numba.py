@@ -1,32 +1,41 @@
-"""What is particular to the Numba decode kernel: which inputs take it, and batches shaped like the worker's.
+"""What is particular to the Numba attention kernels: which inputs take them, the prefill kernel's
+tiling, and batches shaped like the worker's.
 
-Its correctness cases are the torch twin's, in test_kernels_cpu.py (every decode
-test there runs on both kernels).
+Their correctness cases are also the torch twins', in test_kernels_cpu.py (every
+attention test there runs on both kernels); the prefill property test here adds what
+only the Numba kernel has: query tiles (several per prompt), GQA groups of 3, bf16
+caches and long windows.
 """
 
 from __future__ import annotations
 
 import numba
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kernels.cpu import _numba_prefill
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import numba_attention
 from tests import kernel_cases
-from tests.kernel_cases import TOLERANCE, PagedCache, alibi_slopes_for, nan_like
+from tests.kernel_cases import TOLERANCE, PagedCache, alibi_slopes_for, nan_like, rel_error
+from tests.kernels_reference import ref_context_attention
 
 
 @pytest.fixture
-def torch_calls(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
-    """Records the cache dtype of every call that falls back to the torch kernel."""
-    calls: list[torch.dtype] = []
-    torch_kernel = cpu_attention.paged_attention  # the patch below replaces this very attribute
+def torch_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, torch.dtype]]:
+    """Records (kernel, cache dtype) of every call that falls back to a torch kernel."""
+    calls: list[tuple[str, torch.dtype]] = []
+    for name in ("paged_attention", "context_attention"):
+        torch_kernel = getattr(cpu_attention, name)  # the patch below replaces this very attribute
 
-    def spy(*args: object, **kwargs: object) -> None:
-        calls.append(args[2].dtype)  # type: ignore[attr-defined]
-        torch_kernel(*args, **kwargs)  # type: ignore[arg-type]
+        def spy(*args: object, _name: str = name, _kernel: object = torch_kernel, **kwargs: object) -> None:
+            calls.append((_name, args[2].dtype))  # type: ignore[attr-defined]
+            _kernel(*args, **kwargs)  # type: ignore[operator]
 
-    monkeypatch.setattr(numba_attention.torch_attention, "paged_attention", spy)
+        monkeypatch.setattr(numba_attention.torch_attention, name, spy)
     return calls
 
 
@@ -38,7 +47,7 @@ def test_dtypes_pick_numba_or_the_torch_fallback(torch_calls: list, dtype: torch
     cfg = (dtype, 8, 2, 64, 16)
     err = kernel_cases.run_paged(numba_attention.paged_attention, cfg, [1, 16, 17, 40], True, 20, seed=21)
     assert err < TOLERANCE[dtype]
-    assert torch_calls == ([] if numba_runs else [dtype])
+    assert torch_calls == ([] if numba_runs else [("paged_attention", dtype)])
 
 
 def test_non_contiguous_cache_and_mixed_dtypes_fall_back(torch_calls: list) -> None:
@@ -51,7 +60,7 @@ def test_non_contiguous_cache_and_mixed_dtypes_fall_back(torch_calls: list) -> N
     args = (cache.value_cache, 2, 0.125, cache.block_tables, lens, 8, 12)
     numba_attention.paged_attention(nan_like(query), query, wide_keys, *args)
     numba_attention.paged_attention(nan_like(query), query.double(), cache.key_cache, *args)
-    assert torch_calls == [torch.float32, torch.float32]
+    assert torch_calls == [("paged_attention", torch.float32)] * 2
 
 
 def test_worker_shaped_batch_matches_the_torch_twin() -> None:
@@ -79,3 +88,140 @@ def test_kernel_threads_follow_torch_threads() -> None:
         assert numba.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- prefill
+
+
+def _batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, seed: int) -> tuple:
+    """A float32 cache (head size 64, block size 16) holding ``seqs`` ((seq_len, q_len) each) and their queries."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedCache([n for n, _ in seqs], num_kv_heads, 64, 16, torch.float32, gen)
+    starts = np.cumsum([0] + [q for _, q in seqs]).tolist()
+    query = torch.randn(starts[-1], num_heads, 64, generator=gen)
+    qsl = torch.tensor(starts, dtype=torch.int32)
+    lens = torch.tensor([n for n, _ in seqs], dtype=torch.int32)
+    return query, cache, qsl, lens
+
+
+@pytest.mark.parametrize(
+    "dtype, numba_runs",
+    [(torch.float32, True), (torch.bfloat16, True), (torch.float16, False), (torch.float64, False)],
+)
+def test_prefill_dtypes_pick_numba_or_torch(torch_calls: list, dtype: torch.dtype, numba_runs: bool) -> None:
+    cfg = (dtype, 8, 2, 64, 16)
+    seqs = [(40, 40), (37, 5), (1, 1)]
+    err = kernel_cases.run_context(numba_attention.context_attention, cfg, seqs, True, 20, seed=31)
+    assert err < TOLERANCE[dtype]
+    assert torch_calls == ([] if numba_runs else [("context_attention", dtype)])
+
+
+def test_odd_block_sizes_and_non_contiguous_caches_fall_back(torch_calls: list) -> None:
+    # The kernel takes 4 slots of a block per pass: a block of 6 goes to the torch kernel.
+    err = kernel_cases.run_context(numba_attention.context_attention, (torch.float32, 4, 2, 64, 6), [(13, 9)], False,
+                                   None, seed=32)  # fmt: skip
+    assert err < TOLERANCE[torch.float32]
+    query, cache, qsl, lens = _batch([(20, 12)], 4, 2, seed=33)
+    # Every other kv head: a strided view of the same blocks.
+    wide_keys = torch.stack([cache.key_cache, cache.key_cache], dim=2).flatten(1, 2)[:, ::2]
+    out = nan_like(query)
+    numba_attention.context_attention(out, query, wide_keys, cache.value_cache, 2, 0.125, cache.block_tables, qsl,
+                                      lens, 16)  # fmt: skip
+    assert torch_calls == [("context_attention", torch.float32)] * 2
+    expected = ref_context_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, qsl, lens, 0.125)
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    num_kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 3]),
+    block_size=st.sampled_from([8, 16, 32]),
+    use_alibi=st.booleans(),
+    sliding_window=st.one_of(st.none(), st.integers(1, 70)),
+)
+def test_prefill_property(
+    data: st.DataObject,
+    dtype: torch.dtype,
+    num_kv_heads: int,
+    group: int,
+    block_size: int,
+    use_alibi: bool,
+    sliding_window: int | None,
+) -> None:
+    # Prompts of up to 70 queries (several tiles of 96 // group rows' queries) after up to 60
+    # cached tokens (chunked prefill, prefix hits), in blocks at shuffled ids with NaN
+    # in every slot no sequence wrote and garbage in the unused block-table entries.
+    cached = data.draw(st.lists(st.integers(0, 60), min_size=1, max_size=2))
+    seqs = [(c + q, q) for c, q in ((c, data.draw(st.integers(1 if c == 0 else 0, 70))) for c in cached)]
+    if sum(q for _, q in seqs) == 0:
+        seqs[0] = (seqs[0][0] + 1, 1)
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    cfg = (dtype, num_kv_heads * group, num_kv_heads, 64, block_size)
+    err = kernel_cases.run_context(numba_attention.context_attention, cfg, seqs, use_alibi, sliding_window, seed)
+    assert err < TOLERANCE[dtype]
+
+
+def test_prefill_never_reads_unused_block_table_entries() -> None:
+    query, cache, qsl, lens = _batch([(35, 20), (16, 16)], 6, 2, seed=34)
+    table = cache.block_tables.clone()
+    table[0, 3:] = -1  # 35 tokens use 3 blocks of 16
+    table[1, 1:] = -1
+    out = nan_like(query)
+    numba_attention.context_attention(out, query, cache.key_cache, cache.value_cache, 2, 0.125, table, qsl, lens, 16)
+    expected = ref_context_attention(query, cache.key_cache, cache.value_cache, table, qsl, lens, 0.125)
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_worker_shaped_prefill_matches_the_torch_twin() -> None:
+    # SmolLM2's heads (9 query / 3 kv of 64, block 16) and a prefill step of ragged prompts,
+    # some after cached context: many work items, several tiles per prompt, partial blocks.
+    rng = np.random.default_rng(35)
+    seqs = [(int(c + q), int(q)) for c, q in zip(rng.integers(0, 300, 24) * (rng.random(24) < 0.5),
+                                                 rng.integers(1, 200, 24))]  # fmt: skip
+    query, cache, qsl, lens = _batch(seqs, 9, 3, seed=36)
+    for slopes, window in [(None, None), (alibi_slopes_for(9), 100)]:
+        args = (cache.key_cache, cache.value_cache, 3, 0.125, cache.block_tables, qsl, lens, 16, slopes, window)
+        fast, twin = nan_like(query), nan_like(query)
+        numba_attention.context_attention(fast, query, *args)
+        cpu_attention.context_attention(twin, query, *args)
+        torch.testing.assert_close(fast, twin, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two Numba threads")
+def test_prefill_results_do_not_depend_on_the_thread_count() -> None:
+    # Threads take work items from a shared queue in whatever order; each item is
+    # computed the same way on any thread, so the output is bitwise the same.
+    query, cache, qsl, lens = _batch([(300, 250), (90, 40), (64, 64)], 9, 3, seed=37)
+    args = (query, cache.key_cache, cache.value_cache, 3, 0.125, cache.block_tables, qsl, lens, 16)
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            out = nan_like(query)
+            numba_attention.context_attention(out, *args)
+            assert numba.get_num_threads() == count
+            outputs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("group, window", [(1, 0), (3, 0), (3, 50)])
+def test_plan_tiles_cover_every_query_once_most_expensive_first(group: int, window: int) -> None:
+    starts = np.array([0, 200, 200, 205, 301], dtype=np.int32)
+    lengths = np.array([200, 17, 500, 96], dtype=np.int32)  # the second sequence has no queries
+    tiles, size = _numba_prefill.plan_tiles(starts, lengths, 2, group, window)
+    covered = np.zeros((starts[-1], 2), dtype=int)
+    spans = []
+    for b, h, t0, t1 in tiles.tolist():
+        assert 0 < t1 - t0 <= max(1, 96 // group)
+        covered[starts[b] + t0 : starts[b] + t1, h] += 1
+        end = lengths[b] - (starts[b + 1] - starts[b]) + t1
+        spans.append(group * (t1 - t0) * (end - (0 if window == 0 else max(0, end - (t1 - t0) - window + 1))))
+    assert (covered == 1).all()
+    assert spans == sorted(spans, reverse=True)
+    assert size == sum(spans)

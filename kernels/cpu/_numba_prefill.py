@@ -1,0 +1,310 @@
+"""The Numba prefill (context) attention kernel: flash-attention tiles over the paged cache, one block at a time.
+
+Signatures are explicit and ``cache=True``, as in :mod:`kernels.cpu._numba_decode`:
+importing this module compiles the kernel once per machine, later worker starts load it.
+
+Work items are (sequence, kv head, query tile). An item computes the ``G`` query heads
+of its GQA group for up to ``tq`` consecutive queries together, as the ``G * tq`` rows
+of one matrix, so every key/value block is read once per group and tile. It walks the
+blocks its queries can see (causal; from the first query's window start with a sliding
+window) with an online softmax: memory is O(tile), whatever the context.
+
+Everything is laid out with the rows innermost, so that every hot loop is a long run
+of independent eight-lane multiply-adds (rows padded to ``_ROW_STEP``); keys and
+values are read where they lie in the cache (a bf16 block widened into a scratch)::
+
+    qt[d, r]      = query of row r (head g, query i: r = g * tq + i), dim d, times scale
+    scores[o, r]  = sum_d key(o, d) * qt[d, r]                  (key block [D/x, BS*x])
+    acc[d, r]    += sum_o values[d, o] * weights[o, r]          (value block [D, BS])
+
+Each multiply-add loop updates 4 score rows (or 2 accumulator rows) from 4 dims (or
+slots) per pass, so a loaded ``qt`` (``weights``) vector serves several accumulators:
+with one row per pass the loop was bound by loading and storing its accumulator
+(measured 25 vs 44 GFLOP/s at 96 rows).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kernels.cpu._numba_decode import _as_float32, _finite_slots
+from kernels.cpu._numba_exp import exp_f32
+from kernels.cpu._numba_llvm import fetch_add
+
+_FASTMATH = {"contract"}
+
+# Rows (query heads x queries) per work item. Each row loop pays a fixed cost (alias
+# checks, loop set-up), so more rows run faster per multiply-add; 96 measured as fast as
+# 128 (64: 25 % slower) and wastes less work on the causal diagonal of short prompts.
+_ROWS = 96
+# Rows are padded to whole eight-lane vectors (padding rows have a zero query): a loop's
+# remainder runs scalar.
+_ROW_STEP = 8
+
+# How far (in log space) a score may exceed its row's reference maximum before the
+# accumulators are rescaled (see _softmax_block): weights stay below e^8 ~ 3000.
+_RESCALE_MARGIN = np.float32(8.0)
+
+# (out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, tiles, slopes, scale,
+#  sliding_window, threads); caches float32, or bf16 viewed as int16, as in the decode kernel.
+_SIGNATURES = [
+    numba.void(
+        numba.float32[:, :, ::1],
+        numba.float32[:, :, ::1],
+        cache_type[:, :, :, ::1],
+        cache_type[:, :, :, ::1],
+        numba.int32[:, ::1],
+        numba.int32[::1],
+        numba.int32[::1],
+        numba.int32[:, ::1],
+        numba.float32[::1],
+        numba.float32,
+        numba.int64,
+        numba.int64,
+    )
+    for cache_type in (numba.float32, numba.int16)
+]
+
+
+@numba.njit(
+    numba.types.Tuple((numba.int32[:, ::1], numba.int64))(
+        numba.int32[::1], numba.int32[::1], numba.int64, numba.int64, numba.int64
+    ),
+    cache=True,
+)
+def plan_tiles(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, kv_heads: int, group: int, sliding_window: int
+) -> tuple[np.ndarray, int]:
+    """Work items ``[W, 4]`` (sequence, kv head, first query, end query), most expensive first, and
+    their total size: query heads x the keys each tile spans, summed (times ``D``: multiply-adds).
+
+    Threads take items in this order, so the last ones to start are the cheapest and
+    threads finish together (a long prompt's late tiles see the most keys).
+    """
+    tile = max(1, _ROWS // group)
+    count = 0
+    for b in range(seq_lens.shape[0]):
+        count += (query_start_loc[b + 1] - query_start_loc[b] + tile - 1) // tile
+    tiles = np.empty((count * kv_heads, 4), dtype=np.int32)
+    cost = np.empty(count * kv_heads, dtype=np.int64)
+    n = 0
+    for b in range(seq_lens.shape[0]):
+        q_len = query_start_loc[b + 1] - query_start_loc[b]
+        for t0 in range(0, q_len, tile):
+            t1 = min(q_len, t0 + tile)
+            end = seq_lens[b] - q_len + t1  # one past the tile's last query position
+            first = 0 if sliding_window == 0 else max(0, end - (t1 - t0) - sliding_window + 1)
+            for h in range(kv_heads):
+                tiles[n, 0], tiles[n, 1], tiles[n, 2], tiles[n, 3] = b, h, t0, t1
+                cost[n] = group * (t1 - t0) * (end - first)
+                n += 1
+    return tiles[np.argsort(-cost, kind="mergesort")], cost.sum()
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _block_scores(qt: np.ndarray, keys: np.ndarray, scores: np.ndarray) -> None:
+    """``scores[o, r] = sum_d key(o, d) * qt[d, r]`` for every slot ``o`` of one block.
+
+    keys: the block in the cache's layout, ``[D/x, BS * x]``: dims ``d .. d+3`` of slot ``o``
+    are the 4 consecutive elements from ``[d // x, o * x + d % x]`` (x is 4 or 8).
+    """
+    head_size, width = qt.shape
+    x = keys.shape[1] // scores.shape[0]
+    for o in range(0, scores.shape[0], 4):
+        s0, s1, s2, s3 = scores[o], scores[o + 1], scores[o + 2], scores[o + 3]
+        s0[:] = 0.0
+        s1[:] = 0.0
+        s2[:] = 0.0
+        s3[:] = 0.0
+        for d in range(0, head_size, 4):
+            k, j = keys[d // x], o * x + d % x
+            a0, a1, a2, a3 = k[j], k[j + 1], k[j + 2], k[j + 3]
+            b0, b1, b2, b3 = k[j + x], k[j + x + 1], k[j + x + 2], k[j + x + 3]
+            c0, c1, c2, c3 = k[j + 2 * x], k[j + 2 * x + 1], k[j + 2 * x + 2], k[j + 2 * x + 3]
+            e0, e1, e2, e3 = k[j + 3 * x], k[j + 3 * x + 1], k[j + 3 * x + 2], k[j + 3 * x + 3]
+            q0, q1, q2, q3 = qt[d], qt[d + 1], qt[d + 2], qt[d + 3]
+            for r in range(width):
+                v0, v1, v2, v3 = q0[r], q1[r], q2[r], q3[r]
+                # Written as one chain from the accumulator: four FMAs, no separate multiply and add.
+                s0[r] = s0[r] + a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                s1[r] = s1[r] + b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
+                s2[r] = s2[r] + c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3
+                s3[r] = s3[r] + e0 * v0 + e1 * v1 + e2 * v2 + e3 * v3
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _accumulate_values(probs: np.ndarray, vs: np.ndarray, acc: np.ndarray) -> None:
+    """``acc[d, r] += sum_o vs[d, o] * probs[o, r]`` over the slots of one block (``vs``: ``[D, BS]``, finite)."""
+    head_size, width = acc.shape
+    for d in range(0, head_size, 2):
+        a, b = acc[d], acc[d + 1]
+        for o in range(0, probs.shape[0], 4):
+            a0, a1, a2, a3 = vs[d, o], vs[d, o + 1], vs[d, o + 2], vs[d, o + 3]
+            b0, b1, b2, b3 = vs[d + 1, o], vs[d + 1, o + 1], vs[d + 1, o + 2], vs[d + 1, o + 3]
+            p0, p1, p2, p3 = probs[o], probs[o + 1], probs[o + 2], probs[o + 3]
+            for r in range(width):
+                w0, w1, w2, w3 = p0[r], p1[r], p2[r], p3[r]
+                a[r] = a[r] + a0 * w0 + a1 * w1 + a2 * w2 + a3 * w3
+                b[r] = b[r] + b0 * w0 + b1 * w1 + b2 * w2 + b3 * w3
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _mask_and_bias(
+    scores: np.ndarray, base: int, lo: int, hi: int, p0: int, tq: int, group: int, window: int,
+    slopes: np.ndarray, head0: int,
+) -> None:  # fmt: skip
+    """Scores of keys a row may not see become -inf; ALiBi adds ``slope * (j - p)``.
+
+    Key ``j = base + o`` is visible to query ``i`` (position ``p0 + i``) iff
+    ``j <= p0 + i`` and ``j > p0 + i - window``, i.e. for ``i`` in ``[j - p0, j - p0 + window)``::
+
+        i:        0 ........ j-p0 ............ j-p0+window ...... tq
+        row:      [  -inf    |     visible      |      -inf      ]
+    """
+    for o in range(scores.shape[0]):
+        row = scores[o]
+        if o < lo or o >= hi:
+            row[:] = -np.inf
+            continue
+        j = base + o
+        first = min(max(j - p0, 0), tq)
+        end = tq if window == 0 else min(max(j - p0 + window, 0), tq)
+        for g in range(group):
+            if slopes.shape[0] > 0:
+                slope = slopes[head0 + g]
+                for i in range(tq):
+                    row[g * tq + i] += slope * np.float32(j - p0 - i)
+            for i in range(first):
+                row[g * tq + i] = -np.inf
+            for i in range(end, tq):
+                row[g * tq + i] = -np.inf
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _softmax_block(
+    scores: np.ndarray, running_max: np.ndarray, denominator: np.ndarray, acc: np.ndarray, scratch: np.ndarray
+) -> None:
+    """Online softmax: turn a block's scores into weights ``exp(s - m)`` for each row's reference ``m``.
+
+    ``m`` is the row's running maximum, moved up (and what was accumulated rescaled)
+    only when a score exceeds it by more than ``_RESCALE_MARGIN``: weights stay below
+    ``e^margin`` (no overflow), and most blocks skip the rescale of ``acc``.
+    A row that has seen only -inf keeps ``m = -inf`` and is shifted by 0 instead
+    (``exp(-inf - -inf)`` would be NaN); its weights are exactly 0.
+    """
+    width = running_max.shape[0]
+    block_max = scratch
+    block_max[:] = running_max
+    for o in range(scores.shape[0]):
+        row = scores[o]
+        for r in range(width):
+            # np.maximum, not max(): LLVM turns max() into a masked store here (slow on AMD: 5x).
+            block_max[r] = np.maximum(block_max[r], row[r])
+    grew = False
+    for r in range(width):
+        grew |= block_max[r] > running_max[r] + _RESCALE_MARGIN
+    if grew:
+        correction = scratch  # block_max is read before it is overwritten, row by row
+        for r in range(width):
+            new_max = block_max[r]
+            correction[r] = exp_f32(running_max[r] - (new_max if new_max > -np.inf else np.float32(0.0)))
+            running_max[r] = new_max
+            denominator[r] *= correction[r]
+        for d in range(acc.shape[0]):
+            row = acc[d]
+            for r in range(width):
+                row[r] *= correction[r]
+    shift = scratch
+    for r in range(width):
+        shift[r] = running_max[r] if running_max[r] > -np.inf else np.float32(0.0)
+    for o in range(scores.shape[0]):
+        row = scores[o]
+        for r in range(width):
+            weight = exp_f32(row[r] - shift[r])
+            row[r] = weight
+            denominator[r] += weight
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _attend_tile(
+    out: np.ndarray, query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, table: np.ndarray,
+    kv_head: int, first_token: int, tq: int, p0: int, slopes: np.ndarray, scale: np.float32, window: int,
+) -> None:  # fmt: skip
+    """One work item: queries ``first_token : first_token + tq`` (positions from ``p0``) of kv head ``kv_head``."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    kv_heads, chunks, row = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    block_size = value_cache.shape[3]
+    group = num_heads // kv_heads
+    head0 = kv_head * group
+    width = (group * tq + _ROW_STEP - 1) // _ROW_STEP * _ROW_STEP
+
+    # Padding rows keep a zero query: finite scores, never written out.
+    qt = np.zeros((head_size, width), dtype=np.float32)
+    for i in range(tq):
+        for g in range(group):
+            for d in range(head_size):
+                qt[d, g * tq + i] = query[first_token + i, head0 + g, d] * scale
+    acc = np.zeros((head_size, width), dtype=np.float32)
+    scores = np.empty((block_size, width), dtype=np.float32)
+    running_max = np.full(width, -np.inf, dtype=np.float32)
+    denominator = np.zeros(width, dtype=np.float32)
+    scratch = np.empty(width, dtype=np.float32)
+    key_bits = np.empty(chunks * row, dtype=np.uint32)
+    value_bits = np.empty(head_size * block_size, dtype=np.uint32)
+    clean = np.empty((head_size, block_size), dtype=np.float32)
+
+    first_key = 0 if window == 0 else max(0, p0 - window + 1)
+    end_key = p0 + tq  # causal: no key past the last query
+    for logical in range(first_key // block_size, (end_key - 1) // block_size + 1):
+        block = table[logical]
+        base = logical * block_size
+        # The slots some query of the tile can see; the others may be unwritten (NaN):
+        # their scores are overwritten with -inf, their values replaced by zeros.
+        lo = max(first_key - base, 0)
+        hi = min(end_key - base, block_size)
+        keys = _as_float32(key_cache[block, kv_head], key_bits)
+        values = _finite_slots(_as_float32(value_cache[block, kv_head], value_bits), lo, hi, clean)
+        _block_scores(qt, keys, scores)
+        _mask_and_bias(scores, base, lo, hi, p0, tq, group, window, slopes, head0)
+        _softmax_block(scores, running_max, denominator, acc, scratch)
+        _accumulate_values(scores, values, acc)
+
+    for g in range(group):
+        for i in range(tq):
+            # Every query sees at least its own key: the denominator is positive.
+            inverse = np.float32(1.0) / denominator[g * tq + i]
+            for d in range(head_size):
+                out[first_token + i, head0 + g, d] = acc[d, g * tq + i] * inverse
+
+
+@numba.njit(_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
+def context_attention(
+    out: np.ndarray, query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, block_tables: np.ndarray,
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, tiles: np.ndarray, slopes: np.ndarray, scale: np.float32,
+    sliding_window: int, threads: int,
+) -> None:  # fmt: skip
+    """Prefill attention into ``out`` ``[T, H, D]`` for the work items ``tiles`` (see :func:`plan_tiles`).
+
+    ``slopes`` is empty without ALiBi, ``sliding_window`` 0 without a window; ``threads``: Numba's
+    current thread count (an argument: reading it in here would make the kernel uncacheable).
+    ``key_cache`` comes as ``[num_blocks, kv_heads, D/x, BS * x]`` (a view of the 5-D cache).
+    The caller has validated every argument (block ids of the read entries included).
+    """
+    # A shared queue, not a prange over the items: each thread takes the next item when it
+    # is done with one, so threads finish together even when a core is taken away (and
+    # Numba's prange would split the items into fixed contiguous shares).
+    next_item = np.zeros(1, dtype=np.int64)
+    for _ in numba.prange(threads):
+        while True:
+            item = fetch_add(next_item)
+            if item >= tiles.shape[0]:
+                break
+            b, kv_head, t0, t1 = tiles[item, 0], tiles[item, 1], tiles[item, 2], tiles[item, 3]
+            q0 = query_start_loc[b]
+            q_len = query_start_loc[b + 1] - q0
+            p0 = seq_lens[b] - q_len + t0
+            _attend_tile(
+                out, query, key_cache, value_cache, block_tables[b], kv_head, q0 + t0, t1 - t0, p0, slopes, scale,
+                sliding_window,
+            )  # fmt: skip
