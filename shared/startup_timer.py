@@ -1,12 +1,14 @@
 """Where a start-up spent its time, phase by phase, for one log line per process.
 
-    worker ready in 6.2 s (imports 2.9 s, kernels 0.4 s, model 1.6 s, server 0.1 s, registration 0.1 s, other 1.1 s)
-    llmserve up: serving after 8.4 s (redis 0.1 s, worker 6.2 s and scheduler 5.0 s in parallel, first lease 0.3 s)
+    worker ready in 6.2 s (imports 2.9 s, kernels 0.4 s, model 1.6 s, server 0.1 s, registration 0.1 s; 5.9 s of CPU)
+    llmserve up: serving after 8.4 s (redis 0.1 s and worker 6.2 s and scheduler 5.0 s in parallel, first lease 0.3 s)
 
 A phase is a span of wall time; consecutive phases marked `parallel` ran at the same time and count
 as the longest of them. Whatever no phase covers is shown as `other`, so the parts add up to the
-total (to the rounding of the line). The report also travels as JSON: each local service sends its
-own to `llmserve up` (llmserve/ready_pipe.py), which puts them in its line.
+total (to the rounding of the line). A process's own line also gives the CPU time it has used: on a
+shared machine, wall time far above it is time spent waiting for a core. The report also travels as
+JSON: each local service sends its own to `llmserve up` (llmserve/ready_pipe.py), which puts them in
+its line.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class StartupReport:
 
     total_s: float
     phases: tuple[Phase, ...] = field(default_factory=tuple)
+    cpu_s: float | None = None  # CPU time of the process (all its threads), when the report is its own
 
     @property
     def accounted_s(self) -> float:
@@ -75,10 +78,11 @@ class StartupReport:
         other = self.total_s - self.accounted_s
         if other >= _MIN_OTHER_S:
             parts.append(f"other {other:.1f} s")
-        return f"{self.total_s:.1f} s ({', '.join(parts)})"
+        cpu = f"; {self.cpu_s:.1f} s of CPU" if self.cpu_s is not None else ""
+        return f"{self.total_s:.1f} s ({', '.join(parts)}{cpu})"
 
     def to_dict(self) -> dict[str, object]:
-        return {"total_s": self.total_s,
+        return {"total_s": self.total_s, "cpu_s": self.cpu_s,
                 "phases": [{"name": p.name, "seconds": p.seconds, "parallel": p.parallel} for p in self.phases]}
 
     @classmethod
@@ -86,11 +90,13 @@ class StartupReport:
         phases = data.get("phases", [])
         if not isinstance(phases, list):
             raise ValueError(f"phases must be a list, got {phases!r}")
+        cpu = data.get("cpu_s")
         return cls(float(data["total_s"]),  # type: ignore[arg-type]
-                   tuple(Phase(str(p["name"]), float(p["seconds"]), bool(p.get("parallel", False))) for p in phases))
+                   tuple(Phase(str(p["name"]), float(p["seconds"]), bool(p.get("parallel", False))) for p in phases),
+                   None if cpu is None else float(cpu))  # type: ignore[arg-type]
 
 
-_SUMMARY = re.compile(r"(?P<total>\d+\.\d) s \((?P<parts>[^()]*)\)$")
+_SUMMARY = re.compile(r"(?P<total>\d+\.\d) s \((?P<parts>[^();]*)(; (?P<cpu>\d+\.\d) s of CPU)?\)$")
 _PART = re.compile(r"(?P<name>.+?) (?P<seconds>\d+\.\d) s")
 
 
@@ -111,14 +117,21 @@ def parse_summary(line: str) -> StartupReport:
             if found is None:
                 raise ValueError(f"not a phase: {member!r} in {line!r}")
             phases.append(Phase(found.group("name"), float(found.group("seconds")), parallel))
-    return StartupReport(float(match.group("total")), tuple(phases))
+    cpu = match.group("cpu")
+    return StartupReport(float(match.group("total")), tuple(phases), None if cpu is None else float(cpu))
 
 
 class StartupTimer:
-    """Times the phases of one start-up from `started` (time.monotonic(); default: now)."""
+    """Times the phases of one start-up from `started` (time.monotonic(); default: now).
 
-    def __init__(self, started: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    cpu_clock: the process's CPU time for the report (None: leave it out, e.g. for a report made of
+    other processes' start-ups).
+    """
+
+    def __init__(self, started: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] | None = time.process_time) -> None:
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self.started = clock() if started is None else started
         self._phases: list[Phase] = []
 
@@ -141,4 +154,5 @@ class StartupTimer:
 
     def report(self) -> StartupReport:
         """The phases so far, with the time since the start as the total."""
-        return StartupReport(self.elapsed(), tuple(self._phases))
+        cpu = self._cpu_clock() if self._cpu_clock is not None else None
+        return StartupReport(self.elapsed(), tuple(self._phases), cpu)

@@ -17,7 +17,7 @@ class FakeClock:
 
 def test_phases_are_timed_in_order_and_the_rest_is_other() -> None:
     clock = FakeClock()
-    timer = StartupTimer(clock=clock)
+    timer = StartupTimer(clock=clock, cpu_clock=None)
     clock.now += 0.5  # before the first phase: shows as other
     with timer.phase("imports"):
         clock.now += 2.9
@@ -34,7 +34,7 @@ def test_phases_are_timed_in_order_and_the_rest_is_other() -> None:
 
 def test_a_phase_that_raises_is_still_recorded() -> None:
     clock = FakeClock()
-    timer = StartupTimer(clock=clock)
+    timer = StartupTimer(clock=clock, cpu_clock=None)
     with pytest.raises(RuntimeError), timer.phase("tokenizer"):
         clock.now += 0.3
         raise RuntimeError("no tokenizer")
@@ -60,9 +60,22 @@ def test_the_summary_reads_back() -> None:
         ("other", 0.9, False)]
 
 
+def test_a_process_reports_its_cpu_time_too() -> None:
+    clock, cpu = FakeClock(), FakeClock()
+    timer = StartupTimer(clock=clock, cpu_clock=cpu)
+    with timer.phase("imports"):
+        clock.now += 4.0
+        cpu.now = 2.5  # CPU time since the process started: a loaded machine's wall time is above it
+    report = timer.report()
+    assert report.cpu_s == 2.5
+    assert report.summary() == "4.0 s (imports 4.0 s; 2.5 s of CPU)"
+    assert parse_summary("worker ready in " + report.summary()) == report
+
+
 def test_json_round_trip() -> None:
-    report = StartupReport(3.0, (Phase("imports", 1.5), Phase("worker", 1.0, parallel=True)))
-    assert StartupReport.from_dict(report.to_dict()) == report
+    for report in (StartupReport(3.0, (Phase("imports", 1.5), Phase("worker", 1.0, parallel=True))),
+                   StartupReport(3.0, (Phase("imports", 1.5),), cpu_s=2.0)):
+        assert StartupReport.from_dict(report.to_dict()) == report
 
 
 @pytest.mark.parametrize("line", ["worker ready", "ready in 3.0 s", "ready in 3.0 s (imports)"])
@@ -80,6 +93,6 @@ def test_phase_names_that_the_line_could_not_carry_are_refused(name: str) -> Non
 def test_negative_seconds_are_refused_and_added_ones_clamped() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         Phase("model", -0.1)
-    timer = StartupTimer(clock=FakeClock())
+    timer = StartupTimer(clock=FakeClock(), cpu_clock=None)
     timer.add("first lease", -0.001)  # two clocks a hair apart
     assert timer.report().seconds("first lease") == 0.0
