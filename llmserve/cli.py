@@ -8,14 +8,15 @@ a flag given on the command line wins.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from llmserve import security_flags as sec
+from shared.startup_timer import StartupReport, StartupTimer
 
 ENV_PREFIX = "LLMSERVE_"
 
@@ -88,6 +89,12 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
 def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=0, help="longest prompt + output (0 = the model's limit)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def _ready_fd_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                   help="inherited file descriptor to write a JSON line to when ready, with the start-up's phases "
+                        "(how `llmserve up` learns it at once)")
 
 
 def _liveness_flag(p: argparse.ArgumentParser, stalled: str) -> None:
@@ -164,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, longest wait for the scheduler to finish or hand over this worker's requests")
     _liveness_flag(p, "one step (a forward pass) has been executing")
-    _worker_flags(p), _common_flags(p), _observability_flags(p)
+    _worker_flags(p), _common_flags(p), _observability_flags(p), _ready_fd_flag(p)
     sec.add_server_tls_flags(p, "the Worker API", "require client certificates signed by this CA (mutual TLS: "
                              "only a scheduler holding one can drive the worker)")
     sec.add_redis_security_flags(p)
@@ -177,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=10.0, metavar="SECONDS",
                    help="a worker's engine loop moves to another replica this long after its owner stops renewing")
     _liveness_flag(p, "an engine loop of this replica holds requests but has completed no step")
-    _scheduler_flags(p), _common_flags(p), _observability_flags(p)
+    _scheduler_flags(p), _common_flags(p), _observability_flags(p), _ready_fd_flag(p)
     sec.add_server_tls_flags(p, "the public Generation API",
                              "also require client certificates signed by this CA on the public API (mutual TLS)")
     sec.add_auth_token_flag(p, "every public API call must carry (authorization: Bearer <token>)")
@@ -247,12 +254,34 @@ def _resolve_model(model: str) -> str:
     return str(prepare_default_model())
 
 
+def _startup_timer(args: argparse.Namespace, cpu: bool = True) -> StartupTimer:
+    """The command's start-up timer, started when main() began (the imports to come are its first phase).
+
+    cpu: report the process's CPU time (a service's own work; not `up`'s, whose time is its services').
+    """
+    return StartupTimer(getattr(args, "started_at", None), cpu_clock=time.process_time if cpu else None)
+
+
+def _ready_notice(args: argparse.Namespace, event: str) -> Callable[[StartupReport], None] | None:
+    """Writes `event` with the start-up report to --ready-fd (see llmserve/ready_pipe.py); None without it."""
+    if args.ready_fd is None:
+        return None
+    from llmserve.ready_pipe import ReadyNotifier  # noqa: PLC0415
+
+    notifier = ReadyNotifier(args.ready_fd)
+    return lambda report: notifier.notify(event, report)
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     from shared.omp import prefer_sleeping_threads  # noqa: PLC0415
 
     prefer_sleeping_threads()
-    from worker_service.config import WorkerConfig  # noqa: PLC0415 - keep `llmserve --help` fast
-    from worker_service.server import serve  # noqa: PLC0415
+    timer = _startup_timer(args)
+    with timer.phase("imports"):
+        import asyncio  # noqa: PLC0415 - keep `llmserve --help` and `up` fast
+
+        from worker_service.config import WorkerConfig  # noqa: PLC0415
+        from worker_service.server import serve  # noqa: PLC0415
 
     config = WorkerConfig(
         model=_resolve_model(args.model), dtype=args.dtype, device=args.device, block_size=args.block_size,
@@ -270,7 +299,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         advertise = args.advertise_address or f"{_advertised_host(args.host)}:{args.port}"
         registration = RegistrationConfig(args.redis_url, advertise, heartbeat_ttl_s=args.heartbeat_ttl,
                                           drain_timeout_s=args.drain_timeout, redis=sec.redis_options_from(args))
-    asyncio.run(serve(config, args.host, args.port, registration=registration))
+    asyncio.run(serve(config, args.host, args.port, registration=registration, startup=timer,
+                      on_ready=_ready_notice(args, "ready")))
     return 0
 
 
@@ -282,8 +312,12 @@ def _advertised_host(bind_host: str) -> str:
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
-    from scheduler_service.config import SchedulerServiceConfig  # noqa: PLC0415
-    from scheduler_service.server import serve  # noqa: PLC0415
+    timer = _startup_timer(args)
+    with timer.phase("imports"):
+        import asyncio  # noqa: PLC0415
+
+        from scheduler_service.config import SchedulerServiceConfig  # noqa: PLC0415
+        from scheduler_service.server import serve  # noqa: PLC0415
 
     config = SchedulerServiceConfig(
         tokenizer=_resolve_model(args.model), redis_url=args.redis_url,
@@ -296,7 +330,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         tls=sec.server_tls_from(args), auth_token=sec.auth_token_from(args), worker_tls=sec.worker_tls_from(args),
         redis=sec.redis_options_from(args),
     )
-    asyncio.run(serve(config, args.host, args.port))
+    asyncio.run(serve(config, args.host, args.port, startup=timer, on_ready=_ready_notice(args, "ready"),
+                      on_serving=_ready_notice(args, "serving")))
     return 0
 
 
@@ -325,7 +360,9 @@ _HTTP_PASS = ["tls-ca-file", "auth-token-file"]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from llmserve.local_cluster import ClusterSpec, LocalCluster  # noqa: PLC0415
+    timer = _startup_timer(args, cpu=False)
+    with timer.phase("imports"):
+        from llmserve.local_cluster import ClusterSpec, LocalCluster  # noqa: PLC0415
 
     if args.tls_cert_file and not args.tls_ca_file:
         raise ValueError("up: --tls-cert-file needs --tls-ca-file, the CA that signed it: `up` checks the "
@@ -339,7 +376,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_ca_file=args.tls_ca_file,
     )
     stop = threading.Event()
-    cluster = LocalCluster(spec)
+    cluster = LocalCluster(spec, startup=timer)
 
     def _stop(signum: int, frame: object) -> None:
         if stop.is_set():  # a second Ctrl-C: no more waiting for the orderly stop
@@ -354,6 +391,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         # not get it) stops the cluster in order, however soon it comes. An Event, not a flag tested
         # before signal.pause(): a signal between the test and the pause would be missed.
         signal.signal(signal.SIGINT, _stop)
+        # Where the start-up went; each service's log has its own line (`worker ready in ...`).
+        print(f"llmserve up: serving after {cluster.startup_report().summary()}", flush=True)
         http = f", OpenAI API on {cluster.http_url}/v1" if cluster.http_url else ""
         print(f"llmserve is up: Generation API on {cluster.address}{http} (logs in {cluster.log_dir}); "
               "Ctrl-C stops it", flush=True)
@@ -429,7 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _cmd_bench(argv[1:])
+    started_at = time.monotonic()  # a service's start-up line counts from here
     args = build_parser().parse_args(argv)
+    args.started_at = started_at
     from shared.logging_setup import setup_logging  # noqa: PLC0415
 
     setup_logging(getattr(args, "log_level", "INFO"), name=args.command)

@@ -19,9 +19,9 @@ def run_demo(model: str, max_tokens: int, max_model_len: int, log_dir: str) -> i
     """Streams each prompt's answer to stdout; returns a process exit code."""
     worker_args = ["--max-model-len", str(max_model_len)] if max_model_len else ["--max-model-len", "2048"]
     print("Starting Redis, a worker and a scheduler on localhost...", flush=True)
-    started = time.monotonic()
     with LocalCluster(ClusterSpec(model=model, worker_args=worker_args, log_dir=log_dir)) as cluster:
-        print(f"Ready in {time.monotonic() - started:.1f}s: Generation API on {cluster.address}\n", flush=True)
+        print(f"Serving after {cluster.startup_report().summary()}: Generation API on {cluster.address}\n",
+              flush=True)
         with GenerationClient(cluster.address) as client:
             for prompt in DEMO_PROMPTS:
                 print(f">>> {prompt}", flush=True)

@@ -2,6 +2,14 @@
 
 `llmserve up`, `llmserve demo` and the end-to-end tests all start the system
 through this class, with the same commands a deployment runs.
+
+Start-up runs everything at once and waits for events, never for a poll period:
+
+    Redis ──────────┐ (launched, answers in ms; the services connect only after their imports)
+    worker ─────────┼── "ready" (registered) ─┐
+    scheduler ──────┘── "ready" (SERVING) ────┴── "serving" (its engine loop owns the worker) ──▶ start() returns
+
+Each service reports on a pipe of its own (llmserve/ready_pipe.py), with what its start-up took.
 """
 
 from __future__ import annotations
@@ -12,19 +20,23 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from llmserve.ready_pipe import READY, SERVING, PipeClosedError, ReadyPipes
 from shared.processes import terminate
 from shared.redis_server import RedisServer, free_port
-from shared.tls import client_tls, open_channel
+from shared.startup_timer import StartupReport, StartupTimer
+
+# Roles that report on a ready pipe (the HTTP front is checked over HTTP).
+_PIPED_ROLES = ("worker", "scheduler")
+# The scheduler's phase that is waiting for the worker, not work of its own (scheduler_service/server.py).
+WAITING_FOR_A_WORKER = "waiting for a worker"
+# A connection attempt to a server that is not listening yet is retried after this long at most: gRPC's
+# default backoff grows to seconds while a service imports, and the first check after it starts waited for it.
+_RECONNECT_BACKOFF_MS = 100
 
 
 def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None], tls_ca_file: str = "") -> bool:
@@ -33,8 +45,14 @@ def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None]
     check_alive is called between polls and raises when the process behind the address died.
     tls_ca_file: the server speaks TLS with a certificate this CA signed (health needs no token).
     """
+    import grpc  # noqa: PLC0415 - `llmserve up` starts its services without loading gRPC
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    from shared.tls import client_tls, open_channel  # noqa: PLC0415
+
     deadline = time.monotonic() + timeout_s
-    with open_channel(address, client_tls(tls_ca_file), options=[]) as channel:
+    options = [(f"grpc.{name}_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS) for name in ("initial", "min", "max")]
+    with open_channel(address, client_tls(tls_ca_file), options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             check_alive()
@@ -50,6 +68,9 @@ def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None]
 
 def wait_http_ok(url: str, timeout_s: float, check_alive: Callable[[], None]) -> bool:
     """Polls `url` until it answers 200; False on timeout (check_alive as in wait_serving)."""
+    import urllib.error  # noqa: PLC0415 - only with the HTTP front
+    import urllib.request  # noqa: PLC0415
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         check_alive()
@@ -91,10 +112,16 @@ class ClusterStartError(RuntimeError):
 
 
 class LocalCluster:
-    """`with LocalCluster(spec) as c: c.address` — everything stops on exit."""
+    """`with LocalCluster(spec) as c: c.address` — everything stops on exit.
 
-    def __init__(self, spec: ClusterSpec) -> None:
+    startup: the timer start() adds its phases to (`llmserve up` passes its own, started with the
+    command); startup_report() then says where the time went.
+    """
+
+    def __init__(self, spec: ClusterSpec, startup: StartupTimer | None = None) -> None:
         self.spec = spec
+        self._startup = startup
+        self._pipes = ReadyPipes()
         self.port = spec.port or free_port(spec.host)
         self.worker_port = free_port(spec.host)
         self.http_port = None if spec.http_port is None else spec.http_port or free_port(spec.host)
@@ -131,14 +158,22 @@ class LocalCluster:
         self._args[role] = args
         log = open(self.log_path(role), "ab")  # noqa: SIM115 - owned by the child for its lifetime
         cmd = [sys.executable, "-m", "llmserve", role, *args]
+        ready_fd = self._pipes.open(role) if role in _PIPED_ROLES else None
+        if ready_fd is not None:
+            cmd += ["--ready-fd", str(ready_fd)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         if self.spec.redis_password:
             env["LLMSERVE_REDIS_PASSWORD"] = self.spec.redis_password
-        # A session of its own: Ctrl-C in the terminal reaches only this process, whose stop() then
-        # ends the services in order (the worker drains while the scheduler and Redis still run).
-        self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                             start_new_session=True)
-        log.close()
+        try:
+            # A session of its own: Ctrl-C in the terminal reaches only this process, whose stop() then
+            # ends the services in order (the worker drains while the scheduler and Redis still run).
+            self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                 start_new_session=True,
+                                                 pass_fds=(ready_fd,) if ready_fd is not None else ())
+        finally:
+            log.close()
+            if ready_fd is not None:
+                os.close(ready_fd)  # the child's now: its exit must read as end-of-file here
 
     def start(self) -> "LocalCluster":
         # The services run in sessions of their own: stop them at interpreter exit too, should the
@@ -148,9 +183,13 @@ class LocalCluster:
             self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-")
             self.log_dir = Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        timer = self._startup if self._startup is not None else StartupTimer(cpu_clock=None)
+        self._startup = timer
         try:
+            begun = time.monotonic()
             if not self.redis_url:
-                self._redis = RedisServer(host=self.spec.host, password=self.spec.redis_password).start()
+                # Launched, not waited for: the services need it only after their imports, seconds later.
+                self._redis = RedisServer(host=self.spec.host, password=self.spec.redis_password).launch()
                 self.redis_url = self._redis.url
             self._spawn("worker", ["--model", self.spec.model, "--host", self.spec.host,
                                    "--port", str(self.worker_port), "--redis-url", self.redis_url,
@@ -164,13 +203,60 @@ class LocalCluster:
                 self._spawn("openai", ["--scheduler", self.address, "--host", self.spec.host,
                                        "--port", str(self.http_port), "--tokenizer", self.spec.model,
                                        *self.spec.http_args])
-            self._wait_ready()
+            if self._redis is not None:
+                self._redis.wait_ready()
+                timer.add("redis", time.monotonic() - begun, parallel=True)
+            self._wait_started(timer, begun)
             if self.http_port is not None:
                 self._wait_http_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_started(self, timer: StartupTimer, begun: float) -> None:
+        """Waits for the services' events; adds the worker, the scheduler and the first lease to `timer`.
+
+        The first lease is awaited only with a Redis of our own: with a shared one another replica may
+        hold the worker's lease, and the scheduler is ready to admit without it.
+        """
+        wanted = [("worker", READY), ("scheduler", READY)]
+        if self._redis is not None:
+            wanted.append(("scheduler", SERVING))
+        self._wait_for(wanted)
+        worker, scheduler = self._pipes.notice("worker", READY), self._pipes.notice("scheduler", READY)
+        assert worker is not None and scheduler is not None  # _wait_for returned
+        ready = max(worker.received, scheduler.received)
+        timer.add("worker", worker.received - begun, parallel=True)
+        # The scheduler's own work: it also waits for the worker to register, which the worker's time shows.
+        waited = _phase_s(scheduler.report, WAITING_FOR_A_WORKER)
+        timer.add("scheduler", scheduler.received - begun - waited, parallel=True)
+        serving = self._pipes.notice("scheduler", SERVING)
+        if serving is not None:
+            timer.add("first lease", serving.received - ready)
+
+    def startup_report(self) -> StartupReport:
+        """What start() spent its time on (phases of the timer it was given, then its own)."""
+        return (self._startup or StartupTimer(cpu_clock=None)).report()
+
+    def _wait_for(self, wanted: list[tuple[str, str]]) -> None:
+        """Waits for these (role, event) notices; ClusterStartError when a service exits or the time is up."""
+        try:
+            if self._pipes.wait(wanted, time.monotonic() + self.spec.start_timeout_s):
+                return
+        except PipeClosedError as exc:
+            proc = self._procs[exc.role]
+            try:
+                proc.wait(timeout=10)  # its pipe closed as it exited: the exit code follows at once
+            except subprocess.TimeoutExpired:
+                pass
+            raise ClusterStartError(f"the {exc.role} exited with code {proc.poll()} during start-up:\n"
+                                    f"{self.tail(exc.role)}") from None
+        missing = [f"{role} {event}" for role, event in wanted if self._pipes.notice(role, event) is None]
+        raise ClusterStartError(
+            f"no {', '.join(missing)} after {self.spec.start_timeout_s}s:\n"
+            f"{self.tail('scheduler')}\n{self.tail('worker')}"
+        )
 
     def _check_alive(self) -> None:
         for role, proc in self._procs.items():
@@ -197,12 +283,17 @@ class LocalCluster:
         proc.wait()
 
     def restart(self, role: str) -> None:
-        """Starts a killed service again with the same command line and waits until the API is ready."""
+        """Starts a killed service again with the same command line and waits until the API is ready.
+
+        A restarted worker must be registered and a restarted scheduler SERVING (their ready events);
+        either way the scheduler's API then answers SERVING.
+        """
         self._spawn(role, self._args[role])
         if role == "openai":
             self._wait_http_ready()
-        else:
-            self._wait_ready()
+            return
+        self._wait_for([(role, READY)])
+        self._wait_ready()
 
     def tail(self, role: str, lines: int = 40) -> str:
         """The last lines of a process's log."""
@@ -233,6 +324,7 @@ class LocalCluster:
             raise
         finally:
             self._procs.clear()
+            self._pipes.close_all()
             if self._redis is not None:
                 self._redis.stop()
                 self._redis = None
@@ -253,3 +345,11 @@ class LocalCluster:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _phase_s(report: StartupReport, name: str) -> float:
+    """The report's phase `name` in seconds, 0 when it has none."""
+    try:
+        return report.seconds(name)
+    except KeyError:
+        return 0.0

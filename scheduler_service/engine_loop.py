@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -76,8 +76,11 @@ class EngineLoop:
         step_timeout_s: float = STEP_TIMEOUT_SECONDS,
         channel: grpc.aio.Channel | None = None,
         registration: WorkerEntry | None = None,
+        on_owned: Callable[[str, int], None] | None = None,
     ) -> None:
         self.worker_id = worker_id
+        # Told (worker id, epoch) each time the loop owns its worker: the replica's start-up reports the first.
+        self._on_owned = on_owned
         self._fleet = fleet
         self._channel = channel
         self._registration = registration
@@ -122,6 +125,8 @@ class EngineLoop:
         # The worker's KV is gone: cached prefix blocks no longer hold what their hashes say.
         self._scheduler.reset_prefix_cache()
         log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
+        if self._on_owned is not None:
+            self._on_owned(self.worker_id, epoch)
 
     def _plan(self, commit: StepCommit, profile: StepProfile | None = None
               ) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:

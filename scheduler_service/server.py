@@ -1,4 +1,13 @@
-"""Starts a scheduler replica: connect to Redis and the workers, run engine loops, serve Generate."""
+"""Starts a scheduler replica: connect to Redis and the workers, run engine loops, serve Generate.
+
+Start-up, each phase timed for the `scheduler ready in ...` line (shared/startup_timer.py):
+
+    imports (the CLI's) ─▶ redis ─▶ tokenizer ─▶ waiting for a worker ─▶ server ─▶ ready ─▶ first lease (serving)
+
+The replica is ready (health SERVING) once a routable worker is registered; it serves a first request
+without delay once one of its engine loops owns its worker, the `first lease` (none while every
+worker's lease is another replica's).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import logging
 import signal
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -31,6 +41,8 @@ from shared.auth import BearerTokenInterceptor
 from shared.checkpoint import pretrained_source
 from shared.health_probes import HealthReporter, watch_health
 from shared.metrics import MetricsServer, SchedulerMetrics
+from shared.registry_changes import RegistryChanges
+from shared.startup_timer import StartupReport, StartupTimer
 from shared.tls import bind, describe, open_channel
 from shared.tracing import TracingConfig, make_tracer
 from shared.worker_registry import WorkerEntry, WorkerRegistry
@@ -40,10 +52,18 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # How often liveness and readiness are re-evaluated (at most; a third of a short liveness timeout).
 HEALTH_PERIOD_SECONDS = 1.0
+# The registry is read again this often while waiting for a first worker, should its announcement be lost.
+WORKER_POLL_SECONDS = 0.5
+# The phase of the start-up spent waiting for a worker to register (LocalCluster tells it from the replica's own work).
+WAITING_FOR_A_WORKER = "waiting for a worker"
 
 
-async def wait_for_workers(registry: WorkerRegistry, timeout_s: float) -> list[WorkerEntry]:
-    """Waits until at least one worker has registered and is alive (workers may still be loading models)."""
+async def wait_for_workers(registry: WorkerRegistry, timeout_s: float,
+                           changes: RegistryChanges | None = None) -> list[WorkerEntry]:
+    """Waits until at least one worker has registered and is alive (workers may still be loading models).
+
+    changes: wakes the wait as a worker registers, rather than at the next poll.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
@@ -53,7 +73,10 @@ async def wait_for_workers(registry: WorkerRegistry, timeout_s: float) -> list[W
         if loop.time() > deadline:
             raise RuntimeError(f"no worker registered in Redis within {timeout_s}s; start workers with the same "
                                "--redis-url")
-        await asyncio.sleep(0.5)
+        if changes is not None:
+            await changes.wait(WORKER_POLL_SECONDS)
+        else:
+            await asyncio.sleep(WORKER_POLL_SECONDS)
 
 
 def _scheduler_for(config: SchedulerServiceConfig, desc: worker_pb2.WorkerDescription) -> Scheduler:
@@ -72,14 +95,35 @@ def _scheduler_for(config: SchedulerServiceConfig, desc: worker_pb2.WorkerDescri
     )
 
 
-async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asyncio.Event | None = None) -> None:
-    """Runs the replica until SIGINT/SIGTERM (or cancellation)."""
-    store = RedisStore(redis_client.connect(config.redis_url, options=config.redis))
-    await store.ping()
-    source, kwargs = pretrained_source(config.tokenizer)
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, source, **kwargs)
-    registry = WorkerRegistry(store.client)
-    entries = await wait_for_workers(registry, config.worker_connect_timeout_s)
+async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asyncio.Event | None = None,
+                startup: StartupTimer | None = None, on_ready: Callable[[StartupReport], None] | None = None,
+                on_serving: Callable[[StartupReport], None] | None = None) -> None:
+    """Runs the replica until SIGINT/SIGTERM (or cancellation).
+
+    startup: the timer of this process's start-up (the CLI starts it before its imports). on_ready is
+    called with its report once the replica is ready (health SERVING), on_serving once an engine loop
+    of it first owns its worker.
+    """
+    timer = startup if startup is not None else StartupTimer()
+    stop = asyncio.Event()
+    with timer.phase("redis"):
+        store = RedisStore(redis_client.connect(config.redis_url, options=config.redis))
+        await store.ping()
+    # Listening from the start: the wait for a first worker below wakes as it registers.
+    changes = RegistryChanges(store.client)
+    tasks = [asyncio.create_task(changes.run(stop), name="registry-changes")]
+    try:
+        with timer.phase("tokenizer"):
+            source, kwargs = pretrained_source(config.tokenizer)
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, source, **kwargs)
+        registry = WorkerRegistry(store.client)
+        with timer.phase(WAITING_FOR_A_WORKER):
+            entries = await wait_for_workers(registry, config.worker_connect_timeout_s, changes)
+    except BaseException:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    server_started = timer.elapsed()
     descs = [e.description for e in entries]
     worker_max_len = min(d.max_model_len for d in descs)
     max_len = min(config.max_model_len or worker_max_len, worker_max_len)
@@ -95,6 +139,8 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     router.update(entries)
     fleet = Fleet(leases, registry, router)
 
+    first_lease = _FirstLease(timer, on_serving)
+
     def make_loop(entry: WorkerEntry) -> EngineLoop:
         if entry.description.model != descs[0].model:
             log.warning("worker %s serves %s, this replica was started for %s", entry.worker_id,
@@ -106,9 +152,10 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
         return EngineLoop(entry.worker_id, worker_pb2_grpc.WorkerStub(channel), store, scheduler,
                           OutputProcessor(tokenizer, scheduler), fleet, profile, tracer=tracer,
                           metrics=metrics.engine(entry.worker_id) if metrics is not None else None,
-                          step_timeout_s=config.step_timeout_s, channel=channel, registration=entry)
+                          step_timeout_s=config.step_timeout_s, channel=channel, registration=entry,
+                          on_owned=first_lease.owned)
 
-    supervisor = Supervisor(registry, leases, router, make_loop)
+    supervisor = Supervisor(registry, leases, router, make_loop, changes=changes)
     limits = QueueLimits(config.max_num_queued_requests, config.max_queued_tokens)
     servicer = GenerationServicer(admission, store, router, tracer=tracer, model_name=model_name,
                                   queue_limits=limits)
@@ -122,8 +169,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     if config.auth_token and config.tls is None:
         log.warning("--auth-token-file without --tls-cert-file: the token travels in clear text")
     metrics_server = MetricsServer(metrics.registry, config.metrics_port, host) if metrics is not None else None
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(supervisor.run(stop), name="supervisor")]
+    tasks.append(asyncio.create_task(supervisor.run(stop), name="supervisor"))
     if config.liveness_timeout_s <= config.step_timeout_s:
         log.warning("--liveness-timeout %gs is not above --step-timeout %gs: a hung worker makes this replica "
                     "unlive before the step timeout can reset it", config.liveness_timeout_s, config.step_timeout_s)
@@ -134,6 +180,9 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     period = min(HEALTH_PERIOD_SECONDS, config.liveness_timeout_s / 3)
     tasks.append(asyncio.create_task(watch_health(reporter, checks.evaluate, period, stop), name="health"))
     log.info("scheduler %s serving on %s:%d; %d worker(s) registered", leases.replica_id, host, bound, len(entries))
+    timer.add("server", timer.elapsed() - server_started)
+    # Not one of `tasks`, whose first to end stops the replica: this one ends once it has announced.
+    announcer = asyncio.create_task(first_lease.announce(reporter, on_ready), name="announce-ready")
     if ready is not None:
         ready.set()
     loop = asyncio.get_running_loop()
@@ -150,6 +199,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
                 raise task.exception()  # type: ignore[misc]
     finally:
         stop.set()
+        announcer.cancel()
         # Probes and the HTTP front see NOT_SERVING while the server finishes its calls.
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
@@ -160,3 +210,46 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
             metrics_server.stop()
         if provider is not None:
             provider.shutdown()  # exports the spans still queued
+
+
+class _FirstLease:
+    """The start-up's two milestones: ready (health SERVING), then serving (an engine loop owns its worker).
+
+    Each is logged with the start-up's phases and reported once; an engine loop may own its worker
+    before the replica's readiness is published, and then serving follows right after ready.
+    """
+
+    def __init__(self, timer: StartupTimer, on_serving: Callable[[StartupReport], None] | None) -> None:
+        self._timer = timer
+        self._on_serving = on_serving
+        self._ready_at: float | None = None
+        self._owned: tuple[str, int] | None = None
+        self._served = False
+
+    async def announce(self, reporter: HealthReporter, on_ready: Callable[[StartupReport], None] | None) -> None:
+        """Waits until the replica is ready (usually at once), then logs and reports it."""
+        await reporter.wait_ready()
+        report = self._timer.report()
+        log.info("scheduler ready in %s", report.summary())
+        if on_ready is not None:
+            on_ready(report)
+        self._ready_at = report.total_s
+        if self._owned is not None:
+            self._serve(*self._owned)
+
+    def owned(self, worker_id: str, epoch: int) -> None:
+        """EngineLoop's on_owned: a loop of this replica owns its worker (the first one makes it serve)."""
+        if self._served:
+            return
+        self._owned = (worker_id, epoch)
+        if self._ready_at is not None:
+            self._serve(worker_id, epoch)
+
+    def _serve(self, worker_id: str, epoch: int) -> None:
+        assert self._ready_at is not None  # announce() set it
+        self._served = True
+        self._timer.add("first lease", max(0.0, self._timer.elapsed() - self._ready_at))
+        report = self._timer.report()
+        log.info("scheduler serving in %s: worker %s, epoch %d", report.summary(), worker_id, epoch)
+        if self._on_serving is not None:
+            self._on_serving(report)

@@ -47,6 +47,8 @@ class HealthReporter:
         self._servicer = servicer
         self._ready_names = ["", READINESS, *service_names]
         self._state: HealthState | None = None
+        # Set while the published state is ready: start-up announcements wait on it instead of polling.
+        self._ready = asyncio.Event()
 
     @property
     def state(self) -> HealthState | None:
@@ -66,6 +68,12 @@ class HealthReporter:
                 await self._servicer.set(name, _SERVING if state.ready else _NOT_SERVING)
             if before is not None:
                 _log_change("ready", state.ready, state.reason)
+        if self._state is state:  # not overtaken by a later set() while this one wrote
+            (self._ready.set if state.ready else self._ready.clear)()
+
+    async def wait_ready(self) -> None:
+        """Returns once the published readiness is SERVING (at once if it is)."""
+        await self._ready.wait()
 
 
 def _log_change(what: str, now_ok: bool, reason: str) -> None:

@@ -97,6 +97,16 @@ class RedisServer:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        """Starts the server and waits until it answers."""
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
+
+    def launch(self) -> "RedisServer":
+        """Starts the server without waiting for it (its url is known at once); wait_ready() then waits.
+
+        LocalCluster starts the services meanwhile: they connect seconds later, after their imports.
+        """
         self._dir = tempfile.TemporaryDirectory(prefix="llmserve-redis-")
         conf = Path(self._dir.name) / "redis.conf"
         quoted = self._password.replace("\\", "\\\\").replace('"', '\\"')
@@ -106,17 +116,24 @@ class RedisServer:
             find_redis_server(), str(conf), "--port", str(self.port), "--bind", self.host, "--dir", self._dir.name,
             "--save", "", "--appendonly", "yes" if self._appendonly else "no", "--protected-mode", "yes",
         ]
-        log_path = Path(self._dir.name) / "redis.log"
         # Own session: a terminal's Ctrl-C goes to the owner, which stops Redis last (see LocalCluster.stop).
-        self._proc = subprocess.Popen(args + ["--logfile", str(log_path)], stdout=subprocess.DEVNULL,
+        self._proc = subprocess.Popen(args + ["--logfile", str(self._log_path)], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True)
+        return self
+
+    @property
+    def _log_path(self) -> Path:
+        assert self._dir is not None  # set by launch()
+        return Path(self._dir.name) / "redis.log"
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Waits until the launched server answers PING; stops it and raises if it does not."""
         try:
-            self._wait_ready(log_path, timeout_s)
+            self._wait_ready(self._log_path, timeout_s)
         except BaseException:
             # Its own session: nothing else would stop it (a Ctrl-C here included).
             self.stop()
             raise
-        return self
 
     def _wait_ready(self, log_path: Path, timeout_s: float) -> None:
         assert self._proc is not None

@@ -1,18 +1,26 @@
-"""Starts a worker: load the model, size the cache, serve the Worker API."""
+"""Starts a worker: load the model, size the cache, serve the Worker API.
+
+Start-up, each phase timed for the `worker ready in ...` line (shared/startup_timer.py):
+
+    imports (the CLI's) ─▶ kernels ─▶ model (runner: weights, KV cache) ─▶ server ─▶ registration ─▶ ready
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kernels import get_backend
 from protos import worker_pb2, worker_pb2_grpc
 from shared import grpc_server, redis_client
 from shared.health_probes import HealthReporter, watch_health
 from shared.metrics import MetricsServer, WorkerMetrics
+from shared.startup_timer import StartupReport, StartupTimer
 from shared.tls import bind, describe
 from shared.tracing import TracingConfig, make_tracer
 from worker_service.config import WorkerConfig
@@ -31,15 +39,25 @@ HEALTH_PERIOD_SECONDS = 0.25
 
 
 async def serve(config: WorkerConfig, host: str, port: int, ready: asyncio.Event | None = None,
-                registration: RegistrationConfig | None = None) -> None:
+                registration: RegistrationConfig | None = None, startup: StartupTimer | None = None,
+                on_ready: Callable[[StartupReport], None] | None = None) -> None:
     """Runs the worker until SIGINT/SIGTERM (or cancellation).
 
     registration: register in Redis so that schedulers find this worker, and drain on SIGTERM.
+    startup: the timer of this process's start-up (the CLI starts it before its imports); on_ready is
+    called with its report once the worker is ready (health SERVING: registered when it registers).
     """
+    timer = startup if startup is not None else StartupTimer()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    # Kernels first, on their own: loading them from Numba's cache is a cost of its own, and the runner's
+    # get_backend() then finds them loaded (the backend is cached per device type).
+    with timer.phase("kernels"):
+        await asyncio.to_thread(get_backend, config.device)
     # With --tensor-parallel-size N this process is rank 0; ranks 1..N-1 are its subprocesses.
-    runner, ranks = await asyncio.to_thread(start_runner, config)
+    with timer.phase("model"):
+        runner, ranks = await asyncio.to_thread(start_runner, config)
+    server_started = timer.elapsed()
     tracer, provider = make_tracer(TracingConfig.from_env("llmserve-worker", config.otlp_endpoint, config.trace_file))
     metrics = WorkerMetrics(Path(config.model).name or config.model) if config.metrics_port else None
     servicer = WorkerServicer(runner, model_name=config.model, tracer=tracer, metrics=metrics)
@@ -70,6 +88,7 @@ async def serve(config: WorkerConfig, host: str, port: int, ready: asyncio.Event
         "worker serving %s on %s:%d (%d KV blocks of %d tokens, instance %s)",
         config.model, host, bound, runner.cache.sizing.num_gpu_blocks, config.block_size, servicer.instance_id,
     )
+    timer.add("server", timer.elapsed() - server_started)
     if ready is not None:
         ready.set()
     heartbeats = redis = None
@@ -78,6 +97,21 @@ async def serve(config: WorkerConfig, host: str, port: int, ready: asyncio.Event
         registered = Registration(WorkerRegistry(redis), registration, servicer.description)
         heartbeats = asyncio.create_task(registered.run(), name="heartbeat")
         log.info("registering in Redis as %s", registered.worker_id)
+
+    async def announce_ready() -> None:
+        # Ready once registered (a heartbeat may keep failing while Redis is away: this waits meanwhile).
+        if registered is not None:
+            with timer.phase("registration"):
+                await registered.wait_registered()
+        # SERVING now, rather than at the health watcher's next period.
+        await reporter.set(await checks.evaluate())
+        if reporter.state is not None and reporter.state.ready:
+            report = timer.report()
+            log.info("worker ready in %s", report.summary())
+            if on_ready is not None:
+                on_ready(report)
+
+    announcer = asyncio.create_task(announce_ready(), name="announce-ready")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -92,6 +126,7 @@ async def serve(config: WorkerConfig, host: str, port: int, ready: asyncio.Event
         if registered is not None:
             await registered.drain()
     finally:
+        announcer.cancel()
         health_stop.set()
         await watcher
         if registered is not None:

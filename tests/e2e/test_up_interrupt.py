@@ -8,64 +8,20 @@ once and the worker waiting out its drain timeout. A second Ctrl-C kills what is
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from shared.redis_server import free_port
+from tests.e2e.up_process import alive, up
 
 # Well below the worker's default --drain-timeout (30 s): an exit this fast means the drain completed.
 STOP_WITHIN_S = 20.0
 
 
-def children(pid: int) -> list[int]:
-    """The direct children of a process (Linux)."""
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
-def alive(pid: int) -> bool:
-    """Whether pid is still one of the cluster's processes (a pid may have been reused)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z" and (b"llmserve" in cmdline or b"redis" in cmdline)
-
-
-@contextlib.contextmanager
-def up(tiny_llama_dir: Path, log_dir: Path) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
-    """`llmserve up` in a process group of its own (the terminal's foreground job), and its services."""
-    cmd = [sys.executable, "-m", "llmserve", "up", "--model", str(tiny_llama_dir), "--port", str(free_port()),
-           "--log-dir", str(log_dir), "--num-threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    services: list[int] = []
-    try:
-        assert proc.stdout is not None
-        banner = proc.stdout.readline()
-        services = children(proc.pid)  # Redis, the worker, the scheduler: in sessions of their own
-        assert "llmserve is up" in banner, banner + proc.stdout.read()
-        assert len(services) == 3, services
-        yield proc, services
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for pid in services:  # whatever a failed run left behind
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        for role in ("worker", "scheduler"):
-            print(f"--- {role}.log (tail)\n" + "\n".join((log_dir / f"{role}.log").read_text().splitlines()[-8:]))
-
-
 def test_ctrl_c_stops_up_in_order(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    with up(tiny_llama_dir, tmp_path) as (proc, _):
+    with up(tiny_llama_dir, tmp_path) as running:
+        proc = running.proc
         os.killpg(proc.pid, signal.SIGINT)
         started = time.monotonic()
         out, _ = proc.communicate(timeout=60)
@@ -79,7 +35,8 @@ def test_ctrl_c_stops_up_in_order(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 
 def test_a_second_ctrl_c_kills_what_is_left(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    with up(tiny_llama_dir, tmp_path) as (proc, services):
+    with up(tiny_llama_dir, tmp_path) as running:
+        proc, services = running.proc, running.services
         # A frozen worker would hold the orderly stop for its whole grace period.
         worker = next(pid for pid in services if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
         os.kill(worker, signal.SIGSTOP)

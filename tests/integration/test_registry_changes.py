@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from protos import worker_pb2
 from scheduler_service.leases import Leases
+from scheduler_service import server
 from scheduler_service.router import Router
 from scheduler_service.store import RedisStore
 from scheduler_service.supervisor import Supervisor
 from shared.registry_changes import RegistryChanges
-from shared.worker_registry import CHANGES_CHANNEL, WorkerRegistry
+from shared.worker_registry import CHANGES_CHANNEL, WorkerEntry, WorkerRegistry
 from tests.integration.test_store import run
 from tests.integration.test_supervisor import IdleLoop
 from worker_service.registration import Registration, RegistrationConfig
@@ -90,5 +93,34 @@ def test_the_supervisor_takes_a_new_workers_lease_at_its_registration_not_a_tick
             await asyncio.sleep(0.01)
         stop.set()
         await asyncio.gather(running, task)
+
+    run(url, body)
+
+
+def test_the_start_up_wait_for_a_worker_wakes_at_its_registration(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "WORKER_POLL_SECONDS", LONG_S)
+
+    class ObservedRegistry(WorkerRegistry):
+        """Tells when it has been read."""
+
+        def __init__(self, client: object) -> None:
+            super().__init__(client)  # type: ignore[arg-type]
+            self.read = asyncio.Event()
+
+        async def workers(self) -> list[WorkerEntry]:
+            entries = await super().workers()
+            self.read.set()
+            return entries
+
+    async def body(store: RedisStore) -> None:
+        changes, stop, task = await listening(store)
+        registry = ObservedRegistry(store.client)
+        waiting = asyncio.create_task(server.wait_for_workers(registry, LONG_S, changes))
+        await registry.read.wait()  # found nothing: it waits now
+        await registry.heartbeat(W, description(), draining=False, ttl_s=30, announce=True)
+        [entry] = await waiting
+        assert entry.worker_id == W
+        stop.set()
+        await task
 
     run(url, body)

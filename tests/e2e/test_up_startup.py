@@ -1,0 +1,49 @@
+"""`llmserve up` says where its start-up went, and so does each service, in parts that add up.
+
+Only the structure is checked, never a duration: the CI machine is shared and slow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from shared.startup_timer import StartupReport, parse_summary
+from tests.e2e.up_process import up
+
+# Each part is shown to 0.1 s: the parts of a line may add up to its total plus half a tenth each.
+ROUNDING_S = 0.05
+
+
+def line_with(text: str, needle: str) -> str:
+    found = [line for line in text.splitlines() if needle in line]
+    assert len(found) == 1, f"expected one line with {needle!r}:\n{text[-3000:]}"
+    return found[0]
+
+
+def assert_consistent(report: StartupReport, names: list[str]) -> None:
+    """The named phases are there in this order (other ones may follow), and together fit in the total."""
+    shown = [p.name for p in report.phases]
+    assert shown[: len(names)] == names, shown
+    assert report.accounted_s <= report.total_s + ROUNDING_S * len(report.phases), report
+
+
+def test_up_and_its_services_log_where_the_start_up_went(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with up(tiny_llama_dir, tmp_path) as running:
+        up_line = line_with("".join(running.lines), "llmserve up: serving after")
+        os.killpg(running.proc.pid, signal.SIGINT)
+        running.proc.communicate(timeout=60)
+    cluster = parse_summary(up_line)
+    assert_consistent(cluster, ["imports", "redis", "worker", "scheduler", "first lease"])
+    assert [p.parallel for p in cluster.phases[1:4]] == [True, True, True], "Redis and the services start together"
+
+    worker = parse_summary(line_with((tmp_path / "worker.log").read_text(), "worker ready in"))
+    assert_consistent(worker, ["imports", "kernels", "model", "server", "registration"])
+    scheduler_log = (tmp_path / "scheduler.log").read_text()
+    scheduler = parse_summary(line_with(scheduler_log, "scheduler ready in"))
+    assert_consistent(scheduler, ["imports", "redis", "tokenizer", "waiting for a worker", "server"])
+    serving = parse_summary(line_with(scheduler_log, "scheduler serving in").split(": worker ")[0])
+    assert_consistent(serving, [p.name for p in scheduler.phases if p.name != "other"] + ["first lease"])
+    # A service's own clock starts after `up` spawned it: its total fits in what `up` saw of it.
+    assert worker.total_s <= cluster.seconds("worker") + 2 * ROUNDING_S, (worker, cluster)
