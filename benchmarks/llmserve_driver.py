@@ -1,20 +1,18 @@
 """Drives a llmserve scheduler through gRPC `Generate`, as a crowd of streaming clients.
 
-Requests arrive all at once (rate = inf) or as a Poisson process of the given
-rate, optionally with at most `max_concurrency` in flight; every output token
-is timestamped when its message arrives.
+Arrivals as in benchmarks.arrivals; every output token is timestamped when its
+message arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from dataclasses import dataclass, field
 
 import grpc
-from tqdm import tqdm
 
+from benchmarks.arrivals import send_all
 from benchmarks.dataset import BenchRequest
 from benchmarks.metrics import RequestTiming
 from llmserve.client import make_request
@@ -32,49 +30,30 @@ class Target:
     token: str = field(default="", repr=False)
 
 
-async def _one(
-    stub: generation_pb2_grpc.GenerationStub, req: BenchRequest, limit: asyncio.Semaphore | None, bar: tqdm
-) -> RequestTiming:
-    async def run() -> RequestTiming:
-        timing = RequestTiming(prompt_len=len(req.prompt_token_ids), sent=time.perf_counter())
-        request = make_request(prompt_token_ids=req.prompt_token_ids, max_tokens=req.output_len, temperature=0.0,
-                               ignore_eos=True)
-        try:
-            async for msg in stub.Generate(request, timeout=3600):
-                now = time.perf_counter()
-                for delta in msg.outputs:
-                    timing.token_times.extend([now] * len(delta.token_ids))
-                if msg.error:
-                    timing.error = msg.error
-        except grpc.aio.AioRpcError as exc:
-            timing.error = f"{exc.code().name}: {exc.details()}"
-        timing.done = time.perf_counter()
-        bar.update(1)
-        return timing
-
-    if limit is None:
-        return await run()
-    async with limit:
-        return await run()
+async def _one(stub: generation_pb2_grpc.GenerationStub, req: BenchRequest) -> RequestTiming:
+    timing = RequestTiming(prompt_len=len(req.prompt_token_ids), sent=time.perf_counter())
+    request = make_request(prompt_token_ids=req.prompt_token_ids, max_tokens=req.output_len, temperature=0.0,
+                           ignore_eos=True)
+    try:
+        async for msg in stub.Generate(request, timeout=3600):
+            now = time.perf_counter()
+            for delta in msg.outputs:
+                timing.token_times.extend([now] * len(delta.token_ids))
+            if msg.error:
+                timing.error = msg.error
+    except grpc.aio.AioRpcError as exc:
+        timing.error = f"{exc.code().name}: {exc.details()}"
+    timing.done = time.perf_counter()
+    return timing
 
 
 async def _run(target: Target, requests: list[BenchRequest], rate: float, max_concurrency: int | None,
                seed: int, label: str) -> tuple[list[RequestTiming], float]:
-    rng = random.Random(seed)
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     channel = open_channel(target.address, target.tls, aio=True, interceptors=token_interceptors(target.token, aio=True))
     async with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await channel.channel_ready()
-        with tqdm(total=len(requests), desc=label, unit="req", leave=False) as bar:
-            start = time.perf_counter()
-            tasks = []
-            for req in requests:
-                tasks.append(asyncio.create_task(_one(stub, req, limit, bar)))
-                if rate != float("inf"):
-                    await asyncio.sleep(rng.expovariate(rate))
-            timings = await asyncio.gather(*tasks)
-            return list(timings), time.perf_counter() - start
+        return await send_all(requests, lambda req: _one(stub, req), rate, max_concurrency, seed, label)
 
 
 def run_llmserve(address: str | Target, requests: list[BenchRequest], rate: float = float("inf"),
