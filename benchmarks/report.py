@@ -13,36 +13,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report_llamacpp import llamacpp_section
+from benchmarks.report_tables import THROUGHPUT_HEADER, fmt, throughput_row
+
 DOCS = Path("docs")
 SERVING = Path("benchmarks/results/serving.json")
 SERVING_BF16 = Path("benchmarks/results/serving-bfloat16.json")
 OVERHEAD = Path("benchmarks/results/overhead.json")
-
-
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None or value != value else f"{value:.{digits}f}"
-
-
-def _dist(d: dict[str, float] | None, key: str) -> str:
-    return "n/a" if not d else _fmt(d[key], 0)
-
-
-def _throughput_row(s: dict[str, Any]) -> str:
-    duration = s["duration_s"]
-    out_tps = s["output_tokens"] / duration
-    total_tps = (s["input_tokens"] + s["output_tokens"]) / duration
-    return (f"| {s['backend']} | {s['completed']} | {_fmt(s['completed'] / duration, 2)} | {_fmt(out_tps)} | "
-            f"{_fmt(total_tps)} | {_dist(s.get('ttft_ms'), 'mean')} / {_dist(s.get('ttft_ms'), 'median')} / "
-            f"{_dist(s.get('ttft_ms'), 'p99')} | {_dist(s.get('tpot_ms'), 'mean')} / {_dist(s.get('tpot_ms'), 'median')} / "
-            f"{_dist(s.get('tpot_ms'), 'p99')} | {_dist(s.get('itl_ms'), 'median')} / {_dist(s.get('itl_ms'), 'p99')} | "
-            f"{_dist(s.get('e2e_ms'), 'median')} / {_dist(s.get('e2e_ms'), 'p99')} |")
-
-
-THROUGHPUT_HEADER = (
-    "| backend | requests | req/s | output tok/s | total tok/s | TTFT ms mean / median / p99 | "
-    "TPOT ms mean / median / p99 | ITL ms median / p99 | E2E ms median / p99 |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
-)
+LLAMACPP = Path("benchmarks/results/llamacpp.json")
 
 
 def serving_section(r: dict[str, Any], plots: list[str]) -> str:
@@ -56,18 +34,18 @@ def serving_section(r: dict[str, Any], plots: list[str]) -> str:
         f"{r.get('dtype', 'float32')}) and prompts.",
         "",
         THROUGHPUT_HEADER,
-        _throughput_row(r["llmserve"]),
+        throughput_row(r["llmserve"]),
     ]
     for key in ("hf_continuous_batching", "hf_static_batching"):
         if key in r:
-            lines.append(_throughput_row(r[key]))
+            lines.append(throughput_row(r[key]))
     ratios = [f"llmserve / transformers {name}: {r[key]:.2f}x" for key, name in (
         ("ratio_vs_hf_continuous", "continuous batching"), ("ratio_vs_hf_static", "static batching")) if key in r]
     if ratios:
         lines += ["", f"**Output tokens/s, {'; '.join(ratios)}.**"]
     if len(r.get("concurrency_sweep", [])) > 1:
         lines += ["", "### Throughput against concurrency", "", THROUGHPUT_HEADER.replace("| backend |", "| run |")]
-        lines += [_throughput_row(p) for p in r["concurrency_sweep"]]
+        lines += [throughput_row(p) for p in r["concurrency_sweep"]]
     pc = r.get("prefix_caching")
     if pc:
         ttft_without = pc["without"]["ttft_ms"]["median"]
@@ -79,8 +57,8 @@ def serving_section(r: dict[str, Any], plots: list[str]) -> str:
             f"Workload: {pc['workload']}.",
             "",
             THROUGHPUT_HEADER,
-            _throughput_row(pc["without"]),
-            _throughput_row(pc["with"]),
+            throughput_row(pc["without"]),
+            throughput_row(pc["with"]),
             "",
             f"Median TTFT {ttft_without:.0f} ms without prefix caching, {ttft_with:.0f} ms with it "
             f"({ttft_without / ttft_with:.1f}x faster).",
@@ -100,13 +78,13 @@ def overhead_section(o: dict[str, Any]) -> str:
         "|---:|---:|" + "---:|" * len(phases) + "---:|",
     ]
     for row in o["rows"]:
-        cells = " | ".join(_fmt(row["phases_ms"][p], 2) for p in phases)
-        lines.append(f"| {row['batch']} | {_fmt(row['step_ms'], 2)} | {cells} | {_fmt(row['overhead_pct'])} |")
+        cells = " | ".join(fmt(row["phases_ms"][p], 2) for p in phases)
+        lines.append(f"| {row['batch']} | {fmt(row['step_ms'], 2)} | {cells} | {fmt(row['overhead_pct'])} |")
     if o.get("scheduler_scaling"):
         lines += ["", "### Scheduler core time per step against running sequences", "",
                   "| running seqs | schedule + update µs | µs per sequence |", "|---:|---:|---:|"]
         for row in o["scheduler_scaling"]:
-            lines.append(f"| {row['running']} | {_fmt(row['us'], 0)} | {_fmt(row['us'] / row['running'], 2)} |")
+            lines.append(f"| {row['running']} | {fmt(row['us'], 0)} | {fmt(row['us'] / row['running'], 2)} |")
     return "\n".join(lines)
 
 
@@ -223,17 +201,21 @@ def main() -> None:
     parser.add_argument("--serving", type=Path, nargs="+", default=[SERVING, SERVING_BF16],
                         help="serving results; the first one's plots are drawn")
     parser.add_argument("--overhead", type=Path, default=OVERHEAD)
+    parser.add_argument("--llamacpp", type=Path, default=LLAMACPP, help="llmserve against llama.cpp")
     parser.add_argument("--output", type=Path, default=DOCS / "benchmarks.md")
     args = parser.parse_args()
     DOCS.mkdir(exist_ok=True)
     sections = ["# Benchmarks", "",
-                "Written by `make bench` (`benchmarks/serving.py`, `benchmarks/overhead.py`, then "
-                "`benchmarks/report.py`) from the results of one run of the code in this tree."]
+                "Written by `make bench` (`benchmarks/serving.py`, `benchmarks/overhead.py`, "
+                "`benchmarks/llamacpp_bench.py`, then `benchmarks/report.py`) from the results of one run of the "
+                "code in this tree."]
     for index, path in enumerate(p for p in args.serving if p.exists()):
         serving = json.loads(path.read_text())
         sections += ["", serving_section(serving, plots(serving) if index == 0 else [])]
         if index == 0 and serving.get("kv_utilization"):
             sections += ["", kv_section(serving["kv_utilization"])]
+    if args.llamacpp.exists():
+        sections += ["", llamacpp_section(json.loads(args.llamacpp.read_text()))]
     overhead = json.loads(args.overhead.read_text()) if args.overhead.exists() else None
     first = next((p for p in args.serving if p.exists()), None)
     if first is not None:
