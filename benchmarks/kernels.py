@@ -12,6 +12,10 @@ For each (batch, context) of a grid it times, on one device and in one run:
 - ``reshape_and_cache`` (writing ``context`` tokens per sequence) and
   ``copy_blocks`` (one block per sequence, every layer).
 
+On a CPU it also times prefill (context) attention, the backend's Numba kernel
+against the torch kernel it replaced, for a batch of short prompts, single long
+prompts and a chunk after cached context, on all threads and on one.
+
 Bytes are what each operation must at least read and write (for attention:
 the context's keys and values plus query and output), so every row's GB/s
 is comparable, and "% copy" relates it to a measured same-device copy.
@@ -29,9 +33,13 @@ records the load average before and after the run.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
+import random
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +50,7 @@ from tqdm import tqdm
 
 import kernels
 from benchmarks._timing import copy_bandwidth_gbs, time_ms
-from kernels.backend import PagedAttentionFn
+from kernels.backend import ContextAttentionFn, PagedAttentionFn
 from kernels.cpu import attention as cpu_attention
 
 # SmolLM2-135M's attention shape (the default model): GQA 9 / 3 heads of 64.
@@ -162,7 +170,14 @@ def load_note(before: tuple[float, float, float], after: tuple[float, float, flo
     return note + "."
 
 
-def to_markdown(rows: list[Row], copy_gbs: float, device_name: str, dtype: torch.dtype, load: str) -> str:
+def to_markdown(
+    rows: list[Row],
+    copy_gbs: float,
+    device_name: str,
+    dtype: torch.dtype,
+    load: str,
+    prefill: list[PrefillRow] | None = None,
+) -> str:
     lines = [
         "# Kernel benchmark" + (" (CPU)" if device_name.startswith("cpu") else ""),
         "",
@@ -182,7 +197,126 @@ def to_markdown(rows: list[Row], copy_gbs: float, device_name: str, dtype: torch
         lines.append(
             f"| {r.op} | {r.batch} | {r.context} | {r.ms:.3f} | {r.bytes / 1e6:.2f} | {gbs:.1f} | {100 * gbs / copy_gbs:.0f} % |"
         )
+    if prefill:
+        lines += prefill_markdown(prefill)
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- prefill (context) attention
+
+
+def prefill_cases() -> list[tuple[str, list[tuple[int, int]]]]:
+    """(name, [(seq_len, q_len) per sequence]) of each prefill case: the queries are the newest positions."""
+    rng = random.Random(0)
+    prompts = [rng.randint(32, 256) for _ in range(64)]
+    return [
+        ("64 prompts of 32-256 tokens", [(n, n) for n in prompts]),
+        ("1 prompt of 512 tokens", [(512, 512)]),
+        ("1 prompt of 1024 tokens", [(1024, 1024)]),
+        ("1 prompt of 2048 tokens", [(2048, 2048)]),
+        ("256-token chunk after 1024 cached", [(1280, 256)]),
+    ]
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    case: str
+    queries: int
+    threads: int
+    numba_ms: float
+    torch_ms: float
+    flops: float  # the causal attention's useful flops (QK and PV)
+
+
+class PrefillCase:
+    """One layer's paged cache holding ``seqs``' keys/values at shuffled blocks, and their queries."""
+
+    def __init__(self, seqs: list[tuple[int, int]], dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(len(seqs) * 100003 + sum(n for n, _ in seqs))
+        blocks = [math.ceil(n / BLOCK_SIZE) for n, _ in seqs]
+        key_caches, value_caches = kernels.allocate_kv_cache(
+            1, sum(blocks), NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype, "cpu"
+        )
+        self.key_cache, self.value_cache = key_caches[0].normal_(generator=gen), value_caches[0].normal_(generator=gen)
+        physical = torch.randperm(sum(blocks), generator=gen)
+        self.block_tables = torch.zeros(len(seqs), max(blocks), dtype=torch.int32)
+        for b, start in enumerate(_offsets(blocks)[:-1]):
+            self.block_tables[b, : blocks[b]] = physical[start : start + blocks[b]]
+        starts = _offsets([q for _, q in seqs])
+        self.query_start_loc = torch.tensor(starts, dtype=torch.int32)
+        self.seq_lens = torch.tensor([n for n, _ in seqs], dtype=torch.int32)
+        self.query = torch.randn(starts[-1], NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+        self.out = torch.empty_like(self.query)
+        # Query at position p sees p + 1 keys: q (n - (q - 1) / 2) query-key pairs per sequence.
+        pairs = sum(q * (n - (q - 1) / 2) for n, q in seqs)
+        self.flops = 4 * NUM_HEADS * HEAD_SIZE * pairs
+
+    def run(self, kernel: ContextAttentionFn) -> None:
+        kernel(
+            self.out, self.query, self.key_cache, self.value_cache, NUM_KV_HEADS, HEAD_SIZE**-0.5,
+            self.block_tables, self.query_start_loc, self.seq_lens, BLOCK_SIZE,
+        )  # fmt: skip
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each of consecutive ``sizes`` starts, and their total last: ``[0, s0, s0 + s1, ...]``."""
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return offsets
+
+
+def alternating_ms(fns: list[Callable[[], object]], warmup: int = 2, repeats: int = 7) -> list[float]:
+    """Median milliseconds of each of ``fns``, called in turn: on a busy machine both sides of an
+    A/B see the same minutes of load, which separate runs would not."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, samples):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(times) for times in samples]
+
+
+def measure_prefill(backend: kernels.KernelBackend, dtype: torch.dtype) -> list[PrefillRow]:
+    """Every prefill case on all of torch's threads and on one: the backend's kernel against the torch kernel."""
+    threads = torch.get_num_threads()
+    rows = []
+    try:
+        for count in sorted({threads, 1}, reverse=True):
+            torch.set_num_threads(count)
+            for name, seqs in tqdm(prefill_cases(), desc=f"prefill, {count} thread(s)", unit="case"):
+                case = PrefillCase(seqs, dtype)
+                kernels_to_time = (backend.context_attention, cpu_attention.context_attention)
+                fast, twin = alternating_ms([functools.partial(case.run, k) for k in kernels_to_time])
+                rows.append(PrefillRow(name, int(case.query.shape[0]), count, fast, twin, case.flops))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def prefill_markdown(rows: list[PrefillRow]) -> list[str]:
+    lines = [
+        "",
+        "## Prefill (context) attention",
+        "",
+        "The CPU backend's Numba kernel (`kernels/cpu/_numba_prefill.py`) against the torch kernel it replaced",
+        "(`kernels.cpu.attention.context_attention`, still the fallback), called in turn in the same run;",
+        "medians of 7 calls each. GFLOP/s counts the causal attention's useful work: 4 flops per query head,",
+        "key it sees and head dim (QK and PV).",
+        "",
+        "| case | queries | threads | Numba (ms) | torch (ms) | speed-up | Numba GFLOP/s | torch GFLOP/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.case} | {r.queries} | {r.threads} | {r.numba_ms:.2f} | {r.torch_ms:.2f} | "
+            f"{r.torch_ms / r.numba_ms:.2f}x | {r.flops / r.numba_ms / 1e6:.1f} | {r.flops / r.torch_ms / 1e6:.1f} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     for batch, context in tqdm(cases, desc="kernel benchmark", unit="case"):
         rows.extend(measure(Case(batch, context, dtype, device), backend, device))
-    table = to_markdown(rows, copy_gbs, device_name, dtype, load_note(load_before, os.getloadavg()))
+    prefill = None if on_gpu else measure_prefill(backend, dtype)
+    table = to_markdown(rows, copy_gbs, device_name, dtype, load_note(load_before, os.getloadavg()), prefill)
     print(table)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(table)
