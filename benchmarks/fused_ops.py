@@ -5,9 +5,10 @@
 Per op and row count: median milliseconds of the torch version (what transformers'
 modules run: several dispatched ops) and of the fused one the worker runs
 (worker_service/models/fused_ops.py), on the worker's thread count. The matmul
-rows compare F.linear (MKL) with the few-row Numba kernel over one decoder
-layer's four weight matrices plus the LM head, with the bandwidth each reads the
-weights at. Outputs are checked equal (or within float32 rounding) before timing.
+rows compare F.linear (MKL) with the worker's projection (worker_service/models/linear.py:
+oneDNN on weights packed at load) over one decoder layer's four weight matrices plus
+the LM head, with the bandwidth each reads the weights at and its GFLOP/s. Outputs
+are checked equal (or within float32 rounding) before timing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks._timing import time_ms  # noqa: E402
 from benchmarks.run_info import run_info  # noqa: E402
-from worker_service.models import _numba_linear, fused_ops  # noqa: E402
+from worker_service.models import fused_ops  # noqa: E402
+from worker_service.models.linear import Linear  # noqa: E402
 
 RESULTS = Path("benchmarks/results/fused_ops.json")
 # SmolLM2-135M: hidden 576, 9 + 3 heads of 64, MLP 1536, vocabulary 49152.
@@ -70,26 +72,30 @@ def measure(rows: int) -> list[dict[str, object]]:
         _pair("silu_and_mul", rows, lambda: F.silu(gate_up[:, :MLP]) * gate_up[:, MLP:],
               lambda: fused_ops.silu_and_mul(gate_up)),
     ]
-    if rows <= fused_ops.SKINNY_MAX_ROWS * 2:
-        weights = [torch.randn(n, k) for n, k in (((HEADS + 2 * KV_HEADS) * HEAD, HIDDEN), (HIDDEN, HIDDEN),
-                                                  (2 * MLP, HIDDEN), (HIDDEN, MLP), (VOCAB, HIDDEN))]
-        inputs = {HIDDEN: torch.randn(rows, HIDDEN), MLP: torch.randn(rows, MLP)}
-        outs = [torch.empty(rows, w.shape[0]) for w in weights]
-        empty = torch.empty(0)
+    weights = [torch.randn(n, k) for n, k in (((HEADS + 2 * KV_HEADS) * HEAD, HIDDEN), (HIDDEN, HIDDEN),
+                                              (2 * MLP, HIDDEN), (HIDDEN, MLP), (VOCAB, HIDDEN))]
+    inputs = {HIDDEN: torch.randn(rows, HIDDEN), MLP: torch.randn(rows, MLP)}
+    projections = [Linear(w) for w in weights]
+    for w, projection in zip(weights, projections):
+        x = inputs[w.shape[1]]
+        torch.testing.assert_close(projection(x), F.linear(x, w), rtol=1e-4, atol=1e-3)
 
-        def mkl() -> None:
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
+    def mkl() -> None:
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
 
-        def numba() -> None:
-            for w, o in zip(weights, outs):
-                _numba_linear.skinny_linear(inputs[w.shape[1]].numpy(), w.numpy(), empty.numpy(), o.numpy())
+    def packed() -> None:
+        for projection in projections:
+            projection(inputs[projection.in_features])
 
-        entry = _pair("layer + lm_head matmuls", rows, mkl, numba)
-        gigabytes = sum(w.numel() for w in weights) * 4 / 1e9
-        entry["torch_gbs"] = gigabytes / (entry["torch_ms"] / 1e3)  # type: ignore[operator]
-        entry["fused_gbs"] = gigabytes / (entry["fused_ms"] / 1e3)  # type: ignore[operator]
-        out.append(entry)
+    entry = _pair("layer + lm_head matmuls", rows, mkl, packed)
+    gigabytes = sum(w.numel() for w in weights) * 4 / 1e9
+    flops = 2 * rows * sum(w.numel() for w in weights)
+    for side in ("torch", "fused"):
+        seconds = entry[f"{side}_ms"] / 1e3  # type: ignore[operator]
+        entry[f"{side}_gbs"] = gigabytes / seconds
+        entry[f"{side}_gflops"] = flops / seconds / 1e9
+    out.append(entry)
     return out
 
 

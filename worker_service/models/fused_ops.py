@@ -17,14 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from worker_service.models import _numba_ops as nb
-from worker_service.models._numba_linear import skinny_linear
 
 # Elements per call above which a Numba kernel runs over rows on several threads. Below it, waking
 # the thread team costs more than the pass (an RMSNorm of [64, 576] floats is ~10 us on one thread).
 PARALLEL_MIN_ELEMENTS = 1 << 18
-# Token rows up to which a float32 CPU matmul runs the Numba kernel (see _numba_linear) instead of MKL.
-SKINNY_MAX_ROWS = 32
-_NO_BIAS = torch.empty(0)
 
 
 def _numba_ok(*tensors: torch.Tensor) -> bool:
@@ -47,17 +43,6 @@ def _variant(serial: object, parallel: object, elements: int) -> object:
         return serial
     _full_team()
     return parallel
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T (+ bias)``, as F.linear; few-row float32 products on the CPU take the Numba kernel."""
-    if x.shape[0] <= SKINNY_MAX_ROWS and _numba_ok(x, weight) and x.is_contiguous() and weight.is_contiguous():
-        out = torch.empty(x.shape[0], weight.shape[0])
-        kernel_bias = _NO_BIAS if bias is None else bias
-        _full_team()
-        skinny_linear(x.numpy(), weight.numpy(), kernel_bias.numpy(), out.numpy())
-        return out
-    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

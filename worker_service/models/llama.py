@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from worker_service.attention import AttentionMetadata, attend
-from worker_service.models.fused_ops import add_rms_norm, apply_rotary, linear, rms_norm, silu_and_mul
+from worker_service.models.fused_ops import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from worker_service.models.linear import Linear
 from worker_service.models.rotary import RotaryTable
 
 
@@ -41,14 +42,12 @@ class LlamaLayer:
     """One decoder layer's weights in the fused layout (this rank's share)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, Hq * D]
+    qkv: Linear  # [(Hq + 2 Hkv) * D, hidden], with the fused bias (Qwen2)
+    o: Linear  # [hidden, Hq * D], no bias: o_bias is added after the tensor-parallel reduction
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * I, hidden]: gate's I rows, then up's
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, I]
+    gate_up: Linear  # [2 * I, hidden]: gate's I rows, then up's
+    down: Linear  # [hidden, I], no bias (as o)
     down_bias: torch.Tensor | None
     # Keys this layer attends back to (Mistral; Qwen2's sliding layers), None for full attention.
     sliding_window: int | None
@@ -74,12 +73,12 @@ class LlamaModel:
     """The decoder and LM head of a Llama-family checkpoint, in the fused layout."""
 
     def __init__(self, dims: LlamaDims, embed: torch.Tensor, layers: list[LlamaLayer], norm: torch.Tensor,
-                 lm_head: torch.Tensor, rotary: RotaryTable) -> None:
+                 lm_head: Linear, rotary: RotaryTable) -> None:
         self.dims = dims
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm
-        self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when they are tied
+        self.lm_head = lm_head  # [vocab, hidden]; the embedding's weights when they are tied
         self.rotary = rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
@@ -94,7 +93,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             if index:
                 x = add_rms_norm(x, residual, layer.input_norm, eps)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             apply_rotary(qkv[:, : q_width + kv_width].view(tokens, dims.num_heads + dims.num_kv_heads, dims.head_size),
                          positions, self.rotary.cos, self.rotary.sin)
             q = qkv[:, :q_width].view(tokens, dims.num_heads, dims.head_size)
@@ -103,17 +102,15 @@ class LlamaModel:
             out = attend(attn, index, q, k, v, dims.scaling, layer.sliding_window)
             x = self._row_parallel(out.view(tokens, q_width), layer.o, layer.o_bias)
             x = add_rms_norm(x, residual, layer.post_norm, eps)
-            x = self._row_parallel(silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down,
-                                   layer.down_bias)
+            x = self._row_parallel(silu_and_mul(layer.gate_up(x)), layer.down, layer.down_bias)
         return add_rms_norm(x, residual, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of the given hidden rows."""
-        return linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
-    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.dims.tp_size == 1:
-            return linear(x, weight, bias)
-        y = linear(x, weight)
-        dist.all_reduce(y)
-        return y if bias is None else y + bias
+    def _row_parallel(self, x: torch.Tensor, projection: Linear, bias: torch.Tensor | None) -> torch.Tensor:
+        y = projection(x)
+        if self.dims.tp_size > 1:
+            dist.all_reduce(y)
+        return y if bias is None else y.add_(bias)

@@ -22,6 +22,7 @@ from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from worker_service.models.checkpoint_tensors import CheckpointTensors
+from worker_service.models.linear import Linear
 from worker_service.models.llama import LlamaDims, LlamaLayer, LlamaModel
 from worker_service.models.rotary import DYNAMIC_ROPE_TYPES, build_rotary_table, rope_type
 
@@ -85,14 +86,14 @@ def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int
     parts = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
     return LlamaLayer(
         input_norm=need("input_layernorm.weight"),
-        qkv=torch.cat([need(f"self_attn.{p}_proj.weight")[rows] for p, rows in parts]).contiguous(),
-        qkv_bias=_cat([_rows(get(f"self_attn.{p}_proj.bias"), rows) for p, rows in parts]),
-        o=need("self_attn.o_proj.weight")[:, q_rows].contiguous(),
+        qkv=Linear(torch.cat([need(f"self_attn.{p}_proj.weight")[rows] for p, rows in parts]),
+                   _cat([_rows(get(f"self_attn.{p}_proj.bias"), rows) for p, rows in parts])),
+        o=Linear(need("self_attn.o_proj.weight")[:, q_rows].contiguous()),
         o_bias=get("self_attn.o_proj.bias"),
         post_norm=need("post_attention_layernorm.weight"),
-        gate_up=torch.cat([need("mlp.gate_proj.weight")[mlp_rows], need("mlp.up_proj.weight")[mlp_rows]]).contiguous(),
-        gate_up_bias=_cat([_rows(get("mlp.gate_proj.bias"), mlp_rows), _rows(get("mlp.up_proj.bias"), mlp_rows)]),
-        down=need("mlp.down_proj.weight")[:, mlp_rows].contiguous(),
+        gate_up=Linear(torch.cat([need("mlp.gate_proj.weight")[mlp_rows], need("mlp.up_proj.weight")[mlp_rows]]),
+                       _cat([_rows(get("mlp.gate_proj.bias"), mlp_rows), _rows(get("mlp.up_proj.bias"), mlp_rows)])),
+        down=Linear(need("mlp.down_proj.weight")[:, mlp_rows].contiguous()),
         down_bias=get("mlp.down_proj.bias"),
         sliding_window=_sliding_window(config, index),
     )
@@ -112,6 +113,6 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows) for i in range(config.num_hidden_layers)]
     embed = tensors.require("model.embed_tokens.weight")
     tied = getattr(config, "tie_word_embeddings", False)
-    lm_head = embed if tied else tensors.require("lm_head.weight")
+    lm_head = Linear(embed if tied else tensors.require("lm_head.weight"))
     rotary = build_rotary_table(ROTARY_MODULES[config.model_type], config, max_positions, dtype, device)
     return LlamaModel(dims, embed, layers, tensors.require("model.norm.weight"), lm_head, rotary)

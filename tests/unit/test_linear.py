@@ -1,0 +1,55 @@
+"""worker_service.models.linear: the packed oneDNN projection against float64, and its dense fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_service.models import linear as linear_module
+from worker_service.models.linear import Linear
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [1, 3, linear_module.PACK_ROWS_HINT, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_float32_matches_float64(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(333, 576)  # a feature count no SIMD width divides
+    bias = torch.randn(333) if with_bias else None
+    projection = Linear(weight, bias)
+    assert projection.packed
+    x = torch.randn(rows, 576)
+    # float32 sums of 576 products of unit normals: errors ~ sqrt(576) * 2^-24 * |terms|.
+    torch.testing.assert_close(projection(x).double(), _reference(x, weight, bias), rtol=1e-5, atol=3e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_packed_bfloat16_matches_f_linear() -> None:
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    projection = Linear(weight)
+    assert projection.packed
+    # Both are oneDNN bf16 GEMMs with float32 accumulation; one rounding of the output apart at most.
+    torch.testing.assert_close(projection(x), torch.nn.functional.linear(x, weight), rtol=2**-7, atol=1e-2)
+
+
+def test_empty_input_gives_empty_output() -> None:
+    projection = Linear(torch.randn(7, 4))
+    assert projection(torch.empty(0, 4)).shape == (0, 7)
+
+
+def test_unpackable_weight_keeps_dense_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "_PACKABLE_DTYPES", ())
+    weight, bias, x = torch.randn(10, 8), torch.randn(10), torch.randn(3, 8)
+    projection = Linear(weight, bias)
+    assert not projection.packed
+    torch.testing.assert_close(projection(x), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_wrong_input_width_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="projection of 8 features got input of shape \\(3, 9\\)"):
+        Linear(torch.randn(10, 8))(torch.randn(3, 9))

@@ -1,0 +1,67 @@
+"""A projection ``x @ W^T (+ b)`` whose weight is laid out once, at load, for the CPU's fastest GEMM.
+
+torch's F.linear on a float32 CPU tensor calls MKL's sgemm, which on AMD processors
+takes its AVX2 code path whatever the CPU offers; oneDNN (bundled with torch as
+mkldnn) picks its kernels by the CPU's actual ISA. oneDNN also takes a weight reordered
+ahead of time into its blocked layout, so a call reads the weight once, sequentially,
+instead of packing it again per call as sgemm does. On the 2-core AMD EPYC (AVX-512) of
+docs/benchmarks.md, the default model's matmuls of one decode step took, in one run:
+
+    rows            1      4     16     64     512
+    F.linear (MKL)  12.3   28.3   41.1  120.1  713.8 ms
+    oneDNN, packed   7.1    6.5   12.7   38.5  305.8 ms
+
+(every layer's four projections plus the LM head; docs/benchmarks-history.md). One
+packing serves every row count: the row count given to the reorder is only a hint,
+and hints from 16 to 256 measured the same.
+
+Where oneDNN cannot take the weight (CUDA, float16 without AVX512-FP16, a torch built
+without it) the projection keeps the dense weight and calls F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# The row count oneDNN lays the weight out for: a decode batch (the bulk of serving steps).
+PACK_ROWS_HINT = 64
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's blocked layout, or None where oneDNN cannot take it."""
+    if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+    except (RuntimeError, AttributeError) as exc:  # an ISA or build without the path: F.linear serves
+        log.info("oneDNN cannot pack a %s %s weight (%s); using F.linear", weight.dtype, tuple(weight.shape), exc)
+        return None
+
+
+class Linear:
+    """``x [T, in] -> [T, out]``; the weight is not kept dense when oneDNN holds a packed copy."""
+
+    __slots__ = ("out_features", "in_features", "bias", "_dense", "_packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self._packed = _pack(weight)
+        self._dense = weight if self._packed is None else None
+
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"projection of {self.in_features} features got input of shape {tuple(x.shape)}")
+        if self._packed is None:
+            return F.linear(x, self._dense, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
