@@ -1,7 +1,8 @@
 """Host time of one worker step: the ExecuteStep path in-process, without gRPC.
 
     python -m benchmarks.worker_step [--models tiny default] [--batch-sizes 1 4 16] [--steps 40]
-        [--logprobs K] [--threads N] [--profile] [--output benchmarks/results/worker_step.json]
+        [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16] [--profile]
+        [--output benchmarks/results/worker_step.json]
 
 For each model and batch size B, a ModelRunner prefills B greedy sequences
 (random 32-token prompts), then runs --steps decode steps. Each step is what
@@ -148,6 +149,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="decode steps per batch size")
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per sampled token (default none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 keeps torch's default)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and KV cache (auto: float32 on a CPU)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions per run")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -157,7 +160,7 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            config = WorkerConfig(model=str(_model_dir(name, Path(tmp))), block_size=BLOCK_SIZE,
+            config = WorkerConfig(model=str(_model_dir(name, Path(tmp))), block_size=BLOCK_SIZE, dtype=args.dtype,
                                   num_gpu_blocks_override=blocks, max_model_len=PROMPT_LEN + args.steps + 1)
             runner = ModelRunner(config)
             for batch in tqdm(args.batch_sizes, desc=f"{name} model", unit="batch size"):
@@ -170,6 +173,7 @@ def main() -> None:
                         "driven in-process through the worker's ExecuteStep path (plan bytes in, reply bytes out, "
                         "no gRPC); medians over the steps. tiny: 2-layer hidden-128 Llama with the default "
                         "tokenizer's vocabulary; default: SmolLM2-135M."),
+        "dtype": args.dtype,
         "phases": PHASES,
         "rows": runs,
     }
