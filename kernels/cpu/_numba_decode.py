@@ -22,12 +22,12 @@ multiply-adds that vectorize::
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 from numba.core import types
 from numba.extending import overload
+
+from kernels.cpu._numba_exp import exp_f32
 
 # Only contraction (a*b+c as one FMA, which rounds once instead of twice). No
 # reassociation: the hot loops are written without reductions, so they vectorize
@@ -106,6 +106,15 @@ def _sum_slots(wide: np.ndarray, scale: np.float32, out_row: np.ndarray) -> None
         out_row[d] = total * scale
 
 
+@numba.njit(fastmath={"contract", "reassoc"}, cache=True)
+def _block_sum(weights: np.ndarray) -> np.float32:
+    """The sum of one block's softmax weights, reassociated so that it vectorizes."""
+    total = np.float32(0.0)
+    for o in range(weights.shape[0]):
+        total += weights[o]
+    return total
+
+
 @numba.njit(_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
 def decode_attention(
     out: np.ndarray,
@@ -145,9 +154,8 @@ def decode_attention(
         wide = np.zeros((group, head_size, block_size), dtype=np.float32)
         running_max = np.full(group, -np.inf, dtype=np.float32)
         denominator = np.zeros(group, dtype=np.float32)
-        products = np.empty(row, dtype=np.float32)
-        scores = np.empty(block_size, dtype=np.float32)
-        weights = np.zeros(block_size, dtype=np.float32)  # zero outside the context's slots
+        products = np.empty((group, row), dtype=np.float32)
+        weights = np.empty((group, block_size), dtype=np.float32)
         key_bits = np.empty(chunks * row, dtype=np.uint32)
         value_bits = np.empty(head_size * block_size, dtype=np.uint32)
         clean = np.empty((head_size, block_size), dtype=np.float32)
@@ -158,39 +166,43 @@ def decode_attention(
             hi = min(ctx - logical * block_size, block_size)
             keys = _as_float32(key_cache[block, h], key_bits)
             values = _finite_slots(_as_float32(value_cache[block, h], value_bits), lo, hi, clean)
-            # Every inner loop below runs over a whole block row with no reduction:
-            # loops with data-dependent bounds (lo:hi) measured several times slower (not vectorized).
+            # q . k of every slot for every query head of the group, each key row read once for all of
+            # them: products summed over the chunks, then over each slot's x lanes. Every loop is
+            # explicit with whole-row bounds: slice assignments and lo:hi bounds did not vectorize.
             for g in range(group):
-                # q . k of every slot: products summed over the chunks, then over each slot's x lanes.
-                products[:] = 0.0
-                for c in range(chunks):
+                for j in range(row):
+                    products[g, j] = tiled[g, 0, j] * keys[0, j]
+            for c in range(1, chunks):
+                for g in range(group):
                     for j in range(row):
-                        products[j] += tiled[g, c, j] * keys[c, j]
+                        products[g, j] += tiled[g, c, j] * keys[c, j]
+            for g in range(group):
                 block_max = running_max[g]
-                for o in range(lo, hi):
+                for o in range(block_size):
                     score = np.float32(0.0)
                     for i in range(x):
-                        score += products[o * x + i]
+                        score += products[g, o * x + i]
                     if use_alibi:
                         # Distance to the query (the last position): <= 0.
                         score += slopes[h * group + g] * np.float32(logical * block_size + o - (ctx - 1))
-                    scores[o] = score
+                    # Slots outside the context score -inf: the polynomial exp makes their weight exactly 0.
+                    score = score if lo <= o < hi else np.float32(-np.inf)
+                    weights[g, o] = score
                     block_max = max(block_max, score)
                 # Online softmax: rescale what was accumulated under a smaller maximum.
                 if block_max > running_max[g]:
-                    correction = np.float32(math.exp(running_max[g] - block_max))
+                    correction = exp_f32(running_max[g] - block_max)
                     running_max[g] = block_max
                     denominator[g] *= correction
-                    wide[g] *= correction
-                if lo > 0 or hi < block_size:
-                    weights[:] = 0.0
-                for o in range(lo, hi):
-                    weight = np.float32(math.exp(scores[o] - block_max))
-                    weights[o] = weight
-                    denominator[g] += weight
+                    for d in range(head_size):
+                        for o in range(block_size):
+                            wide[g, d, o] *= correction
+                for o in range(block_size):
+                    weights[g, o] = exp_f32(weights[g, o] - block_max)
+                denominator[g] += _block_sum(weights[g])
                 for d in range(head_size):
                     for o in range(block_size):
-                        wide[g, d, o] += weights[o] * values[d, o]
+                        wide[g, d, o] += weights[g, o] * values[d, o]
         for g in range(group):
             # An empty context accumulated nothing: its output is defined as zeros.
             inverse = np.float32(1.0) / denominator[g] if denominator[g] > 0 else np.float32(0.0)
