@@ -45,9 +45,6 @@ A negative slot marks a padding token that must not be written.
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 
 # Bytes per innermost key-cache chunk; x = _KEY_CHUNK_BYTES // element_size.
@@ -138,19 +135,6 @@ def allocate_kv_cache(
         raise ValueError(f"pin_memory=True requires a cpu device, got device={dev}")
     # Zeros, not empty: stale NaNs in never-written slots would otherwise leak
     # through 0 * NaN in kernels that touch whole blocks.
-    key_caches = [_zeros(k_shape, dtype, dev, pin_memory) for _ in range(num_layers)]
-    value_caches = [_zeros(v_shape, dtype, dev, pin_memory) for _ in range(num_layers)]
+    key_caches = [torch.zeros(k_shape, dtype=dtype, device=dev, pin_memory=pin_memory) for _ in range(num_layers)]
+    value_caches = [torch.zeros(v_shape, dtype=dtype, device=dev, pin_memory=pin_memory) for _ in range(num_layers)]
     return key_caches, value_caches
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool) -> torch.Tensor:
-    """A zeroed tensor; in ordinary host memory, zeroed by the OS as its pages are first touched.
-
-    torch.zeros writes every byte up front: 3 s for a 1.5 GiB cache on a 2-core machine, all of it
-    at a worker's start. numpy's zeros is calloc, which maps large blocks from the OS already zero,
-    so the cost moves to the first write of each page, spread over the steps that fill the cache.
-    """
-    if device.type != "cpu" or pin_memory:
-        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
