@@ -14,7 +14,7 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("rows", [1, 3, linear_module.PACK_ROWS_HINT, 200])
+@pytest.mark.parametrize("rows", [1, 3, 17, linear_module.PACK_ROWS_HINT, 130, 200, 600])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_float32_matches_float64(rows: int, with_bias: bool) -> None:
     torch.manual_seed(rows)
@@ -53,3 +53,12 @@ def test_unpackable_weight_keeps_dense_f_linear(monkeypatch: pytest.MonkeyPatch)
 def test_wrong_input_width_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="projection of 8 features got input of shape \\(3, 9\\)"):
         Linear(torch.randn(10, 8))(torch.randn(3, 9))
+
+
+def test_bucket_rows_bounds_the_row_counts_and_the_padding() -> None:
+    buckets = {linear_module.bucket_rows(rows) for rows in range(1, 2049)}
+    # 16 exact, then steps of 8 to 128, 16 to 512 and 64 to 2048: oneDNN builds one primitive per bucket.
+    assert len(buckets) == 16 + 14 + 24 + 24
+    for rows in range(1, 2049):
+        padded = linear_module.bucket_rows(rows)
+        assert rows <= padded <= (rows * 1.125 if rows >= 64 else rows + 7)
