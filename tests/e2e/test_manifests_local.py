@@ -50,6 +50,11 @@ def start(tiny_llama_dir: Path, workdir: Path, overrides: dict[str, dict[str, st
             cluster.start_scheduler(i)
         for i in range(2):
             cluster.wait_serving(f"scheduler-{i}")
+        # A replica is ready with one routable worker; tests that route on equal loads need every worker
+        # registered and driven (a lease is taken in the supervisor tick that registration wakes on every
+        # replica, so the routers have seen it too).
+        workers = [f"worker-{i}" for i in range(num_workers)]
+        wait_for(lambda: all(lease_owners(cluster, workers).values()), 120, "every worker leased")
     except BaseException:
         cluster.stop()
         raise
