@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import os
 import platform
@@ -240,9 +241,9 @@ class PrefillCase:
         self.key_cache, self.value_cache = key_caches[0].normal_(generator=gen), value_caches[0].normal_(generator=gen)
         physical = torch.randperm(sum(blocks), generator=gen)
         self.block_tables = torch.zeros(len(seqs), max(blocks), dtype=torch.int32)
-        for b, start in enumerate(_offsets(blocks)[:-1]):
+        for b, start in enumerate(list(itertools.accumulate(blocks, initial=0))[:-1]):
             self.block_tables[b, : blocks[b]] = physical[start : start + blocks[b]]
-        starts = _offsets([q for _, q in seqs])
+        starts = list(itertools.accumulate((q for _, q in seqs), initial=0))
         self.query_start_loc = torch.tensor(starts, dtype=torch.int32)
         self.seq_lens = torch.tensor([n for n, _ in seqs], dtype=torch.int32)
         self.query = torch.randn(starts[-1], NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
@@ -256,14 +257,6 @@ class PrefillCase:
             self.out, self.query, self.key_cache, self.value_cache, NUM_KV_HEADS, HEAD_SIZE**-0.5,
             self.block_tables, self.query_start_loc, self.seq_lens, BLOCK_SIZE,
         )  # fmt: skip
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    """Where each of consecutive ``sizes`` starts, and their total last: ``[0, s0, s0 + s1, ...]``."""
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
-    return offsets
 
 
 def alternating_ms(fns: list[Callable[[], object]], warmup: int = 2, repeats: int = 7) -> list[float]:

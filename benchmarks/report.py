@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +88,7 @@ def overhead_section(o: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _gemm_gflops(seconds: float = 1.0) -> float:
+def _gemm_gflops(repeats: int = 100) -> float:
     """float32 GFLOP/s of the fastest GEMM this machine runs on one of the model's shapes ([512, 576] x [576, 1536]).
 
     Both torch.mm (MKL) and the worker's projection (oneDNN on a packed weight,
@@ -99,20 +97,16 @@ def _gemm_gflops(seconds: float = 1.0) -> float:
     """
     import torch  # noqa: PLC0415 - only the targets section needs it
 
+    from benchmarks._timing import time_ms  # noqa: PLC0415
     from worker_service.models.linear import Linear  # noqa: PLC0415
+
+    cpu = torch.device("cpu")
 
     a, b = torch.randn(512, 576), torch.randn(576, 1536)
     projection = Linear(b.T.contiguous())
-
-    def rate(fn: Callable[[], object]) -> float:
-        fn()
-        calls, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            fn()
-            calls += 1
-        return 2 * 512 * 576 * 1536 * calls / (time.perf_counter() - started) / 1e9
-
-    return max(rate(lambda: torch.mm(a, b)), rate(lambda: projection(a)))
+    fastest_ms = min(time_ms(lambda: torch.mm(a, b), cpu, repeats=repeats),
+                     time_ms(lambda: projection(a), cpu, repeats=repeats))
+    return 2 * 512 * 576 * 1536 / (fastest_ms / 1e3) / 1e9
 
 
 # Parameters of the default model (SmolLM2-135M-Instruct): every token costs ~2 FLOPs per parameter.
