@@ -7,9 +7,8 @@
 For each model and batch size B, a ModelRunner prefills B greedy sequences
 (random 32-token prompts), then runs --steps decode steps. Each step is what
 the servicer does between receiving the plan's bytes and returning the reply's,
-in a thread of its own as the servicer's asyncio.to_thread (torch applies its
-thread count to each new thread; the main thread's OpenMP setting is the one
-Numba's thread pool overwrites when the CPU backend loads):
+on the thread that loaded the model, as the worker's model thread
+(worker_service/model_thread.py), with the worker's OpenMP setting:
 
     parse  StepPlan.FromString + plan_from_proto
     run    ModelRunner.execute (sequence cache, inputs, forward pass, LM head, sampling)
@@ -33,13 +32,12 @@ import random
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from shared.omp import prefer_sleeping_threads
+from shared.omp import prefer_short_spins
 
 # As `llmserve worker` does before torch loads: the step is measured with the worker's OpenMP setting.
-prefer_sleeping_threads()
+prefer_short_spins()
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -51,6 +49,7 @@ from shared.sampling_params import SamplingParams  # noqa: E402
 from shared.sampling_proto import sampling_to_proto  # noqa: E402
 from worker_service.config import WorkerConfig  # noqa: E402
 from worker_service.model_runner import ModelRunner  # noqa: E402
+from worker_service.model_thread import ModelThread  # noqa: E402
 from worker_service.plan import plan_from_proto  # noqa: E402
 from worker_service.servicer import step_result  # noqa: E402
 
@@ -158,15 +157,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     blocks = max(args.batch_sizes) * -(-(PROMPT_LEN + args.steps + 1) // BLOCK_SIZE)
     runs = []
+    model_thread = ModelThread()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             config = WorkerConfig(model=str(_model_dir(name, Path(tmp))), block_size=BLOCK_SIZE, dtype=args.dtype,
                                   num_gpu_blocks_override=blocks, max_model_len=PROMPT_LEN + args.steps + 1)
-            runner = ModelRunner(config)
+            runner = model_thread.run(ModelRunner, config)
             for batch in tqdm(args.batch_sizes, desc=f"{name} model", unit="batch size"):
-                with ThreadPoolExecutor(1) as step_thread:
-                    row = step_thread.submit(measure, runner, batch, args.steps, args.logprobs, args.profile).result()
+                row = model_thread.run(measure, runner, batch, args.steps, args.logprobs, args.profile)
                 runs.append({"model": name, **row})
+    model_thread.shutdown()
     result = {
         **run_info(f"torch {torch.__version__}", f"{torch.get_num_threads()} torch threads"),
         "description": (f"Decode steps of B greedy sequences ({PROMPT_LEN}-token prompts, logprobs={args.logprobs}) "

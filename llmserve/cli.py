@@ -273,9 +273,9 @@ def _ready_notice(args: argparse.Namespace, event: str) -> Callable[[StartupRepo
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from shared.omp import prefer_sleeping_threads  # noqa: PLC0415
+    from shared.omp import prefer_short_spins  # noqa: PLC0415
 
-    prefer_sleeping_threads()
+    prefer_short_spins()
     timer = _startup_timer(args)
     with timer.phase("imports"):
         import asyncio  # noqa: PLC0415 - keep `llmserve --help` and `up` fast

@@ -1,22 +1,48 @@
-"""OpenMP threads that sleep when idle, for processes that share their cores; the cores a process may use."""
+"""How idle OpenMP threads wait (a short spin for a worker, sleeping for the tests); the cores a process may use.
+
+Both are read by libgomp when torch loads, so they must be set before torch is imported; afterwards
+they do nothing, and neither overrides a setting the user made (OMP_WAIT_POLICY or GOMP_SPINCOUNT).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 
+# Spins of an idle libgomp thread before it sleeps: ~0.9 ms on the 2-core AMD EPYC of
+# docs/benchmarks.md (a pause instruction per spin). A decode step opens ~120 parallel regions with
+# tens of microseconds of Python between them: threads that sleep in those gaps cost one wake-up per
+# region (one sequence, default model: 22 ms per step sleeping, 15 ms spinning 10000 times, 15.9
+# spinning 3000 times). Between steps the spin ends and the thread sleeps, leaving the cores to the
+# scheduler, Redis and clients.
+WORKER_SPIN_COUNT = 10_000
+
+
+def _user_chose() -> bool:
+    return "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+
+
+def prefer_short_spins() -> None:
+    """A worker's setting: idle OpenMP threads spin WORKER_SPIN_COUNT times, then sleep.
+
+    libgomp cuts any spin to ~1000 turns while the process's OpenMP threads outnumber its cores, so
+    the gain needs one thread team: the worker runs its torch work on one thread (worker_service/model_thread.py).
+    A core taken by another busy process makes spinning cost instead (one step at one sequence with a
+    busy-looping process beside it: 40 ms spinning, 22 sleeping); `OMP_WAIT_POLICY=PASSIVE` is then
+    the better setting, as it is for the test suite.
+    """
+    if not _user_chose():
+        os.environ["GOMP_SPINCOUNT"] = str(WORKER_SPIN_COUNT)
+
 
 def prefer_sleeping_threads() -> None:
-    """Idle OpenMP threads sleep instead of spinning (unless the user chose otherwise).
+    """Idle OpenMP threads sleep at once (the test suite's setting: it runs services on busy cores).
 
-    Read by libgomp when torch loads, so it must run before torch is imported; afterwards it does
-    nothing. A worker shares its cores with the scheduler, Redis and clients (and the tests with the
-    services they start); spinning threads then fight them for the CPU: on 2 busy cores a decode-sized
-    matmul (8 x 576 by 576 x 1536) took 0.36 ms with sleeping threads and 5-11 ms with spinning ones.
+    On 2 busy cores a decode-sized matmul (8 x 576 by 576 x 1536) took 0.36 ms with sleeping threads
+    and 5-11 ms with threads spinning libgomp's default (docs/benchmarks-history.md).
     """
-    if "torch" in sys.modules:
-        return
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not _user_chose():
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def usable_cpus() -> int:

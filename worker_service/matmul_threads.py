@@ -1,7 +1,7 @@
 """On a CPU, torch's intra-op threads go to the linear layers and attention; the small ops between run on one.
 
-The worker's OpenMP threads sleep when idle (shared.omp.prefer_sleeping_threads: it shares its
-cores), so every parallel region pays for waking them. A matmul earns that back many times over;
+The worker's OpenMP threads sleep when idle after a short spin (shared/omp.py: it shares its
+cores), so a parallel region after a longer gap pays for waking them. A matmul earns that back many times over;
 the elementwise ops of a decode step do not: at 64 sequences an RMSNorm ([64, 576] floats) took
 27 us on one thread and 340-370 us on two, and a decode step of the default model spent ~45 ms of
 its ~230 in such ops (multiplies, adds, powers, sums, SiLU averaging 50-160 us each). Within a

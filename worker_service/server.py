@@ -25,6 +25,7 @@ from shared.tls import bind, describe
 from shared.tracing import TracingConfig, make_tracer
 from worker_service.config import WorkerConfig
 from worker_service.health import WorkerHealth
+from worker_service.model_thread import ModelThread
 from shared.worker_registry import WorkerRegistry
 from worker_service.tp_ranks import start_runner
 from worker_service.registration import Registration, RegistrationConfig
@@ -50,17 +51,19 @@ async def serve(config: WorkerConfig, host: str, port: int, ready: asyncio.Event
     timer = startup if startup is not None else StartupTimer()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    # Kernels, model and steps on one thread: one OpenMP thread team (model_thread.py).
+    model_thread = ModelThread()
     # Kernels first, on their own: loading them from Numba's cache is a cost of its own, and the runner's
     # get_backend() then finds them loaded (the backend is cached per device type).
     with timer.phase("kernels"):
-        await asyncio.to_thread(get_backend, config.device)
+        await model_thread.call(get_backend, config.device)
     # With --tensor-parallel-size N this process is rank 0; ranks 1..N-1 are its subprocesses.
     with timer.phase("model"):
-        runner, ranks = await asyncio.to_thread(start_runner, config)
+        runner, ranks = await model_thread.call(start_runner, config)
     server_started = timer.elapsed()
     tracer, provider = make_tracer(TracingConfig.from_env("llmserve-worker", config.otlp_endpoint, config.trace_file))
     metrics = WorkerMetrics(Path(config.model).name or config.model) if config.metrics_port else None
-    servicer = WorkerServicer(runner, model_name=config.model, tracer=tracer, metrics=metrics)
+    servicer = WorkerServicer(runner, model_name=config.model, tracer=tracer, metrics=metrics, model_thread=model_thread)
     server = grpc_server.create_server()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
@@ -135,6 +138,7 @@ async def serve(config: WorkerConfig, host: str, port: int, ready: asyncio.Event
             await redis.aclose()
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
+        await asyncio.to_thread(model_thread.shutdown)
         if ranks is not None:
             ranks.stop()
         if metrics_server is not None:

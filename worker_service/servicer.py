@@ -16,6 +16,7 @@ from shared.errors import StaleEpochError, abort_with, status_for
 from shared.metrics import WorkerMetrics
 from shared.tracing import context_from_metadata
 from worker_service.model_runner import ModelRunner, StepOutput
+from worker_service.model_thread import ModelThread
 from shared.liveness import Activity
 from worker_service.plan import StepPlanData, plan_from_proto
 
@@ -48,13 +49,14 @@ def step_result(out: StepOutput) -> worker_pb2.StepResult:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves Describe / ExecuteStep / Reset over one ModelRunner.
 
-    The forward pass runs in a thread so Describe and health checks stay
-    responsive during a long step; a lock keeps steps strictly sequential.
+    The forward pass runs on the model thread (the one that loaded the model: model_thread.py) so
+    Describe and health checks stay responsive during a long step; a lock keeps steps strictly sequential.
     """
 
     def __init__(self, runner: ModelRunner, model_name: str, tracer: trace.Tracer | None = None,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, model_thread: ModelThread | None = None) -> None:
         self._runner = runner
+        self._model_thread = model_thread if model_thread is not None else ModelThread()
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
         self._metrics = metrics
         self._model_name = model_name
@@ -121,7 +123,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._fence(request.epoch)
                 plan = plan_from_proto(request)
                 # The wire plan too: a tensor-parallel rank 0 forwards it to the other ranks.
-                out = await asyncio.to_thread(self._execute, plan, request)
+                out = await self._model_thread.call(self._execute, plan, request)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server stays up
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             span.end()

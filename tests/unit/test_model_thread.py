@@ -1,0 +1,87 @@
+"""The worker's model thread: every call on one thread, the caller's context with it, errors raised to the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from typing import Any
+
+import pytest
+
+from protos import worker_pb2
+from worker_service.model_thread import ModelThread
+from worker_service.servicer import WorkerServicer
+
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+
+def test_calls_run_on_one_thread_that_is_not_the_callers() -> None:
+    model_thread = ModelThread()
+
+    async def scenario() -> set[int]:
+        return {await model_thread.call(threading.get_ident) for _ in range(5)}
+
+    try:
+        idents = asyncio.run(scenario())
+        idents.add(model_thread.run(threading.get_ident))
+    finally:
+        model_thread.shutdown()
+    assert len(idents) == 1
+    assert threading.get_ident() not in idents
+
+
+def test_call_carries_the_callers_context_and_raises_its_errors() -> None:
+    model_thread = ModelThread()
+
+    def fail() -> None:
+        raise ValueError("bad plan")
+
+    async def scenario() -> str:
+        _request_id.set("req-7")
+        seen = await model_thread.call(_request_id.get)
+        with pytest.raises(ValueError, match="bad plan"):
+            await model_thread.call(fail)
+        return seen
+
+    try:
+        assert asyncio.run(scenario()) == "req-7"
+    finally:
+        model_thread.shutdown()
+
+
+class _Runner:
+    """Stands in for the ModelRunner: records the thread each step runs on."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def execute(self, plan: Any, wire: Any = None) -> Any:
+        self.threads.append(threading.get_ident())
+        raise RuntimeError("no model here")  # the servicer turns it into a status; the thread is what counts
+
+
+class _Context:
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    async def abort(self, code: Any, details: str) -> None:
+        raise RuntimeError(details)
+
+
+def test_servicer_runs_steps_on_the_model_thread_it_was_given() -> None:
+    model_thread = ModelThread()
+    loaded_on = model_thread.run(threading.get_ident)  # as serve() loads the model there
+    runner = _Runner()
+    servicer = WorkerServicer(runner, model_name="m", model_thread=model_thread)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        for step in range(3):
+            with pytest.raises(RuntimeError):
+                await servicer.ExecuteStep(worker_pb2.StepPlan(step_id=step, epoch=1), _Context())  # type: ignore[arg-type]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        model_thread.shutdown()
+    assert runner.threads == [loaded_on] * 3
