@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.cpu._numba_decode import _as_float32, _finite_slots
+from kernels.cpu._numba_blocks import as_float32, finite_slots
 from kernels.cpu._numba_exp import exp_f32
 from kernels.cpu._numba_llvm import fetch_add
 
@@ -263,8 +263,8 @@ def _attend_tile(
         # their scores are overwritten with -inf, their values replaced by zeros.
         lo = max(first_key - base, 0)
         hi = min(end_key - base, block_size)
-        keys = _as_float32(key_cache[block, kv_head], key_bits)
-        values = _finite_slots(_as_float32(value_cache[block, kv_head], value_bits), lo, hi, clean)
+        keys = as_float32(key_cache[block, kv_head], key_bits)
+        values = finite_slots(as_float32(value_cache[block, kv_head], value_bits), lo, hi, clean)
         _block_scores(qt, keys, scores)
         _mask_and_bias(scores, base, lo, hi, p0, tq, group, window, slopes, head0)
         _softmax_block(scores, running_max, denominator, acc, scratch)

@@ -105,10 +105,11 @@ def paged_attention(
         max_context_len, alibi_slopes, sliding_window,
     )  # fmt: skip
     num_seqs, num_heads, head_size = query.shape
-    _use_threads(kernel_threads(num_seqs, num_heads, num_kv_heads, head_size, max_context_len))
+    threads = kernel_threads(num_seqs, num_heads, num_kv_heads, head_size, max_context_len)
+    _use_threads(threads)
     lens = context_lens.to(torch.int32).contiguous().numpy()
     _run(decode_attention, out, query, key_cache, value_cache, block_tables, (lens,), alibi_slopes,
-         (float(scale), sliding_window or 0))  # fmt: skip
+         (float(scale), sliding_window or 0, threads))  # fmt: skip
 
 
 def _run(
