@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report_llamacpp import llamacpp_section
+from benchmarks.report_startup import startup_section
 from benchmarks.report_tables import THROUGHPUT_HEADER, fmt, throughput_row
 
 DOCS = Path("docs")
@@ -21,6 +22,7 @@ SERVING = Path("benchmarks/results/serving.json")
 SERVING_BF16 = Path("benchmarks/results/serving-bfloat16.json")
 OVERHEAD = Path("benchmarks/results/overhead.json")
 LLAMACPP = Path("benchmarks/results/llamacpp.json")
+STARTUP = Path("benchmarks/results/startup.json")
 
 
 def serving_section(r: dict[str, Any], plots: list[str]) -> str:
@@ -208,12 +210,14 @@ def main() -> None:
                         help="serving results; the first one's plots are drawn")
     parser.add_argument("--overhead", type=Path, default=OVERHEAD)
     parser.add_argument("--llamacpp", type=Path, default=LLAMACPP, help="llmserve against llama.cpp")
+    parser.add_argument("--startup", type=Path, default=STARTUP, help="`llmserve up` start-up times")
     parser.add_argument("--output", type=Path, default=DOCS / "benchmarks.md")
     args = parser.parse_args()
     DOCS.mkdir(exist_ok=True)
     sections = ["# Benchmarks", "",
                 "Written by `make bench` (`benchmarks/serving.py`, `benchmarks/overhead.py`, "
-                "`benchmarks/llamacpp_bench.py`, then `benchmarks/report.py`) from the results of one run of the "
+                "`benchmarks/llamacpp_bench.py`, `benchmarks/startup.py`, then `benchmarks/report.py`) from the "
+                "results of one run of the "
                 "code in this tree."]
     for index, path in enumerate(p for p in args.serving if p.exists()):
         serving = json.loads(path.read_text())
@@ -222,6 +226,8 @@ def main() -> None:
             sections += ["", kv_section(serving["kv_utilization"])]
     if args.llamacpp.exists():
         sections += ["", llamacpp_section(json.loads(args.llamacpp.read_text()))]
+    if args.startup.exists():
+        sections += ["", startup_section(json.loads(args.startup.read_text()))]
     overhead = json.loads(args.overhead.read_text()) if args.overhead.exists() else None
     first = next((p for p in args.serving if p.exists()), None)
     if first is not None:
