@@ -29,6 +29,12 @@ T = TypeVar("T")
 _ATTRIBUTE = "_llmserve_reductions"
 
 
+def arguments_layout(*tensors: torch.Tensor | None) -> tuple[object, ...]:
+    """What argument checks see of these tensors (shape, strides, dtype, device): a key under which a
+    check's result holds for every call of a step, whichever tensors (layers) are passed."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
 def reduce_once(owner: torch.Tensor, others: tuple[torch.Tensor, ...], key: Hashable, compute: Callable[[], T]) -> T:
     """``compute()``, or its earlier result while ``owner`` and ``others`` are the same unmodified tensors.
 

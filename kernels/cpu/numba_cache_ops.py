@@ -21,6 +21,7 @@ import torch
 
 from kernels.cache_op_checks import check_reshape_and_cache_args
 from kernels.cpu import cache_ops as torch_cache_ops
+from kernels.metadata_memo import arguments_layout, reduce_once
 
 # Element size -> the integer dtype the copy sees.
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -91,10 +92,17 @@ def reshape_and_cache(
     if not supports(key, value, key_cache, value_cache):
         torch_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
-    check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
-    if slot_mapping.numel() == 0:
+
+    def validate() -> np.ndarray:
+        check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
+        return slot_mapping.to(torch.int64).contiguous().numpy()
+
+    # Checked once per step and layout: every layer passes the same slots and tensors laid out alike.
+    layout = arguments_layout(key, value, key_cache, value_cache)
+    slots = reduce_once(slot_mapping, (), ("numba cache write", layout), validate)
+    if slots.shape[0] == 0:
         return
     bits = _BITS[key_cache.element_size()]
     kernel = _write_parallel if key.shape[0] >= _PARALLEL_MIN_TOKENS else _write_serial
     kernel(key.view(bits).numpy(), value.view(bits).numpy(), key_cache.view(bits).numpy(),
-           value_cache.view(bits).numpy(), slot_mapping.to(torch.int64).contiguous().numpy())
+           value_cache.view(bits).numpy(), slots)

@@ -79,6 +79,26 @@ def test_worker_shaped_batch_matches_the_torch_twin() -> None:
         torch.testing.assert_close(fast, twin, rtol=1e-5, atol=1e-5)
 
 
+def test_checks_run_again_for_a_call_laid_out_differently_in_the_same_step() -> None:
+    # The checks of a step's first call are reused by calls with the same metadata and tensors laid out
+    # alike (the other layers); a call whose tensors differ is checked on its own, and a strided query
+    # (a view of fused q/k/v rows) is read in place with the same result as a contiguous one.
+    gen = torch.Generator().manual_seed(5)
+    lens_list = [40, 7, 33]
+    cache = PagedCache(lens_list, 3, 64, 16, torch.float32, gen)
+    lens = torch.tensor(lens_list, dtype=torch.int32)
+    fused = torch.randn(3, 9 * 64 + 128, generator=gen)
+    query = fused[:, : 9 * 64].view(3, 9, 64)
+    args = (3, 0.125, cache.block_tables, lens, 16, 40)
+    strided, dense = nan_like(query), nan_like(query)
+    numba_attention.paged_attention(strided, query, cache.key_cache, cache.value_cache, *args)
+    numba_attention.paged_attention(dense, query.contiguous(), cache.key_cache, cache.value_cache, *args)
+    torch.testing.assert_close(strided, dense, rtol=0, atol=0)
+    small = cache.key_cache[:-1]  # one block short: the step's block ids may not fit
+    with pytest.raises(ValueError, match="key_cache|value_cache|blocks"):
+        numba_attention.paged_attention(nan_like(query), query, small, cache.value_cache, *args)
+
+
 def test_kernel_threads_follow_torch_threads() -> None:
     # The worker's --num-threads sets torch's threads; the kernel must not use more.
     threads = torch.get_num_threads()

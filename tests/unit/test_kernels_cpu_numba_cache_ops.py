@@ -49,3 +49,15 @@ def test_a_slot_past_the_cache_is_refused() -> None:
     key = torch.randn(1, 3, 32)
     with pytest.raises(ValueError, match="cache has only 320 slots"):
         numba_cache_ops.reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([320]))
+
+
+def test_a_later_call_with_a_smaller_cache_is_checked_again() -> None:
+    # One step's slots serve every layer; the checks of the first call are reused only by calls whose
+    # tensors are laid out alike, so a cache too small for the same slots is still refused.
+    key_cache, value_cache = _caches(torch.float32)
+    key = torch.randn(1, 3, 32)
+    slots = torch.tensor([300])
+    numba_cache_ops.reshape_and_cache(key, key, key_cache, value_cache, slots)
+    assert torch.equal(value_cache[300 // 8, :, :, 300 % 8], key[0])
+    with pytest.raises(ValueError, match="cache has only 240 slots"):
+        numba_cache_ops.reshape_and_cache(key, key, key_cache[:30], value_cache[:30], slots)
