@@ -18,7 +18,8 @@ import sys
 WORKER_SPIN_COUNT = 10_000
 
 
-def _user_chose() -> bool:
+def _already_decided() -> bool:
+    # Too late once torch is loaded; never over the user's own setting.
     return "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
 
 
@@ -31,7 +32,7 @@ def prefer_short_spins() -> None:
     busy-looping process beside it: 40 ms spinning, 22 sleeping); `OMP_WAIT_POLICY=PASSIVE` is then
     the better setting, as it is for the test suite.
     """
-    if not _user_chose():
+    if not _already_decided():
         os.environ["GOMP_SPINCOUNT"] = str(WORKER_SPIN_COUNT)
 
 
@@ -41,7 +42,7 @@ def prefer_sleeping_threads() -> None:
     On 2 busy cores a decode-sized matmul (8 x 576 by 576 x 1536) took 0.36 ms with sleeping threads
     and 5-11 ms with threads spinning libgomp's default (docs/benchmarks-history.md).
     """
-    if not _user_chose():
+    if not _already_decided():
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 

@@ -5,8 +5,8 @@ its own, and its idle threads spin before they sleep only while the process's Op
 teams together, do not outnumber the cores (shared/omp.py). A worker that loaded its model on one
 thread and ran steps on others (asyncio.to_thread) held two teams: on 2 cores, that turned every
 wait into a sleep, and each of a decode step's ~120 parallel regions paid for waking a thread.
-With load and steps on one thread, one step of the default model at one sequence took 15 ms
-instead of 22 (benchmarks/worker_step.py, docs/benchmarks-history.md).
+With load and steps on one thread (and a short spin), one step of the default model at one sequence
+took 18.4 ms instead of 23.1 (benchmarks/worker_step.py, alternating runs: docs/benchmarks-history.md).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def decode_attention(
     kv_heads, chunks, row = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     block_size = value_cache.shape[3]
     x = row // block_size
-    lane_mask = x - 1 if x & (x - 1) == 0 else -1  # x is 4 (float32) or 8 (bf16): j % x as j & mask
+    lane_mask = x - 1  # x, the cache's pack factor, is 16 bytes / element size: 4 or 8, so j % x is j & mask
     group = num_heads // kv_heads
     per_block = head_size * block_size  # elements of one (block, kv head): chunks * row as well
     keys_flat = key_cache.reshape(key_cache.size)
@@ -117,7 +117,7 @@ def decode_attention(
         wide = np.empty((group, per_block), dtype=np.float32)
         running_max = np.empty(group, dtype=np.float32)
         denominator = np.empty(group, dtype=np.float32)
-        products = np.zeros((group, row), dtype=np.float32)
+        products = np.empty((group, row), dtype=np.float32)  # zeroed per block
         weights = np.empty((group, block_size), dtype=np.float32)
         key_bits = np.empty(per_block, dtype=np.uint32)
         value_bits = np.empty(per_block, dtype=np.uint32)
@@ -131,12 +131,8 @@ def decode_attention(
             for g in range(group):
                 q = query[s, h * group + g]
                 for c in range(chunks):
-                    if lane_mask >= 0:
-                        for j in range(row):
-                            tiled[g, c * row + j] = q[c * x + (j & lane_mask)] * scale
-                    else:
-                        for j in range(row):
-                            tiled[g, c * row + j] = q[c * x + j % x] * scale
+                    for j in range(row):
+                        tiled[g, c * row + j] = q[c * x + (j & lane_mask)] * scale
                 running_max[g] = -np.inf
                 denominator[g] = 0.0
                 wide[g, :] = 0.0

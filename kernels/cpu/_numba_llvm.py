@@ -80,4 +80,3 @@ def fma_lanes(typingctx: object, acc: types.Type, acc_at: types.Type, a: types.T
         return context.get_dummy_value()
 
     return signature, codegen
-
