@@ -1,4 +1,4 @@
-"""Reading paged-cache blocks in the Numba attention kernels, and the multiply-add they run over a block's rows.
+"""Reading paged-cache blocks in the Numba attention kernels, and the weighted sums they run over blocks' rows.
 
 Caches come as float32, or as bf16 viewed as int16 (Numba has no bf16): a float32
 block is read where it lies, a bf16 one is widened into a small scratch first. Which
@@ -13,7 +13,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from kernels.cpu._numba_llvm import fma_lanes
+from kernels.cpu._numba_llvm import fma_sum_lanes
 
 
 def as_float32(block: np.ndarray, bits: np.ndarray) -> np.ndarray:
@@ -21,19 +21,20 @@ def as_float32(block: np.ndarray, bits: np.ndarray) -> np.ndarray:
     raise NotImplementedError("only callable from jitted code")
 
 
-def flat_block(cache: np.ndarray, at: int, bits: np.ndarray) -> tuple[np.ndarray, int]:
-    """The block of the flat cache ``cache`` at ``at`` as float32: ``(array, offset of the block in it)``.
+def flat_block(cache: np.ndarray, at: int, size: int, bits: np.ndarray, bits_at: int) -> tuple[np.ndarray, int]:
+    """The ``size`` elements of the flat cache ``cache`` from ``at`` as float32: ``(array, offset of them in it)``.
 
-    float32: the cache itself and ``at``; bf16: the scratch ``bits`` (one block of uint32) widened, and 0.
+    float32: the cache itself and ``at``; bf16: the uint32 scratch ``bits``, widened into from ``bits_at``, and
+    ``bits_at`` (several blocks can be widened side by side into one scratch).
     """
     raise NotImplementedError("only callable from jitted code")
 
 
 @numba.njit(inline="always", cache=True)
-def _widen_bf16(flat: np.ndarray, at: int, bits: np.ndarray) -> np.ndarray:
-    for i in range(bits.shape[0]):
+def _widen_bf16(flat: np.ndarray, at: int, bits: np.ndarray, bits_at: int, size: int) -> np.ndarray:
+    for i in range(size):
         # bf16 is the top half of a float32: its 16 bits shifted up are exactly that float.
-        bits[i] = np.uint32(np.uint16(flat[at + i])) << np.uint32(16)
+        bits[bits_at + i] = np.uint32(np.uint16(flat[at + i])) << np.uint32(16)
     return bits.view(np.float32)
 
 
@@ -42,7 +43,7 @@ def _as_float32_typed(block: types.Array, bits: types.Array) -> object:
     if isinstance(block.dtype, types.Integer):
 
         def widen(block: types.Array, bits: types.Array) -> np.ndarray:
-            return _widen_bf16(block.reshape(bits.shape[0]), 0, bits).reshape(block.shape)
+            return _widen_bf16(block.reshape(bits.shape[0]), 0, bits, 0, bits.shape[0]).reshape(block.shape)
 
         return widen
 
@@ -53,15 +54,18 @@ def _as_float32_typed(block: types.Array, bits: types.Array) -> object:
 
 
 @overload(flat_block, inline="always")
-def _flat_block_typed(cache: types.Array, at: types.Integer, bits: types.Array) -> object:
+def _flat_block_typed(cache: types.Array, at: types.Integer, size: types.Integer, bits: types.Array,
+                      bits_at: types.Integer) -> object:
     if isinstance(cache.dtype, types.Integer):
 
-        def widen(cache: types.Array, at: types.Integer, bits: types.Array) -> tuple[np.ndarray, int]:
-            return _widen_bf16(cache, at, bits), 0
+        def widen(cache: types.Array, at: types.Integer, size: types.Integer, bits: types.Array,
+                  bits_at: types.Integer) -> tuple[np.ndarray, int]:
+            return _widen_bf16(cache, at, bits, bits_at, size), bits_at
 
         return widen
 
-    def in_place(cache: types.Array, at: types.Integer, bits: types.Array) -> tuple[np.ndarray, int]:
+    def in_place(cache: types.Array, at: types.Integer, size: types.Integer, bits: types.Array,
+                 bits_at: types.Integer) -> tuple[np.ndarray, int]:
         return cache, at
 
     return in_place
@@ -84,17 +88,35 @@ def finite_slots(values: np.ndarray, lo: int, hi: int, scratch: np.ndarray) -> n
 
 
 @numba.njit(inline="always", fastmath={"contract"}, cache=True)
-def axpy(acc: np.ndarray, acc_at: int, a: np.ndarray, a_at: int, b: np.ndarray, b_at: int, n: int) -> None:
-    """``acc[acc_at + i] += a[a_at + i] * b[b_at + i]`` for ``i < n`` (flat C-contiguous float32 arrays).
+def weighted_sum(acc: np.ndarray, acc_at: int, a: np.ndarray, a_at: int, a_step: int, width: int, b: np.ndarray,
+                 b_at: int, b_offsets: np.ndarray, count: int, n: int) -> None:
+    """``acc[acc_at + i] += sum_{c < count} a[a_at + c * a_step + i % width] * b[b_offsets[c] + b_at + i]``, ``i < n``.
 
-    Whole 16- or 8-lane vectors where ``n`` allows (block sizes 8, 16, 32 and their rows), else element by element.
+    ``b`` rows (key or value block rows, anywhere in the cache: ``b_offsets``) weighted by a ``width``-long
+    pattern of ``a`` repeated along them (a query chunk against a key row of slots; a block's softmax
+    weights against value rows). Summed in order of ``c``, one rounding per multiply-add, the running sums in
+    registers: 64 lanes at a time (four independent 16-lane chains, which hide the FMA's latency) where
+    ``n`` and ``width`` allow, else 32, else element by element.
     """
-    if n % 16 == 0:
-        for i in range(0, n, 16):
-            fma_lanes(acc, acc_at + i, a, a_at + i, b, b_at + i, 16)
-    elif n % 8 == 0:
-        for i in range(0, n, 8):
-            fma_lanes(acc, acc_at + i, a, a_at + i, b, b_at + i, 8)
+    if n % 64 == 0 and width == 4:
+        for i in range(0, n, 64):
+            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, 4)
+    elif n % 64 == 0 and width == 8:
+        for i in range(0, n, 64):
+            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, 8)
+    elif n % 64 == 0 and width == 16:
+        for i in range(0, n, 64):
+            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, 16)
+    elif n % 64 == 0 and width == 32:
+        for i in range(0, n, 64):
+            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, 32)
+    elif n % 32 == 0 and width == 4:
+        for i in range(0, n, 32):
+            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 32, 4)
+    elif n % 32 == 0 and width == 8:
+        for i in range(0, n, 32):
+            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 32, 8)
     else:
-        for i in range(n):
-            acc[acc_at + i] += a[a_at + i] * b[b_at + i]
+        for c in range(count):
+            for i in range(n):
+                acc[acc_at + i] += a[a_at + c * a_step + i % width] * b[b_offsets[c] + b_at + i]

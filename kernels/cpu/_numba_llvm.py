@@ -5,13 +5,13 @@
 - :func:`fetch_add`: an atomic ``counter[0] += 1`` that returns the old value, the
   shared work queue of a ``prange`` whose items differ widely in cost (Numba's own
   ``parallel_chunksize`` still hands each thread a fixed, contiguous share).
-- :func:`fma_lanes`: ``acc[i:i+n] += a[j:j+n] * b[k:k+n]`` as one n-lane vector multiply-add.
-  LLVM's loop vectorizer unrolls a vector loop by two or four, so a loop of 16 float32s
-  (one block's slots) never entered its 32- or 64-wide body and ran 4-lane remainder code;
-  and Numba's arrays may alias, which keeps the SLP vectorizer off a fully unrolled one.
-  Written out, it is one load per operand, an FMA and a store (two of each on AVX2).
+- :func:`fma_sum_lanes`: ``acc[i:i+n] += sum_c a[...] * b[...]`` over ``count`` steps, as n-lane vector
+  multiply-adds with the running sum in registers. Written as loops, the sum lived in memory (Numba's
+  arrays may alias), and each step waited ~9 cycles on the previous one's store; and LLVM's vectorizer
+  unrolls by two or four, so a loop of 16 float32s (one block's slots) never entered its 32- or 64-wide
+  body and ran 4-lane remainder code.
 
-Each compiles to one instruction (a few for fma_lanes) and is cacheable (``cache=True`` callers).
+The first two compile to one instruction each; all are cacheable (``cache=True`` callers).
 """
 
 from __future__ import annotations
@@ -56,27 +56,52 @@ def _lanes_at(context: object, builder: ir.IRBuilder, array_type: types.Array, a
 
 
 @intrinsic
-def fma_lanes(typingctx: object, acc: types.Type, acc_at: types.Type, a: types.Type, a_at: types.Type,
-              b: types.Type, b_at: types.Type, lanes: types.Type) -> tuple:
-    """``acc[acc_at + i] += a[a_at + i] * b[b_at + i]`` for ``i < lanes`` (a literal), one rounding per element.
+def fma_sum_lanes(typingctx: object, acc: types.Type, acc_at: types.Type, a: types.Type, a_at: types.Type,
+                  a_step: types.Type, b: types.Type, b_at: types.Type, b_offsets: types.Type, count: types.Type,
+                  lanes: types.Type, a_lanes: types.Type) -> tuple:
+    """``acc[acc_at + i] += sum_{c < count} a[a_at + c * a_step + i % a_lanes] * b[b_offsets[c] + b_at + i]``, ``i < lanes``.
 
-    Positions are flat element offsets into C-contiguous float32 arrays; the caller keeps them in bounds.
+    Summed in order of ``c``, one rounding per multiply-add (as ``count`` calls of ``fma_lanes``);
+    ``b_offsets`` (int64) places each step's ``b`` lanes anywhere, e.g. in a different cache block;
+    ``a``'s ``a_lanes`` (a literal dividing ``lanes``) repeat across the lanes: one block's softmax weights
+    against several rows of its value block. Positions are flat element offsets into C-contiguous float32
+    arrays; the caller keeps them in bounds.
     """
-    if not isinstance(lanes, types.IntegerLiteral):
+    if not (isinstance(lanes, types.IntegerLiteral) and isinstance(a_lanes, types.IntegerLiteral)):
+        return None
+    if lanes.literal_value % a_lanes.literal_value:
         return None
     if not all(isinstance(t, types.Array) and t.dtype == types.float32 and t.layout == "C" for t in (acc, a, b)):
         return None
-    count = lanes.literal_value
-    signature = types.void(acc, acc_at, a, a_at, b, b_at, lanes)
+    if not (isinstance(b_offsets, types.Array) and b_offsets.dtype == types.int64 and b_offsets.ndim == 1):
+        return None
+    width, repeat = lanes.literal_value, a_lanes.literal_value
+    signature = types.void(acc, types.int64, a, types.int64, types.int64, b, types.int64, b_offsets, types.int64,
+                           lanes, a_lanes)
 
     def codegen(context: object, builder: ir.IRBuilder, sig: object, args: list) -> ir.Value:
-        vector = ir.VectorType(ir.FloatType(), count)
-        pointers = [_lanes_at(context, builder, sig.args[n], args[n], args[n + 1], vector) for n in (0, 2, 4)]
-        # align 4: the element's alignment; blocks and rows start anywhere in their arrays.
-        total, left, right = (builder.load(p, align=4) for p in pointers)
+        acc_array, acc_index, a_array, a_index, a_stride, b_array, b_index, offsets, steps, _, _ = args
+        vector = ir.VectorType(ir.FloatType(), width)
+        a_vector = ir.VectorType(ir.FloatType(), repeat)
+        tile = ir.Constant(ir.VectorType(ir.IntType(32), width), [i % repeat for i in range(width)])
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
-                                             f"llvm.fma.v{count}f32")
-        builder.store(builder.call(fma, [left, right, total]), pointers[0], align=4)
+                                             f"llvm.fma.v{width}f32")
+        acc_pointer = _lanes_at(context, builder, sig.args[0], acc_array, acc_index, vector)
+        # A stack slot that LLVM promotes to registers: the running sum never goes through memory.
+        total = cgutils.alloca_once(builder, vector)
+        builder.store(builder.load(acc_pointer, align=4), total)
+        offsets_data = cgutils.create_struct_proxy(sig.args[7])(context, builder, value=offsets).data
+        with cgutils.for_range(builder, steps) as loop:
+            a_pointer = _lanes_at(context, builder, sig.args[2], a_array,
+                                  builder.add(a_index, builder.mul(loop.index, a_stride)), a_vector)
+            offset = builder.load(builder.gep(offsets_data, [loop.index]))
+            b_pointer = _lanes_at(context, builder, sig.args[5], b_array, builder.add(b_index, offset), vector)
+            left = builder.load(a_pointer, align=4)
+            if repeat != width:
+                left = builder.shuffle_vector(left, left, tile)
+            right = builder.load(b_pointer, align=4)
+            builder.store(builder.call(fma, [left, right, builder.load(total)]), total)
+        builder.store(builder.load(total), acc_pointer, align=4)
         return context.get_dummy_value()
 
     return signature, codegen

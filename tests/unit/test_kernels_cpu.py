@@ -81,6 +81,19 @@ def test_paged_attention_sliding_window_sizes(paged: PagedAttentionFn, sliding_w
 
 
 @for_each_decode_kernel
+@pytest.mark.parametrize("cfg", [(torch.float32, 6, 2, 64, 8), (torch.bfloat16, 4, 1, 64, 16)], ids=config_id)
+@pytest.mark.parametrize("feature", [(False, None), (True, None), (False, 700), (True, 300)], ids=feature_id)
+def test_paged_attention_long_contexts(paged: PagedAttentionFn, cfg: tuple, feature: tuple) -> None:
+    # The Numba kernel takes the softmax over spans of 32 blocks and joins spans by rescaling: contexts
+    # of several spans, ending inside one or on its edge, with windows that start inside a later span.
+    block_size = cfg[4]
+    span = 32 * block_size
+    context_lens = [span + 1, 2 * span, 3 * span + block_size + 3, span - 1]
+    err = kernel_cases.run_paged(paged, cfg, context_lens, *feature, seed=stable_seed(config_id(cfg), feature_id(feature)))
+    assert err < TOLERANCE[cfg[0]]
+
+
+@for_each_decode_kernel
 @pytest.mark.parametrize("unused_entry", [0, -1])
 def test_paged_attention_ignores_unused_block_table_entries(paged: PagedAttentionFn, unused_entry: int) -> None:
     cfg = (torch.float32, 8, 2, 64, 16)
