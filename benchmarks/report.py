@@ -115,34 +115,54 @@ def _gemm_gflops(repeats: int = 100) -> float:
 DEFAULT_MODEL_PARAMS = 134.5e6
 
 
-def targets_section(r: dict[str, Any], o: dict[str, Any] | None) -> str:
-    """The issue's targets for this machine class against this run, and why the throughput one is out of reach."""
+# Issue 15's acceptance: output tok/s on the 64-request workload against the floor below and against transformers'
+# continuous batching, and the steady 64-sequence decode step.
+FLOOR_FRACTION_TARGET = 0.60
+HF_RATIO_TARGET = 5.0
+STEP_64_TARGET_MS = 100.0
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "not met"
+
+
+def targets_section(r: dict[str, Any], o: dict[str, Any] | None, gemm_gflops: float | None = None) -> str:
+    """Issue 15's throughput and step targets against this run, with the floor they are judged by.
+
+    ``gemm_gflops`` is timed on this machine when not given (see ``_gemm_gflops``).
+    """
     ours, hf = r["llmserve"], r.get("hf_continuous_batching")
     lines = ["## Targets", ""]
     if hf is not None and "ratio_vs_hf_continuous" in r:
         tokens = ours["input_tokens"] + ours["output_tokens"]
         flops = 2 * DEFAULT_MODEL_PARAMS * tokens
-        rate = _gemm_gflops()
+        rate = gemm_gflops if gemm_gflops is not None else _gemm_gflops()
         floor_s = flops / (rate * 1e9)
-        hf_tps = hf["output_tokens"] / hf["duration_s"]
+        floor_tps = ours["output_tokens"] / floor_s
+        ours_tps = ours["output_tokens"] / ours["duration_s"]
+        fraction = ours_tps / floor_tps
+        ratio = r["ratio_vs_hf_continuous"]
+        met = fraction >= FLOOR_FRACTION_TARGET and ratio >= HF_RATIO_TARGET
         lines.append(
-            f"- **Output tokens/s at least 10x transformers continuous batching: not reached, "
-            f"{r['ratio_vs_hf_continuous']:.2f}x.** The workload is {tokens} tokens through the model, about "
-            f"{flops / 1e12:.2f} TFLOP in the linear layers alone; this machine's float32 matmul runs at "
-            f"{rate:.0f} GFLOP/s on the model's own shapes, so no engine can take less than {floor_s:.1f} s, "
-            f"which is {ours['output_tokens'] / floor_s / hf_tps:.1f}x transformers' output rate here "
-            f"({hf_tps:.1f} tok/s). 10x would need the whole run in {hf['duration_s'] / 10:.1f} s. The gap between "
-            "this run and that floor is inside the worker's forward pass, not the service split (next point): "
-            "decode steps multiply at most 64 rows at a time, well below the rate above, and attention (prefill "
-            "attention took about a quarter of prefill time when profiled), norms, rotary and sampling add to it.")
+            f"- **Output tokens/s on the 64-request workload at least {FLOOR_FRACTION_TARGET:.0%} of the floor and at "
+            f"least {HF_RATIO_TARGET:.0f}x transformers continuous batching: {_verdict(met)}, {fraction:.0%} of the "
+            f"floor ({ours_tps:.1f} of {floor_tps:.1f} tok/s) and {ratio:.2f}x.** The workload is {tokens} tokens "
+            f"through the model, about {flops / 1e12:.2f} TFLOP in the linear layers alone (the LM head counted for "
+            f"every token); this machine's float32 matmul runs at {rate:.0f} GFLOP/s on the model's own shapes, so no "
+            f"engine can take less than {floor_s:.1f} s (the run took {ours['duration_s']:.1f} s). The floor counts "
+            "neither attention nor the weights' reads: decode steps multiply at most 64 rows at a time, below the "
+            "rate above, and the last requests' steps, a few rows each, are bound by reading the weights.")
     if o is not None:
         row = next((x for x in o["rows"] if x["batch"] == 64), None)
         if row is not None:
-            verdict = "met" if row["overhead_pct"] < 5 else "not met"
+            lines.append(
+                f"- **Steady 64-sequence decode step at most {STEP_64_TARGET_MS:.0f} ms: "
+                f"{_verdict(row['step_ms'] <= STEP_64_TARGET_MS)}, {row['step_ms']:.1f} ms** through the services "
+                f"({row['phases_ms']['worker']:.1f} ms of it in the worker; see the per-step table below).")
             lines.append(
                 f"- **Per-step overhead of the service split under 5 % of the step at 64 running sequences: "
-                f"{verdict}, {row['overhead_pct']:.1f} %** ({row['step_ms'] - row['phases_ms']['worker']:.1f} ms of "
-                f"a {row['step_ms']:.1f} ms step; see the table below).")
+                f"{_verdict(row['overhead_pct'] < 5)}, {row['overhead_pct']:.1f} %** ({row['step_ms'] - row['phases_ms']['worker']:.1f} ms of "
+                f"a {row['step_ms']:.1f} ms step).")
     return "\n".join(lines)
 
 
