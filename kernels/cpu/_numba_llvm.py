@@ -105,3 +105,74 @@ def fma_sum_lanes(typingctx: object, acc: types.Type, acc_at: types.Type, a: typ
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+@intrinsic
+def gemm_tile(typingctx: object, out: types.Type, out_at: types.Type, out_ld: types.Type, a: types.Type,
+              a_at: types.Type, a_ld: types.Type, a_group: types.Type, a_group_ld: types.Type, b: types.Type,
+              b_at: types.Type, b_ld: types.Type, depth: types.Type, rows: types.Type, vectors: types.Type,
+              lanes: types.Type) -> tuple:
+    """``out[out_at + m * out_ld + j] += sum_{k < depth} a[a(m, k)] * b[b_at + k * b_ld + j]``.
+
+    For ``m < rows`` and ``j < vectors * lanes`` (literals): a register tile of ``rows x vectors`` vectors
+    of ``lanes`` float32, each ``a`` element broadcast against ``vectors`` loaded vectors of ``b`` per step.
+    ``a(m, k) = a_at + m * a_ld + (k // a_group) * a_group_ld + k % a_group``: ``a``'s rows run along ``k`` in
+    groups of ``a_group`` (a literal power of two; 1 with ``a_group_ld`` 1 for a plain row), as a key
+    block's dims do (x of them per cache row). Summed in order of ``k`` from ``out``'s value, one rounding
+    per multiply-add. Positions are flat element offsets into C-contiguous float32 arrays; the caller keeps
+    them in bounds.
+    """
+    if not isinstance(a_group, types.IntegerLiteral) or a_group.literal_value & (a_group.literal_value - 1):
+        return None
+    literals = (rows, vectors, lanes)
+    if not all(isinstance(t, types.IntegerLiteral) for t in literals):
+        return None
+    if not all(isinstance(t, types.Array) and t.dtype == types.float32 and t.layout == "C" for t in (out, a, b)):
+        return None
+    num_rows, num_vectors, width = (t.literal_value for t in literals)
+    group_shift = a_group.literal_value.bit_length() - 1
+    i64 = types.int64
+    signature = types.void(out, i64, i64, a, i64, i64, a_group, i64, b, i64, i64, i64, rows, vectors, lanes)
+
+    def codegen(context: object, builder: ir.IRBuilder, sig: object, args: list) -> ir.Value:
+        out_array, out_index, out_stride, a_array, a_index, a_stride, _, a_group_stride = args[:8]
+        b_array, b_index, b_stride, steps = args[8:12]
+        int64 = ir.IntType(64)
+        vector = ir.VectorType(ir.FloatType(), width)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                             f"llvm.fma.v{width}f32")
+        a_data = cgutils.create_struct_proxy(sig.args[3])(context, builder, value=a_array).data
+
+        def out_pointer(m: int, v: int) -> ir.Value:
+            index = builder.add(out_index, builder.add(builder.mul(ir.Constant(ir.IntType(64), m), out_stride),
+                                                       ir.Constant(ir.IntType(64), v * width)))
+            return _lanes_at(context, builder, sig.args[0], out_array, index, vector)
+
+        # Stack slots that LLVM promotes to registers: the tile never goes through memory inside the loop.
+        tile = [[cgutils.alloca_once(builder, vector) for _ in range(num_vectors)] for _ in range(num_rows)]
+        for m in range(num_rows):
+            for v in range(num_vectors):
+                builder.store(builder.load(out_pointer(m, v), align=4), tile[m][v])
+        with cgutils.for_range(builder, steps) as loop:
+            b_row = builder.add(b_index, builder.mul(loop.index, b_stride))
+            a_column = builder.add(
+                builder.mul(builder.lshr(loop.index, ir.Constant(int64, group_shift)), a_group_stride),
+                builder.and_(loop.index, ir.Constant(int64, (1 << group_shift) - 1)))
+            loaded = [builder.load(_lanes_at(context, builder, sig.args[8], b_array,
+                                             builder.add(b_row, ir.Constant(ir.IntType(64), v * width)), vector),
+                                   align=4) for v in range(num_vectors)]
+            for m in range(num_rows):
+                a_position = builder.add(a_index, builder.add(builder.mul(ir.Constant(int64, m), a_stride), a_column))
+                scalar = builder.load(builder.gep(a_data, [a_position]))
+                broadcast = cgutils.get_null_value(vector)
+                broadcast = builder.insert_element(broadcast, scalar, ir.Constant(ir.IntType(32), 0))
+                broadcast = builder.shuffle_vector(broadcast, broadcast,
+                                                   ir.Constant(ir.VectorType(ir.IntType(32), width), [0] * width))
+                for v in range(num_vectors):
+                    builder.store(builder.call(fma, [broadcast, loaded[v], builder.load(tile[m][v])]), tile[m][v])
+        for m in range(num_rows):
+            for v in range(num_vectors):
+                builder.store(builder.load(tile[m][v]), out_pointer(m, v), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen

@@ -9,18 +9,18 @@ of one matrix, so every key/value block is read once per group and tile. It walk
 blocks its queries can see (causal; from the first query's window start with a sliding
 window) with an online softmax: memory is O(tile), whatever the context.
 
-Everything is laid out with the rows innermost, so that every hot loop is a long run
-of independent eight-lane multiply-adds (rows padded to ``_ROW_STEP``); keys and
-values are read where they lie in the cache (a bf16 block widened into a scratch)::
+Everything is laid out with the rows innermost (rows padded to ``_ROW_STEP``); keys
+and values are read where they lie in the cache (a bf16 block widened into a scratch)::
 
     qt[d, r]      = query of row r (head g, query i: r = g * tq + i), dim d, times scale
     scores[o, r]  = sum_d key(o, d) * qt[d, r]                  (key block [D/x, BS*x])
     acc[d, r]    += sum_o values[d, o] * weights[o, r]          (value block [D, BS])
 
-Each multiply-add loop updates 4 score rows (or 2 accumulator rows) from 4 dims (or
-slots) per pass, so a loaded ``qt`` (``weights``) vector serves several accumulators:
-with one row per pass the loop was bound by loading and storing its accumulator
-(measured 25 vs 44 GFLOP/s at 96 rows).
+Both products run as register tiles (``gemm_tile``): 4 slots (or dims) by up to 64 rows
+held in registers over the whole sum, one broadcast element of the block against four
+loaded row vectors per step. Written as loops over the rows, every step loaded and
+stored its accumulators: measured on 2 cores, 8 prompts of 192 tokens (SmolLM2's
+heads), 2.42 ms per layer that way and 1.75 ms this way, with the same results to the bit.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from kernels.cpu._numba_blocks import as_float32, finite_slots
 from kernels.cpu._numba_exp import exp_f32
-from kernels.cpu._numba_llvm import fetch_add
+from kernels.cpu._numba_llvm import fetch_add, gemm_tile
 
 _FASTMATH = {"contract"}
 
@@ -102,51 +102,66 @@ def plan_tiles(
     return tiles[np.argsort(-cost, kind="mergesort")], cost.sum()
 
 
+@numba.njit(inline="always", cache=True)
+def _rows_times(out: np.ndarray, out_at: int, out_ld: int, a: np.ndarray, a_at: int, a_ld: int, a_group: int,
+                a_group_ld: int, b: np.ndarray, depth: int, width: int) -> None:
+    """``out[out_at + m * out_ld + r] += sum_k a(m, k) * b[k * width + r]`` for ``m < 4``, ``r < width``.
+
+    ``a(m, k)`` as in ``gemm_tile``, for groups of 1 (a plain row), 4 or 8 (a key block's rows). Four rows of
+    ``out`` against all of ``b``'s columns, in register tiles of 64, 32, 16 and 8 columns (``width`` is a
+    multiple of ``_ROW_STEP``).
+    """
+    if a_group == 4:
+        _tiles(out, out_at, out_ld, a, a_at, a_ld, 4, a_group_ld, b, depth, width)
+    elif a_group == 8:
+        _tiles(out, out_at, out_ld, a, a_at, a_ld, 8, a_group_ld, b, depth, width)
+    else:
+        _tiles(out, out_at, out_ld, a, a_at, a_ld, 1, 1, b, depth, width)
+
+
+@numba.njit(inline="always", cache=True)
+def _tiles(out: np.ndarray, out_at: int, out_ld: int, a: np.ndarray, a_at: int, a_ld: int, a_group: int,
+           a_group_ld: int, b: np.ndarray, depth: int, width: int) -> None:
+    r = 0
+    while r + 64 <= width:
+        gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 4, 16)
+        r += 64
+    if r + 32 <= width:
+        gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 2, 16)
+        r += 32
+    if r + 16 <= width:
+        gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 1, 16)
+        r += 16
+    if r + 8 <= width:
+        gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 1, 8)
+
+
 @numba.njit(fastmath=_FASTMATH, cache=True)
 def _block_scores(qt: np.ndarray, keys: np.ndarray, scores: np.ndarray) -> None:
     """``scores[o, r] = sum_d key(o, d) * qt[d, r]`` for every slot ``o`` of one block.
 
-    keys: the block in the cache's layout, ``[D/x, BS * x]``: dims ``d .. d+3`` of slot ``o``
-    are the 4 consecutive elements from ``[d // x, o * x + d % x]`` (x is 4 or 8).
+    keys: the block in the cache's layout, ``[D/x, BS * x]``: dims ``d .. d+x-1`` of slot ``o``
+    are the x consecutive elements from ``[d // x, o * x]`` (x is 4 or 8), read there by the register tiles.
     """
     head_size, width = qt.shape
-    x = keys.shape[1] // scores.shape[0]
-    for o in range(0, scores.shape[0], 4):
-        s0, s1, s2, s3 = scores[o], scores[o + 1], scores[o + 2], scores[o + 3]
-        s0[:] = 0.0
-        s1[:] = 0.0
-        s2[:] = 0.0
-        s3[:] = 0.0
-        for d in range(0, head_size, 4):
-            k, j = keys[d // x], o * x + d % x
-            a0, a1, a2, a3 = k[j], k[j + 1], k[j + 2], k[j + 3]
-            b0, b1, b2, b3 = k[j + x], k[j + x + 1], k[j + x + 2], k[j + x + 3]
-            c0, c1, c2, c3 = k[j + 2 * x], k[j + 2 * x + 1], k[j + 2 * x + 2], k[j + 2 * x + 3]
-            e0, e1, e2, e3 = k[j + 3 * x], k[j + 3 * x + 1], k[j + 3 * x + 2], k[j + 3 * x + 3]
-            q0, q1, q2, q3 = qt[d], qt[d + 1], qt[d + 2], qt[d + 3]
-            for r in range(width):
-                v0, v1, v2, v3 = q0[r], q1[r], q2[r], q3[r]
-                # Written as one chain from the accumulator: four FMAs, no separate multiply and add.
-                s0[r] = s0[r] + a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                s1[r] = s1[r] + b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
-                s2[r] = s2[r] + c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3
-                s3[r] = s3[r] + e0 * v0 + e1 * v1 + e2 * v2 + e3 * v3
+    block_size = scores.shape[0]
+    row = keys.shape[1]
+    x = row // block_size
+    scores[:] = 0.0
+    flat_scores, flat_keys, flat_qt = scores.reshape(scores.size), keys.reshape(keys.size), qt.reshape(qt.size)
+    for o in range(0, block_size, 4):
+        _rows_times(flat_scores, o * width, width, flat_keys, o * x, x, x, row, flat_qt, head_size, width)
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
 def _accumulate_values(probs: np.ndarray, vs: np.ndarray, acc: np.ndarray) -> None:
     """``acc[d, r] += sum_o vs[d, o] * probs[o, r]`` over the slots of one block (``vs``: ``[D, BS]``, finite)."""
     head_size, width = acc.shape
-    for d in range(0, head_size, 2):
-        a, b = acc[d], acc[d + 1]
-        for o in range(0, probs.shape[0], 4):
-            a0, a1, a2, a3 = vs[d, o], vs[d, o + 1], vs[d, o + 2], vs[d, o + 3]
-            b0, b1, b2, b3 = vs[d + 1, o], vs[d + 1, o + 1], vs[d + 1, o + 2], vs[d + 1, o + 3]
-            p0, p1, p2, p3 = probs[o], probs[o + 1], probs[o + 2], probs[o + 3]
-            for r in range(width):
-                w0, w1, w2, w3 = p0[r], p1[r], p2[r], p3[r]
-                a[r] = a[r] + a0 * w0 + a1 * w1 + a2 * w2 + a3 * w3
-                b[r] = b[r] + b0 * w0 + b1 * w1 + b2 * w2 + b3 * w3
+    block_size = probs.shape[0]
+    flat_acc, flat_values, flat_probs = acc.reshape(acc.size), vs.reshape(vs.size), probs.reshape(probs.size)
+    for d in range(0, head_size, 4):
+        _rows_times(flat_acc, d * width, width, flat_values, d * block_size, block_size, 1, 1, flat_probs,
+                    block_size, width)
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
