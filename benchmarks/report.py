@@ -90,29 +90,14 @@ def overhead_section(o: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _gemm_gflops(repeats: int = 100) -> float:
-    """float32 GFLOP/s of the fastest GEMM this machine runs on one of the model's shapes ([512, 576] x [576, 1536]).
-
-    Both torch.mm (MKL) and the worker's projection (oneDNN on a packed weight,
-    worker_service/models/linear.py) are timed and the faster one counts, so the floor
-    below is what the best matmul here could do, not what the worker happens to use.
-    """
-    import torch  # noqa: PLC0415 - only the targets section needs it
-
-    from benchmarks._timing import time_ms  # noqa: PLC0415
-    from worker_service.models.linear import Linear  # noqa: PLC0415
-
-    cpu = torch.device("cpu")
-
-    a, b = torch.randn(512, 576), torch.randn(576, 1536)
-    projection = Linear(b.T.contiguous())
-    fastest_ms = min(time_ms(lambda: torch.mm(a, b), cpu, repeats=repeats),
-                     time_ms(lambda: projection(a), cpu, repeats=repeats))
-    return 2 * 512 * 576 * 1536 / (fastest_ms / 1e3) / 1e9
-
-
 # Parameters of the default model (SmolLM2-135M-Instruct): every token costs ~2 FLOPs per parameter.
 DEFAULT_MODEL_PARAMS = 134.5e6
+
+
+def _timed_gemm_rate() -> float:
+    from benchmarks.gemm_rate import gemm_rate_gflops  # noqa: PLC0415 - torch only for results without the rate
+
+    return gemm_rate_gflops()
 
 
 # Issue 15's acceptance: output tok/s on the 64-request workload against the floor below and against transformers'
@@ -129,14 +114,15 @@ def _verdict(met: bool) -> str:
 def targets_section(r: dict[str, Any], o: dict[str, Any] | None, gemm_gflops: float | None = None) -> str:
     """Issue 15's throughput and step targets against this run, with the floor they are judged by.
 
-    ``gemm_gflops`` is timed on this machine when not given (see ``_gemm_gflops``).
+    The floor's GEMM rate is the one the serving run measured (``gemm_gflops`` in its results; timed
+    here, now, only for results written before it was recorded), unless ``gemm_gflops`` is given.
     """
     ours, hf = r["llmserve"], r.get("hf_continuous_batching")
     lines = ["## Targets", ""]
     if hf is not None and "ratio_vs_hf_continuous" in r:
         tokens = ours["input_tokens"] + ours["output_tokens"]
         flops = 2 * DEFAULT_MODEL_PARAMS * tokens
-        rate = gemm_gflops if gemm_gflops is not None else _gemm_gflops()
+        rate = gemm_gflops if gemm_gflops is not None else r.get("gemm_gflops") or _timed_gemm_rate()
         floor_s = flops / (rate * 1e9)
         floor_tps = ours["output_tokens"] / floor_s
         ours_tps = ours["output_tokens"] / ours["duration_s"]
