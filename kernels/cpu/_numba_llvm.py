@@ -176,3 +176,57 @@ def gemm_tile(typingctx: object, out: types.Type, out_at: types.Type, out_ld: ty
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+def _halves_mask(width: int, partials: int, upper: bool) -> ir.Constant:
+    """Lanes of (a, b) that hold each row's first (or second) half of ``partials`` partial sums, a's rows first."""
+    rows = width // partials
+    half = partials // 2
+    lanes = [vector * width + row * partials + (half if upper else 0) + i
+             for vector in (0, 1) for row in range(rows) for i in range(half)]
+    return ir.Constant(ir.VectorType(ir.IntType(32), width), lanes)
+
+
+@intrinsic
+def row_sums(typingctx: object, src: types.Type, src_at: types.Type, out: types.Type, out_at: types.Type,
+             rows: types.Type, scale: types.Type, width: types.Type) -> tuple:
+    """``out[out_at + r] = scale * sum_o src[src_at + r * width + o]`` for ``r < rows`` (a multiple of ``width``).
+
+    ``width`` (a literal, 8 or 16) rows at a time as one transpose-and-add tree of vector shuffles: each
+    level adds the two halves of every row's partial sums and packs two vectors into one, so ``width``
+    rows take ``2 * (width - 1)`` shuffles and ``width - 1`` adds instead of ``width * (width - 1)`` scalar adds.
+    """
+    if not isinstance(width, types.IntegerLiteral) or width.literal_value not in (8, 16):
+        return None
+    if not all(isinstance(t, types.Array) and t.dtype == types.float32 and t.layout == "C" for t in (src, out)):
+        return None
+    lanes = width.literal_value
+    signature = types.void(src, types.int64, out, types.int64, types.int64, types.float32, width)
+
+    def codegen(context: object, builder: ir.IRBuilder, sig: object, args: list) -> ir.Value:
+        src_array, src_index, out_array, out_index, count, factor, _ = args
+        vector = ir.VectorType(ir.FloatType(), lanes)
+        int64 = ir.IntType(64)
+        groups = builder.udiv(count, ir.Constant(int64, lanes))
+        with cgutils.for_range(builder, groups) as loop:
+            first = builder.mul(loop.index, ir.Constant(int64, lanes))
+            base = builder.add(src_index, builder.mul(first, ir.Constant(int64, lanes)))
+            level = [builder.load(_lanes_at(context, builder, sig.args[0], src_array,
+                                            builder.add(base, ir.Constant(int64, r * lanes)), vector), align=4)
+                     for r in range(lanes)]
+            partials = lanes
+            while len(level) > 1:
+                low, high = _halves_mask(lanes, partials, False), _halves_mask(lanes, partials, True)
+                level = [builder.fadd(builder.shuffle_vector(a, b, low), builder.shuffle_vector(a, b, high))
+                         for a, b in zip(level[0::2], level[1::2])]
+                partials //= 2
+            # One row per lane, in order, after the last level.
+            broadcast = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(vector, None), factor, ir.Constant(ir.IntType(32), 0)),
+                ir.Constant(vector, None), ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+            scaled = builder.fmul(level[0], broadcast)
+            builder.store(scaled, _lanes_at(context, builder, sig.args[2], out_array,
+                                            builder.add(out_index, first), vector), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
