@@ -10,6 +10,10 @@
   arrays may alias), and each step waited ~9 cycles on the previous one's store; and LLVM's vectorizer
   unrolls by two or four, so a loop of 16 float32s (one block's slots) never entered its 32- or 64-wide
   body and ran 4-lane remainder code.
+- :func:`gemm_tile`: a register tile of a small matrix product (``rows x vectors`` vectors of
+  accumulators, one broadcast element against loaded vectors per step), the prefill kernel's block products.
+- :func:`row_sums`: the sums of 8 or 16 consecutive rows at a time as one transpose-and-add tree of
+  vector shuffles (the decode kernel's last reduction over a block's slots).
 
 The first two compile to one instruction each; all are cacheable (``cache=True`` callers).
 """
