@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.run_info import run_info
-from benchmarks.gemm_rate import gemm_rate_gflops
 from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests, shared_prefix_requests
+from benchmarks.gemm_rate import gemm_rate_gflops
 from benchmarks.hf_baselines import run_continuous_batching, run_static_batching
 from benchmarks.llmserve_driver import Target, run_llmserve
 from benchmarks.metrics import RequestTiming, Summary, summarize
+from benchmarks.run_info import run_info
 from llmserve.cli import env_defaults
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from scheduler_service.step_profile import read_profiles

@@ -95,28 +95,38 @@ def weighted_sum(acc: np.ndarray, acc_at: int, a: np.ndarray, a_at: int, a_step:
     ``b`` rows (key or value block rows, anywhere in the cache: ``b_offsets``) weighted by a ``width``-long
     pattern of ``a`` repeated along them (a query chunk against a key row of slots; a block's softmax
     weights against value rows). Summed in order of ``c``, one rounding per multiply-add, the running sums in
-    registers: 64 lanes at a time (four independent 16-lane chains, which hide the FMA's latency) where
-    ``n`` and ``width`` allow, else 32, else element by element.
+    registers (``_weighted_lanes``) for widths 4, 8, 16 and 32, else element by element.
     """
-    if n % 64 == 0 and width == 4:
-        for i in range(0, n, 64):
-            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, 4)
-    elif n % 64 == 0 and width == 8:
-        for i in range(0, n, 64):
-            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, 8)
-    elif n % 64 == 0 and width == 16:
-        for i in range(0, n, 64):
-            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, 16)
-    elif n % 64 == 0 and width == 32:
-        for i in range(0, n, 64):
-            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, 32)
-    elif n % 32 == 0 and width == 4:
-        for i in range(0, n, 32):
-            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 32, 4)
-    elif n % 32 == 0 and width == 8:
-        for i in range(0, n, 32):
-            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 32, 8)
+    if width == 4:
+        _weighted_lanes(acc, acc_at, a, a_at, a_step, 4, b, b_at, b_offsets, count, n)
+    elif width == 8:
+        _weighted_lanes(acc, acc_at, a, a_at, a_step, 8, b, b_at, b_offsets, count, n)
+    elif width == 16:
+        _weighted_lanes(acc, acc_at, a, a_at, a_step, 16, b, b_at, b_offsets, count, n)
+    elif width == 32:
+        _weighted_lanes(acc, acc_at, a, a_at, a_step, 32, b, b_at, b_offsets, count, n)
     else:
-        for c in range(count):
-            for i in range(n):
-                acc[acc_at + i] += a[a_at + c * a_step + i % width] * b[b_offsets[c] + b_at + i]
+        _weighted_elements(acc, acc_at, a, a_at, a_step, width, b, b_at, b_offsets, count, n)
+
+
+@numba.njit(inline="always", fastmath={"contract"}, cache=True)
+def _weighted_lanes(acc: np.ndarray, acc_at: int, a: np.ndarray, a_at: int, a_step: int, width: int, b: np.ndarray,
+                    b_at: int, b_offsets: np.ndarray, count: int, n: int) -> None:
+    """``weighted_sum`` for a literal ``width``: 64 lanes at a time (four independent 16-lane chains, which hide
+    the FMA's latency) where ``n`` allows, else 32, else element by element."""
+    if n % 64 == 0:
+        for i in range(0, n, 64):
+            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 64, width)
+    elif n % 32 == 0:
+        for i in range(0, n, 32):
+            fma_sum_lanes(acc, acc_at + i, a, a_at, a_step, b, b_at + i, b_offsets, count, 32, width)
+    else:
+        _weighted_elements(acc, acc_at, a, a_at, a_step, width, b, b_at, b_offsets, count, n)
+
+
+@numba.njit(inline="always", fastmath={"contract"}, cache=True)
+def _weighted_elements(acc: np.ndarray, acc_at: int, a: np.ndarray, a_at: int, a_step: int, width: int,
+                       b: np.ndarray, b_at: int, b_offsets: np.ndarray, count: int, n: int) -> None:
+    for c in range(count):
+        for i in range(n):
+            acc[acc_at + i] += a[a_at + c * a_step + i % width] * b[b_offsets[c] + b_at + i]

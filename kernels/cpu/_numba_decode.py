@@ -112,23 +112,29 @@ def _max(values: np.ndarray, at: int, n: int) -> np.float32:
 def _slot_scores(lanes: np.ndarray, at: int, scores: np.ndarray, to: int, n: int, x: int) -> None:
     """``scores[to + o] = sum_i lanes[at + o * x + i]`` for ``o < n``: each slot's x per-lane products, summed in order.
 
-    Written out for x = 4 and 8 (float32 and bf16 caches) so that the loop over the slots vectorizes.
+    Written out for the cache's two pack factors, x = 4 (float32) and 8 (bf16; x is 16 bytes over the
+    element size), so that the loop over the slots vectorizes.
     """
     if x == 4:
         for o in range(n):
             j = at + 4 * o
             scores[to + o] = lanes[j] + lanes[j + 1] + lanes[j + 2] + lanes[j + 3]
-    elif x == 8:
+    else:
         for o in range(n):
             j = at + 8 * o
             scores[to + o] = (lanes[j] + lanes[j + 1] + lanes[j + 2] + lanes[j + 3] + lanes[j + 4] + lanes[j + 5]
                               + lanes[j + 6] + lanes[j + 7])
-    else:
-        for o in range(n):
-            total = np.float32(0.0)
-            for i in range(x):
-                total += lanes[at + o * x + i]
-            scores[to + o] = total
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _partial_block(wide: np.ndarray, wide_at: int, weights: np.ndarray, weights_at: int, values: np.ndarray,
+                   values_at: int, lo: int, hi: int, head_size: int, block_size: int) -> None:
+    """``wide[wide_at + d * BS + o] += weights[weights_at + o] * values[values_at + d * BS + o]`` for the
+    context's slots ``max(lo, 0) <= o < min(hi, BS)`` of a partly used block only: the others may hold
+    anything (NaN in tests), and a weight of 0 times NaN would still be NaN."""
+    for d in range(head_size):
+        for o in range(max(lo, 0), min(hi, block_size)):
+            wide[wide_at + d * block_size + o] += weights[weights_at + o] * values[values_at + d * block_size + o]
 
 
 @numba.njit(_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
@@ -234,26 +240,24 @@ def decode_attention(
                     for o in range(slots):
                         scores[base + o] = exp_f32(scores[base + o] - running_max[g])
                     denominator[g] += _sum(scores, base, slots)
-                # The weighted values, in block order. Only the context's slots of a partly used block (the
-                # first, under a window, and the last): the others may hold anything (NaN in tests), and a
-                # weight of 0 times NaN would still be NaN.
-                whole_first = 1 if start > span_start else 0
-                whole_last = n - 1 if ctx < span_start + slots else n
+                # The weighted values, in block order: a partly used first block (under a window), the whole
+                # blocks (each read once for all query heads, in registers), a partly used last block.
+                whole_first = 1 if start > span_start else 0  # the window starts inside the first block
+                whole_last = n - 1 if ctx < span_start + slots else n  # the context ends inside the last one
                 for g in range(group):
-                    for b in range(n):
-                        if b < whole_first or b >= whole_last:
-                            lo = max(start - span_start - b * block_size, 0)
-                            hi = min(ctx - span_start - b * block_size, block_size)
-                            for d in range(head_size):
-                                for o in range(lo, hi):
-                                    wide[g * per_block + d * block_size + o] += (
-                                        scores[g * span + b * block_size + o]
-                                        * values[value_offsets[b] + d * block_size + o])
-                        elif b == whole_first:
-                            # Each value block read once for all query heads (it stays in L1 between them).
-                            weighted_sum(wide, g * per_block, scores, g * span + b * block_size, block_size,
-                                         block_size, values, 0, value_offsets[b:whole_last], whole_last - b,
-                                         per_block)
+                    weights_at = g * span
+                    if whole_first:
+                        _partial_block(wide, g * per_block, scores, weights_at, values, value_offsets[0],
+                                       start - span_start, ctx - span_start, head_size, block_size)
+                    if whole_last > whole_first:
+                        weighted_sum(wide, g * per_block, scores, weights_at + whole_first * block_size, block_size,
+                                     block_size, values, 0, value_offsets[whole_first:whole_last],
+                                     whole_last - whole_first, per_block)
+                    if whole_last < n and whole_last >= whole_first:
+                        b = whole_last
+                        _partial_block(wide, g * per_block, scores, weights_at + b * block_size, values,
+                                       value_offsets[b], start - span_start - b * block_size,
+                                       ctx - span_start - b * block_size, head_size, block_size)
             for g in range(group):
                 # An empty context accumulated nothing: its output is defined as zeros.
                 inverse = np.float32(1.0) / denominator[g] if denominator[g] > 0 else np.float32(0.0)
