@@ -84,6 +84,10 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "(0 = unbounded); an empty queue always takes one request")
     g.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="deadline of one worker step; a step past it is handled as a worker failure")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="plan and send the next step while the worker runs the current one, hiding the "
+                        "scheduler's per-step time where the worker's host has cores to spare (a GPU worker); "
+                        "beam search always waits for each result")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -326,7 +330,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching, profile_steps=args.profile_steps,
         otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file, metrics_port=args.metrics_port,
         max_num_queued_requests=args.max_num_queued_requests, max_queued_tokens=args.max_queued_tokens,
-        step_timeout_s=args.step_timeout, lease_ttl_s=args.lease_ttl, liveness_timeout_s=args.liveness_timeout,
+        step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling, lease_ttl_s=args.lease_ttl,
+        liveness_timeout_s=args.liveness_timeout,
         tls=sec.server_tls_from(args), auth_token=sec.auth_token_from(args), worker_tls=sec.worker_tls_from(args),
         redis=sec.redis_options_from(args),
     )
@@ -353,8 +358,8 @@ _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-
                 "liveness-timeout"]
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
                    "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port",
-                   "max-num-queued-requests", "max-queued-tokens", "step-timeout", "liveness-timeout",
-                   "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
+                   "max-num-queued-requests", "max-queued-tokens", "step-timeout", "async-scheduling",
+                   "liveness-timeout", "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
 # The HTTP front is a client of the scheduler: it trusts the CA and sends the token.
 _HTTP_PASS = ["tls-ca-file", "auth-token-file"]
 

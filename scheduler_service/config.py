@@ -30,6 +30,11 @@ class SchedulerServiceConfig:
     max_queued_tokens: per worker, the most prompt tokens of those requests (0 = unbounded); a request is
       always admitted into an empty queue, so one prompt above the bound is not refused forever.
     step_timeout_s: deadline of one worker step (ExecuteStep); a step past it counts as a worker failure.
+    async_scheduling: plan and send step N+1 while the worker runs step N (the worker decodes on its own
+      samples of N; a sequence that N ends by a stop token runs one step more, its token dropped); off,
+      each step waits for the previous result. Beam search always waits. Off by default: on the 2-core
+      CPU machine of docs/benchmarks.md the overlapped scheduling work slows the worker's step as much
+      as it saves (docs/benchmarks-history.md); it pays where the worker's host has idle cores (a GPU).
     liveness_timeout_s: grpc.health.v1 "liveness" turns NOT_SERVING when an engine loop holding requests
       has completed no step for this long; keep it well above step_timeout_s, which handles a hung worker
       first (a restart of the scheduler does not mend a worker).
@@ -54,6 +59,7 @@ class SchedulerServiceConfig:
     max_num_queued_requests: int = 0
     max_queued_tokens: int = 0
     step_timeout_s: float = 60.0
+    async_scheduling: bool = False
     liveness_timeout_s: float = 300.0
     lease_ttl_s: float = 10.0
     tls: ServerTLS | None = None

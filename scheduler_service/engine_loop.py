@@ -7,6 +7,20 @@
 
 Committing step N-1 while the worker computes step N hides the Redis round
 trip; tokens still reach clients only after their step is committed.
+
+With async scheduling (--async-scheduling) plan N+1 is built and sent while the
+worker still runs step N, and the results of N land after it:
+
+    iteration N+1: ingest, schedule + send plan N+1 (queued on the worker behind N)
+                   ├── worker finishes N, starts N+1 at once ─┐
+                   └── Redis commits results of N-1 ──────────┘
+                   land N: its tokens resolved and postprocessed; advance N+1
+
+The scheduler counts step N's samples as tokens in flight (Scheduler.advance) and
+the worker decodes them from its own samples, so no step waits for the scheduler.
+A sequence that step N ends by a stop token runs once more in N+1; that token is
+dropped. Beam search, a worker leaving or draining, and stopping land each step
+before the next is planned.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from scheduler_service.planner import Planner
 from scheduler_service.step_profile import StepProfile, StepProfileWriter
 from scheduler_service.step_telemetry import StepTelemetry
 from scheduler_service.queue_snapshot import QueueSnapshot
+from scheduler_service.sent_step import SentStep
 from scheduler_service.store import Pickup, RedisStore, StepCommit
 from shared.metrics import EngineMetrics
 from shared.tracing import PerfClock, metadata_for
@@ -77,6 +92,7 @@ class EngineLoop:
         channel: grpc.aio.Channel | None = None,
         registration: WorkerEntry | None = None,
         on_owned: Callable[[str, int], None] | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.worker_id = worker_id
         # Told (worker id, epoch) each time the loop owns its worker: the replica's start-up reports the first.
@@ -92,7 +108,10 @@ class EngineLoop:
         self._scheduler = scheduler
         self._processor = processor
         self._planner = Planner(epoch=0)
+        self._async_scheduling = async_scheduling
         self.steps = 0
+        # perf_counter() when the last landed step's result came back.
+        self._last_stepped = 0.0
         # time.monotonic() of the last completed step, or of the last moment the loop was idle:
         # liveness (scheduler_service/health.py) flags a loop holding work that has not stepped since.
         self.last_progress = time.monotonic()
@@ -232,13 +251,17 @@ class EngineLoop:
                 await self._channel.close()
 
     async def _steps(self, stop: asyncio.Event, pending: StepCommit, pickup: Pickup) -> None:
+        inflight: SentStep | None = None  # sent, advanced, its result not processed yet
         while not stop.is_set():
             started = time.perf_counter()
+            clock = PerfClock(started) if self._telemetry.tracing else None
             if self.is_idle:  # nothing to make progress on: new work's clock starts now
                 self.last_progress = time.monotonic()
-            clock = PerfClock(started) if self._telemetry.tracing else None
-            profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
             await self._ingest(pickup, pending)
+            if inflight is not None and not self._may_overlap(stop):
+                # Hand-overs, drains and beam searches act on results: the step in flight lands first.
+                await self._land(inflight, pending, stop, None)
+                inflight = None
             if not await self._follow_registration(pending, took_over=bool(pickup.handed_over)):
                 # The worker left and every request this loop held has moved on; so must whatever reached the
                 # worker's queue meanwhile (admitted while it still counted as alive): the loop goes round
@@ -248,52 +271,36 @@ class EngineLoop:
                 if pickup.is_empty():
                     break
                 continue
-            ingested = time.perf_counter()
-            out, plan = self._plan(pending, profile)
-            if plan is not None:
-                if self._processor.record_timings:
-                    self._processor.mark_scheduled(out, time.time())
-                span = self._telemetry.start_step(out, clock, started)
-                # The RPC starts (and runs by itself) when the call is created: time it from here to the loop
-                # holding its result. Awaited as is: a Task around it cost the loop one more turn per answer.
-                sent = time.perf_counter()
-                step = self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span))
-                committed = asyncio.ensure_future(_timed(self._commit(pending)))
-                failure: grpc.aio.AioRpcError | None = None
-                try:
-                    result = await step
-                except grpc.aio.AioRpcError as exc:
-                    failure = exc
-                stepped = time.perf_counter()
-                pickup, commit_start, commit_s = await committed
-                pending = StepCommit(self.worker_id)
-                if failure is not None:
-                    span.set_status(Status(StatusCode.ERROR, f"worker failed: {failure.code().name}"))
-                    span.end()
-                    await self._on_worker_failure(failure, pending, stop)
+            step = self._send(pending, clock, started, time.perf_counter())
+            if step is None and inflight is None:
+                if not pending.is_empty():
+                    pickup, commit_start, commit_s = await _timed(self._commit(pending))
+                    pending = StepCommit(self.worker_id)
+                    self._telemetry.observe_idle_commit(self.steps, commit_start, commit_s, clock)
                 else:
-                    processing = time.perf_counter()
-                    self._processor.process(out, result, pending)
-                    self.steps += 1
-                    self.last_progress = time.monotonic()
-                    if profile is not None:
-                        done = time.perf_counter()
-                        profile.ingest_s = ingested - started
-                        profile.rpc_s, profile.worker_s = stepped - sent, result.execute_seconds
-                        profile.commit_s, profile.commit_wait_s = commit_s, max(0.0, processing - stepped)
-                        profile.process_s, profile.wall_s = done - processing, done - started
-                        if self._profiles is not None:
-                            self._profiles.write(profile)
-                        self._telemetry.observe_step(profile, out, result, span, clock, ingested, commit_start,
-                                                     processing)
-            elif not pending.is_empty():
-                pickup, commit_start, commit_s = await _timed(self._commit(pending))
-                pending = StepCommit(self.worker_id)
-                self._telemetry.observe_idle_commit(self.steps, commit_start, commit_s, clock)
+                    if self._profiles is not None:
+                        self._profiles.flush()  # idle: a reader sees every step so far
+                    pickup = await self._store.wait_for_work(self.worker_id, IDLE_WAIT_SECONDS)
+                continue
+            # The commit of the results landed so far runs while the worker computes.
+            committed = asyncio.ensure_future(_timed(self._commit(pending)))
+            pending = StepCommit(self.worker_id)
+            if inflight is not None:
+                # Async scheduling: `step` waits on the worker behind `inflight`; this lands `inflight`.
+                landed, pickup = await self._land(inflight, pending, stop, committed, then=step)
+                inflight = None
+                if landed and step is not None:
+                    inflight = self._advance(step)
             else:
-                if self._profiles is not None:
-                    self._profiles.flush()  # idle: a reader sees every step so far
-                pickup = await self._store.wait_for_work(self.worker_id, IDLE_WAIT_SECONDS)
+                assert step is not None
+                if self._may_overlap(stop):
+                    # The next iteration plans its step while this one runs, and lands this one after.
+                    pickup, _, _ = await committed
+                    inflight = self._advance(step)
+                else:
+                    _, pickup = await self._land(step, pending, stop, committed)
+        if inflight is not None:
+            await self._land(inflight, pending, stop, None)
         if not pending.is_empty():
             # Takes nothing more off the queues: what waits there is the next owner's to pick up.
             pending.pick_up = False
@@ -302,6 +309,83 @@ class EngineLoop:
             # Only now that the hand-over is committed may the registration go: a registry without the
             # worker is what tells every replica that nothing of it is left to continue.
             await self._fleet.registry.forget(self.worker_id)
+
+    def _may_overlap(self, stop: asyncio.Event) -> bool:
+        """Whether the next step may be planned before the one in flight lands (async scheduling).
+
+        Not for beam search (its next beams come from the result), nor while the worker leaves or
+        drains, nor when stopping: each of those acts on the results.
+        """
+        if not self._async_scheduling or stop.is_set() or not self._steady():
+            return False
+        s = self._scheduler
+        return not any(g.sampling_params.use_beam_search for g in (*s.running, *s.swapped))
+
+    def _send(self, commit: StepCommit, clock: PerfClock | None, started: float, ingested: float) -> SentStep | None:
+        """Plans a step and sends it to the worker; None when there is nothing to send."""
+        profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
+        out, plan = self._plan(commit, profile)
+        if plan is None:
+            return None
+        if self._processor.record_timings:
+            self._processor.mark_scheduled(out, time.time())
+        span = self._telemetry.start_step(out, clock, started)
+        # The RPC starts (and runs by itself) when the call is created: time it from here to the loop
+        # holding its result. Awaited as is: a Task around it cost the loop one more turn per answer.
+        sent = time.perf_counter()
+        call = self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span))
+        return SentStep(out, call, span, clock, profile, started, ingested, sent)
+
+    def _advance(self, step: SentStep) -> SentStep:
+        """Counts the step as running (Scheduler.advance): the next one is planned before it lands."""
+        self._scheduler.advance(step.out)
+        step.advanced = True
+        return step
+
+    async def _land(
+        self, step: SentStep, pending: StepCommit, stop: asyncio.Event,
+        committed: asyncio.Future[tuple[Pickup, float, float]] | None, then: SentStep | None = None,
+    ) -> tuple[bool, Pickup]:
+        """Waits for a step's result (and the commit running beside it) and processes it into `pending`.
+
+        `then`: the step sent behind it (async scheduling), cancelled when this one failed. Returns
+        whether it landed (False: the worker failed and was reset) and the commit's pickup.
+        """
+        failure: grpc.aio.AioRpcError | None = None
+        try:
+            result = await step.call
+        except grpc.aio.AioRpcError as exc:
+            failure = exc
+        stepped = time.perf_counter()
+        pickup, commit_start, commit_s = await committed if committed is not None else (Pickup([], []), stepped, 0.0)
+        if failure is not None:
+            step.span.set_status(Status(StatusCode.ERROR, f"worker failed: {failure.code().name}"))
+            step.span.end()
+            if then is not None:
+                then.call.cancel()
+                then.span.end()
+            await self._on_worker_failure(failure, pending, stop)
+            return False, pickup
+        processing = time.perf_counter()
+        self._processor.process(step.out, result, pending, advanced=step.advanced)
+        self.steps += 1
+        self.last_progress = time.monotonic()
+        done = time.perf_counter()
+        profile = step.profile
+        if profile is not None:
+            profile.ingest_s = step.ingested - step.started
+            # From when the worker could start it: its sending, or the answer to the step ahead of it.
+            profile.rpc_s, profile.worker_s = stepped - max(step.sent, self._last_stepped), result.execute_seconds
+            profile.commit_s, profile.commit_wait_s = commit_s, max(0.0, processing - stepped)
+            # With async scheduling it was planned while the step ahead ran: its wall time starts at that
+            # step's answer (step_profile.py).
+            profile.process_s, profile.wall_s = done - processing, done - max(step.started, self._last_stepped)
+            if self._profiles is not None:
+                self._profiles.write(profile)
+            self._telemetry.observe_step(profile, step.out, result, step.span, step.clock, step.ingested,
+                                         commit_start, processing)
+        self._last_stepped = stepped
+        return True, pickup
 
     def _commit(self, commit: StepCommit) -> Awaitable[Pickup]:
         # Fenced by the loop's epoch, stamped at commit time: the loop may have taken a newer epoch (worker
@@ -323,6 +407,11 @@ class EngineLoop:
         for group in [*self._scheduler.running, *self._scheduler.swapped]:
             self._processor.requeue(group, commit, message)
         await self._own_worker(stop)
+
+    def _steady(self) -> bool:
+        """The worker is registered, alive and not draining."""
+        entry = self._registration
+        return not self._departed() and entry is not None and not entry.draining
 
     def _departed(self) -> bool:
         """The registry no longer lists the worker as alive (deregistered, or its heartbeat expired)."""
@@ -349,10 +438,10 @@ class EngineLoop:
         worker keeps its running requests to the end and hands over only those not started.
         `took_over`: the last pickup held handed-over requests (see HAND_ON_PAUSE_SECONDS).
         """
+        if self._steady():
+            return True
         entry = self._registration
         departed = self._departed()
-        if not departed and entry is not None and not entry.draining:
-            return True
         s = self._scheduler
         groups = [*s.waiting, *s.running, *s.swapped] if departed else list(s.waiting)
         if groups and self._fleet.others(self.worker_id):

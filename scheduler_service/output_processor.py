@@ -188,8 +188,13 @@ class OutputProcessor:
 
     # -- step results --------------------------------------------------------------------------
 
-    def process(self, out: SchedulerOutput, result: worker_pb2.StepResult, commit: StepCommit) -> None:
-        """Applies a step's sampled tokens and emits deltas for every request that advanced."""
+    def process(self, out: SchedulerOutput, result: worker_pb2.StepResult, commit: StepCommit,
+                advanced: bool = False) -> None:
+        """Applies a step's sampled tokens and emits deltas for every request that advanced.
+
+        advanced: the scheduler already advanced the step (Scheduler.advance, async scheduling):
+        only its in-flight tokens are resolved here.
+        """
         if result.prompt_logprobs:
             groups = {item.seq.seq_id: item.group for item in out.scheduled}
             for piece in result.prompt_logprobs:
@@ -200,7 +205,10 @@ class OutputProcessor:
         sampled = {s.seq_id: s.token_id for s in result.sampled}
         by_seq = {s.seq_id: s for s in result.sampled}
         forks = self._beam_steps(out, by_seq, sampled, commit)
-        self._scheduler.update_after_step(out, sampled)
+        if advanced:
+            self._scheduler.resolve(out, sampled)
+        else:
+            self._scheduler.update_after_step(out, sampled)
         for fork in forks:
             self._scheduler.fork_seq(fork.group, fork.parent, fork.child)
         deltas: dict[str, list[generation_pb2.CompletionDelta]] = {}

@@ -88,6 +88,9 @@ class Planner:
             table = tables.logical_block_table(seq)
             sent = self._sent_blocks.get(seq.seq_id)
             if sent is None:
+                if seq.num_inflight_tokens:
+                    # Its tokens go out in full: one not known yet would be missing (see Scheduler.advance).
+                    raise RuntimeError(f"seq {seq.seq_id} is sent in full with a token still in flight")
                 plan.new_sequences.add(
                     seq_id=seq.seq_id,
                     prompt_token_ids=seq.prompt_token_ids,

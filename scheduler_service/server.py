@@ -153,7 +153,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
                           OutputProcessor(tokenizer, scheduler), fleet, profile, tracer=tracer,
                           metrics=metrics.engine(entry.worker_id) if metrics is not None else None,
                           step_timeout_s=config.step_timeout_s, channel=channel, registration=entry,
-                          on_owned=first_lease.owned)
+                          on_owned=first_lease.owned, async_scheduling=config.async_scheduling)
 
     supervisor = Supervisor(registry, leases, router, make_loop, changes=changes)
     limits = QueueLimits(config.max_num_queued_requests, config.max_queued_tokens)

@@ -4,6 +4,10 @@ The loop overlaps the Redis commit of step N-1 with the worker's step N, so
 a step's wall time is ingest + schedule + plan + max(worker RPC, commit) +
 postprocess. The worker's own execute time comes back in its StepResult;
 everything else is the cost of splitting the engine into services.
+
+With async scheduling a step is planned (ingest, schedule, plan) while the step
+ahead of it runs: its wall time and its RPC time then start when the step ahead's
+answer came back, and wall - worker is what the worker's step did not cover.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ class StepProfile:
     ingest_s: float = 0.0
     schedule_s: float = 0.0
     plan_s: float = 0.0
-    # ExecuteStep round trip as the loop saw it; worker_s of it ran in the worker.
+    # ExecuteStep round trip as the loop saw it (async scheduling: from the answer to the step ahead, which
+    # can be less than worker_s: the worker starts the step while that answer travels); worker_s ran in the worker.
     rpc_s: float = 0.0
     worker_s: float = 0.0
     # The previous step's commit, overlapped with this RPC; the part that outlasted it is commit_wait_s.

@@ -104,15 +104,51 @@ class Scheduler(RequestQueues):
         return out
 
     def update_after_step(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """Record a finished step: advance computed tokens, append sampled ones.
+        """Record a finished step: advance computed tokens, append sampled ones (advance, then resolve).
 
         sampled maps seq_id -> token id for every scheduled sequence whose
         `samples` is True. Sequences finished meanwhile (aborted mid-step) are
         skipped. Validates everything before changing anything.
         """
         live = [s for s in output.scheduled if not s.seq.is_finished]
+        self._check_sampled(output, sampled, [s for s in live if s.samples])
+        self._check_unchanged(live)
+        self.advance(output)
+        self.resolve(output, sampled)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The worker runs the step: its tokens count as computed and its samples as in flight.
+
+        With async scheduling the engine calls this as soon as the step is sent and plans
+        the next step before the result is back: each sampling sequence holds a token in
+        flight (Sequence.num_inflight_tokens), decoded by the next step on the worker's own
+        sample; resolve() fills in its value. Computed blocks are registered in the prefix
+        cache now: a later step that reuses one runs on the worker after this one wrote it.
+        """
+        live = [s for s in output.scheduled if not s.seq.is_finished]
+        self._check_unchanged(live)
+        for s in live:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            # Before the sampled token counts: its KV is not written by this step.
+            self.block_manager.mark_computed(s.seq)
+            if s.samples:
+                s.seq.num_inflight_tokens += 1
+
+    def resolve(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """The step's result: each in-flight token of advance() becomes the sampled one.
+
+        A sequence preempted since keeps its token (its recompute or swap-in starts from it); one
+        finished since (stopped by its previous token, aborted) drops it.
+        """
+        waiting = [s for s in output.scheduled if s.samples and s.seq.num_inflight_tokens]
+        self._check_sampled(output, sampled, [s for s in waiting if not s.seq.is_finished])
+        for s in waiting:
+            s.seq.resolve_inflight_token(None if s.seq.is_finished else sampled[s.seq.seq_id])
+
+    @staticmethod
+    def _check_sampled(output: SchedulerOutput, sampled: dict[int, int], expecting: list[ScheduledSequence]) -> None:
         expected = {s.seq.seq_id for s in output.scheduled if s.samples}
-        missing = sorted(s.seq.seq_id for s in live if s.samples and s.seq.seq_id not in sampled)
+        missing = sorted(s.seq.seq_id for s in expecting if s.seq.seq_id not in sampled)
         if missing:
             raise ValueError(f"sampled has no token for scheduled seq_ids {missing}.")
         unexpected = sorted(set(sampled) - expected)
@@ -121,15 +157,12 @@ class Scheduler(RequestQueues):
         bad = {seq_id: tok for seq_id, tok in sampled.items() if not isinstance(tok, int) or tok < 0}
         if bad:
             raise ValueError(f"sampled token ids must be non-negative ints, got {bad}.")
+
+    @staticmethod
+    def _check_unchanged(live: list[ScheduledSequence]) -> None:
         for s in live:
             if s.seq.num_computed_tokens != s.num_computed_tokens:
                 raise ValueError(f"seq {s.seq.seq_id} changed since it was scheduled; stale output?")
-        for s in live:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            # Before append_token: the sampled token's KV is not written yet.
-            self.block_manager.mark_computed(s.seq)
-            if s.samples:
-                s.seq.append_token(sampled[s.seq.seq_id])
 
     # -- internals -----------------------------------------------------------
 
@@ -148,7 +181,7 @@ class Scheduler(RequestQueues):
         num_seqs = 0
         while queue:
             group = queue.popleft()
-            items = tokens_to_compute(group)
+            items = [item for item in tokens_to_compute(group) if not self._ends_when_resolved(group, item[0])]
             # Without chunking everything left is computed at once (a prefill
             # only shows up here when a step is re-planned).
             decodes = [(seq, n) for seq, n, is_decode in items if is_decode or not chunked]
@@ -291,6 +324,15 @@ class Scheduler(RequestQueues):
             to_fork = tokens_before_fork(parent, num_computed(parent))
             return [to_fork] if to_fork > 0 else [1] * len(seqs)
         return [seq.num_tokens - num_computed(seq) for seq in seqs]
+
+    def _ends_when_resolved(self, group: SequenceGroup, seq: Sequence) -> bool:
+        """Whether seq's token in flight will end it by length (max_tokens, the longest sequence), whatever
+        it is: no step decodes it, the engine finishes it when the token comes back."""
+        if not seq.num_inflight_tokens:
+            return False
+        max_tokens = group.sampling_params.max_tokens
+        num_outputs = len(seq.output_token_ids) + seq.num_inflight_tokens
+        return (max_tokens is not None and num_outputs >= max_tokens) or seq.num_tokens >= self.max_seq_len
 
     def _reserve_slots(self, group: SequenceGroup, queue: deque[SequenceGroup], out: SchedulerOutput) -> bool:
         """Preempt from the back of queue until group's decodes get their slots; False if group itself went."""

@@ -43,6 +43,11 @@ class Sequence:
 
     num_computed_tokens counts leading tokens whose KV is in the cache; the
     remaining ones are computed by the next step that schedules this sequence.
+
+    num_inflight_tokens counts tokens sampled by a step whose result has not come
+    back yet (the engine plans the next step while the worker runs this one, see
+    Scheduler.advance): they count in num_tokens, so the next step is planned as if
+    they were known, but not in the token lists, which hold known tokens only.
     """
 
     seq_id: int
@@ -50,6 +55,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
+    num_inflight_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.seq_id, int) or isinstance(self.seq_id, bool) or self.seq_id < 0:
@@ -71,12 +77,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus output length."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt plus output length, in-flight tokens included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
-        """Prompt followed by output tokens (a new list)."""
+        """Prompt followed by the known output tokens (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
@@ -100,6 +106,15 @@ class Sequence:
         """Append one generated token (its KV is computed by the next step)."""
         _validate_token_ids("token_id", [token_id])
         self.output_token_ids.append(token_id)
+
+    def resolve_inflight_token(self, token_id: int | None) -> None:
+        """The step in flight came back: its token becomes known (appended), or is dropped (None)."""
+        if self.num_inflight_tokens < 1:
+            raise ValueError(f"seq {self.seq_id} has no token in flight.")
+        if token_id is not None:
+            _validate_token_ids("token_id", [token_id])
+            self.output_token_ids.append(token_id)
+        self.num_inflight_tokens -= 1
 
     def reset_for_recompute(self) -> None:
         """Forget the KV cache after preemption by recompute.

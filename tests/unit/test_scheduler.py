@@ -640,10 +640,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             group, seq = data.draw(st.sampled_from(live))
             if group.pending_fork_seqs() and seq.status is SequenceStatus.RUNNING:
                 event("finished a parent before its fork")
-                if self.pending is not None:
+                if self.steps_outstanding():
                     # The heir takes over the parent's table, but not the in-flight step's progress.
                     self.recomputed.add(group.request_id)
             self.sched.finish_sequence(group, seq, SequenceStatus.FINISHED_STOPPED)
+
+    def steps_outstanding(self) -> bool:
+        """A planned step has not been applied yet."""
+        return self.pending is not None
 
     @rule(data=st.data())
     def abort_one(self, data: st.DataObject) -> None:

@@ -1,0 +1,7 @@
+"""The engine loops an end-to-end module runs against: scheduler flags per mode.
+
+sync: each step is planned once the previous step's result is back. async: the next step is planned
+and sent while the worker runs the current one (--async-scheduling).
+"""
+
+SCHEDULING: dict[str, list[str]] = {"sync": [], "async": ["--async-scheduling"]}
