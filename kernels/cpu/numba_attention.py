@@ -28,6 +28,7 @@ from kernels.cpu import attention as torch_attention
 from kernels.cpu._numba_decode import decode_attention
 from kernels.cpu._numba_prefill import context_attention as prefill_attention
 from kernels.cpu._numba_prefill import plan_tiles
+from kernels.cpu.numpy_views import numpy_view
 from kernels.metadata_memo import arguments_layout, reduce_once
 
 # Cache dtypes the Numba kernel reads, and the dtype it sees each one as.
@@ -94,15 +95,10 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> None:
     """Decode attention, as :func:`kernels.cpu.attention.paged_attention`; writes ``out`` in place."""
-    if not supports(query, key_cache, value_cache):
-        # The torch kernel validates the arguments itself, with the same checks.
-        torch_attention.paged_attention(
-            out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, context_lens, block_size,
-            max_context_len, alibi_slopes, sliding_window,
-        )  # fmt: skip
-        return
 
-    def validate() -> tuple[np.ndarray, np.ndarray, int]:
+    def validate() -> tuple[np.ndarray, np.ndarray, int] | None:
+        if not supports(query, key_cache, value_cache):
+            return None
         # The checks also read back the block ids the kernel will read, which it then trusts.
         check_paged_attention_args(
             out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, context_lens, block_size,
@@ -113,11 +109,23 @@ def paged_attention(
         return (block_tables.to(torch.int32).contiguous().numpy(), context_lens.to(torch.int32).contiguous().numpy(),
                 threads)
 
-    # Every layer of a step calls this with the same metadata and tensors of the same layout: the checks
-    # pass or fail alike for all of them, so they run for the first layer only (~25 us per call saved).
-    layout = (arguments_layout(out, query, key_cache, value_cache, alibi_slopes), num_kv_heads, scale, block_size,
-              max_context_len, sliding_window)
-    tables, lens, threads = reduce_once(block_tables, (context_lens,), ("numba decode", layout), validate)
+    # Every layer of a step calls this with the same metadata and tensors of the same layout: which kernel
+    # takes them and the checks are decided alike for all of them, so for the first layer only (~25 us
+    # per call saved). The layout covers all that `supports` reads but the types.
+    prepared = None
+    tensors = (out, query, key_cache, value_cache, block_tables, context_lens)
+    if all(isinstance(t, torch.Tensor) for t in tensors) and isinstance(alibi_slopes, torch.Tensor | None):
+        layout = (arguments_layout(out, query, key_cache, value_cache, alibi_slopes), num_kv_heads, scale, block_size,
+                  max_context_len, sliding_window)
+        prepared = reduce_once(block_tables, (context_lens,), ("numba decode", layout), validate)
+    if prepared is None:
+        # The torch kernel validates the arguments itself, with the same checks.
+        torch_attention.paged_attention(
+            out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, context_lens, block_size,
+            max_context_len, alibi_slopes, sliding_window,
+        )  # fmt: skip
+        return
+    tables, lens, threads = prepared
     _use_threads(threads)
     # A float32 query is read in place, strided (a view of the step's fused q/k/v rows).
     q = query.numpy() if query.dtype == torch.float32 and query.stride(-1) == 1 else _float32_query(query)
@@ -143,8 +151,8 @@ def _run(
     kernel(
         result.numpy(),
         query,
-        key_cache.view(view).flatten(3).numpy(),  # [blocks, kv heads, D/x, BS * x]
-        value_cache.view(view).numpy(),
+        numpy_view(key_cache, view, flatten_from=3),  # [blocks, kv heads, D/x, BS * x]
+        numpy_view(value_cache, view),
         *metadata,
         slopes,
         *scalars,

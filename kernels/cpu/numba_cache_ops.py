@@ -21,6 +21,7 @@ import torch
 
 from kernels.cache_op_checks import check_reshape_and_cache_args
 from kernels.cpu import cache_ops as torch_cache_ops
+from kernels.cpu.numpy_views import numpy_view
 from kernels.metadata_memo import arguments_layout, reduce_once
 
 # Element size -> the integer dtype the copy sees.
@@ -89,20 +90,25 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Writes each token's key/value (``[T, num_kv_heads, head_size]``) into its cache slot; see the torch twin."""
-    if not supports(key, value, key_cache, value_cache):
-        torch_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        return
 
-    def validate() -> np.ndarray:
+    def validate() -> np.ndarray | None:
+        if not supports(key, value, key_cache, value_cache):
+            return None
         check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
         return slot_mapping.to(torch.int64).contiguous().numpy()
 
-    # Checked once per step and layout: every layer passes the same slots and tensors laid out alike.
-    layout = arguments_layout(key, value, key_cache, value_cache)
-    slots = reduce_once(slot_mapping, (), ("numba cache write", layout), validate)
+    # Decided and checked once per step and layout: every layer passes the same slots and tensors laid out
+    # alike (the layout covers all that `supports` reads but the types).
+    slots = None
+    if all(isinstance(t, torch.Tensor) for t in (key, value, key_cache, value_cache, slot_mapping)):
+        layout = arguments_layout(key, value, key_cache, value_cache)
+        slots = reduce_once(slot_mapping, (), ("numba cache write", layout), validate)
+    if slots is None:
+        torch_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
     if slots.shape[0] == 0:
         return
     bits = _BITS[key_cache.element_size()]
     kernel = _write_parallel if key.shape[0] >= _PARALLEL_MIN_TOKENS else _write_serial
-    kernel(key.view(bits).numpy(), value.view(bits).numpy(), key_cache.view(bits).numpy(),
-           value_cache.view(bits).numpy(), slots)
+    kernel(key.view(bits).numpy(), value.view(bits).numpy(), numpy_view(key_cache, bits), numpy_view(value_cache, bits),
+           slots)
