@@ -17,6 +17,11 @@ def output_stream(request_id: str) -> str:
     return f"{PREFIX}:out:{request_id}"
 
 
+def reader_wake(reader_id: str) -> str:
+    """Stream: one replica's output-stream reader is woken by an entry here (scheduler_service/stream_mux.py)."""
+    return f"{PREFIX}:reader:{reader_id}:wake"
+
+
 def digest(request_id: str) -> str:
     """String: digest of a request with a client-chosen id (idempotent re-sends); expires with its output stream."""
     return f"{PREFIX}:digest:{request_id}"

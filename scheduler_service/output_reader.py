@@ -7,7 +7,7 @@ Redis is needed, so a client can re-attach to any scheduler replica. Messages ca
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from protos import generation_pb2
 from scheduler_service.store import OUTPUT_TTL_SECONDS, RedisStore, StreamState
@@ -32,18 +32,23 @@ async def check_resumable(store: RedisStore, request_id: str, from_index: int) -
         raise OutOfRangeError(_past_the_end(request_id, info.length, from_index))
 
 
+Reader = Callable[[str, int, int | None], Awaitable[list[generation_pb2.GenerateResponse]]]
+
+
 async def follow(
-    store: RedisStore, request_id: str, from_index: int, block_ms: int
+    store: RedisStore, request_id: str, from_index: int, block_ms: int, read_from: Reader | None = None,
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """The request's messages from `from_index` up to its final one (the one with usage), in order.
 
     Waits for messages not committed yet. Every `block_ms` without a message it checks that the
     request still exists, so a reader never waits forever on a stream that expired or ended before
-    its index.
+    its index. `read_from`: how the messages are read (a replica's StreamMux; the store's own XREAD
+    by default).
     """
+    read = read_from if read_from is not None else store.read_from
     next_index = from_index
     while True:
-        batch = await store.read_from(request_id, next_index, block_ms)
+        batch = await read(request_id, next_index, block_ms)
         if not batch:
             info = await store.stream_info(request_id)
             if info.state is StreamState.GONE:

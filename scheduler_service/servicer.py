@@ -15,6 +15,7 @@ from protos import generation_pb2, generation_pb2_grpc, state_pb2
 from scheduler_service.admission import Admission, AdmittedPrompt, to_record
 from scheduler_service.router import Router
 from scheduler_service.output_reader import check_resumable, follow
+from scheduler_service.stream_mux import StreamMux
 from scheduler_service.store import AdmitOutcome, QueueLimits, RedisStore, WorkerGoneError
 from shared.errors import NotFoundError, UnavailableError, abort_with, status_for
 from shared.tracing import context_from_metadata, to_traceparent
@@ -34,6 +35,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._admission = admission
         self._queue_limits = queue_limits or QueueLimits()
         self._store = store
+        # One XREAD for every stream this replica's clients read (stream_mux.py).
+        self._streams = StreamMux(store)
         self._router = router
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
         self._model_name = model_name
@@ -77,7 +80,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finished = False
         first_token = False
         try:
-            async for msg in follow(self._store, request_id, 0, READ_BLOCK_MS):
+            async for msg in follow(self._store, request_id, 0, READ_BLOCK_MS, self._streams.read_from):
                 if not first_token and any(d.token_ids for d in msg.outputs):
                     first_token = True
                     span.set_attribute("gen_ai.latency.time_to_first_token", time.time() - started)
@@ -131,7 +134,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # A resumed stream never aborts the request when it ends early: the client may come back again.
         try:
             await check_resumable(self._store, request.request_id, request.from_index)
-            async for msg in follow(self._store, request.request_id, request.from_index, READ_BLOCK_MS):
+            async for msg in follow(self._store, request.request_id, request.from_index, READ_BLOCK_MS,
+                                  self._streams.read_from):
                 yield msg
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))

@@ -57,6 +57,8 @@ __all__ = [
 PREFIX_TTL_SECONDS = 600
 # Requests and aborts picked up per commit.
 INBOX_BATCH = 64
+# A replica's output-stream reader wake stream (stream_mux.py) is left to expire this long after its last use.
+WAKE_TTL_SECONDS = 60
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -309,6 +311,40 @@ class RedisStore:
                 msg.index = stream_index.index_of(entry_id)
                 out.append(msg)
         return out
+
+    @_unavailable_on_redis_error
+    async def read_many(
+        self, cursors: dict[str, int], wake_key: str, wake_id: str, block_ms: int
+    ) -> tuple[dict[str, list[generation_pb2.GenerateResponse]], str]:
+        """Committed messages of several requests, each from its index in `cursors`, in one XREAD.
+
+        Waits up to `block_ms` for any of them, or for an entry after `wake_id` in `wake_key`
+        (wake_reader). Returns the messages by request id and the wake stream's last entry id seen.
+        """
+        names = {keys.output_stream(request_id): request_id for request_id in cursors}
+        streams = {wake_key: wake_id, **{name: stream_index.read_cursor(cursors[r]) for name, r in names.items()}}
+        reply = await self._r.xread(streams, block=block_ms)
+        out: dict[str, list[generation_pb2.GenerateResponse]] = {}
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            if name == wake_key:
+                last = entries[-1][0]
+                wake_id = last.decode() if isinstance(last, bytes) else last
+                continue
+            messages = out.setdefault(names[name], [])
+            for entry_id, fields in entries:
+                msg = generation_pb2.GenerateResponse.FromString(fields[b"m"])
+                msg.index = stream_index.index_of(entry_id)
+                messages.append(msg)
+        return out, wake_id
+
+    @_unavailable_on_redis_error
+    async def wake_reader(self, wake_key: str) -> None:
+        """Ends a read_many blocked on `wake_key` (its stream keeps one entry, and expires unused)."""
+        async with self._r.pipeline(transaction=False) as pipe:
+            pipe.xadd(wake_key, {"w": b"1"}, maxlen=1, approximate=False)
+            pipe.expire(wake_key, WAKE_TTL_SECONDS)
+            await pipe.execute()
 
     @_unavailable_on_redis_error
     async def stream_info(self, request_id: str) -> StreamInfo:
