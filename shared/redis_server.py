@@ -46,6 +46,9 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago, below the ephemeral range when there is room.
 
@@ -56,11 +59,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     low, _ = _ephemeral_ports()
     candidates = list(range(max(1024, low - 12000), low))
     for port in random.sample(candidates, min(len(candidates), 64)):
+        # Not one this process handed out already: its server may not be listening yet.
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

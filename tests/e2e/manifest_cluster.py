@@ -187,14 +187,24 @@ class ManifestCluster:
         return self._spawn(name, self._llmserve_argv(c), env, port, metrics)
 
     def wait_serving(self, pod_name: str, timeout_s: float = 300) -> None:
-        pod = self.pods[pod_name]
+        """Waits for the pod's readiness. A pod that died because another process took one of its ports
+        between free_port() and its bind (test suites running side by side) is started again on new ones."""
+        for attempt in range(3):
+            pod = self.pods[pod_name]
 
-        def alive() -> None:
-            if pod.proc.poll() is not None:
-                raise RuntimeError(f"{pod_name} exited with {pod.proc.returncode}:\n{pod.tail()}")
+            def alive() -> None:
+                if pod.proc.poll() is not None:
+                    raise RuntimeError(f"{pod_name} exited with {pod.proc.returncode}:\n{pod.tail()}")
 
-        if not wait_serving(pod.address, timeout_s, alive):
-            raise RuntimeError(f"{pod_name} did not become ready:\n{pod.tail()}")
+            try:
+                if not wait_serving(pod.address, timeout_s, alive):
+                    raise RuntimeError(f"{pod_name} did not become ready:\n{pod.tail()}")
+                return
+            except RuntimeError:
+                if attempt == 2 or not any(s in pod.tail() for s in ("Address already in use", "Failed to bind")):
+                    raise
+            kind, ordinal = pod_name.rsplit("-", 1)
+            (self.start_worker if kind == "worker" else self.start_scheduler)(int(ordinal))
 
     def replica_id(self, pod_name: str) -> str:
         """The lease-holder id a scheduler replica logged at start-up."""

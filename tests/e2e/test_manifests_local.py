@@ -48,8 +48,8 @@ def start(tiny_llama_dir: Path, workdir: Path, overrides: dict[str, dict[str, st
             cluster.start_worker(i)
         for i in range(2):
             cluster.start_scheduler(i)
-        for i in range(2):
-            cluster.wait_serving(f"scheduler-{i}")
+        for name in [*(f"worker-{i}" for i in range(num_workers)), "scheduler-0", "scheduler-1"]:
+            cluster.wait_serving(name)
         # A replica is ready with one routable worker; tests that route on equal loads need every worker
         # registered and driven (a lease is taken in the supervisor tick that registration wakes on every
         # replica, so the routers have seen it too).
