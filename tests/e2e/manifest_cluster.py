@@ -16,6 +16,7 @@ sees exactly where the test departs from the manifests.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -191,13 +192,8 @@ class ManifestCluster:
         between free_port() and its bind (test suites running side by side) is started again on new ones."""
         for attempt in range(3):
             pod = self.pods[pod_name]
-
-            def alive() -> None:
-                if pod.proc.poll() is not None:
-                    raise RuntimeError(f"{pod_name} exited with {pod.proc.returncode}:\n{pod.tail()}")
-
             try:
-                if not wait_serving(pod.address, timeout_s, alive):
+                if not wait_serving(pod.address, timeout_s, functools.partial(self._check_alive, pod)):
                     raise RuntimeError(f"{pod_name} did not become ready:\n{pod.tail()}")
                 return
             except RuntimeError:
@@ -205,6 +201,11 @@ class ManifestCluster:
                     raise
             kind, ordinal = pod_name.rsplit("-", 1)
             (self.start_worker if kind == "worker" else self.start_scheduler)(int(ordinal))
+
+    @staticmethod
+    def _check_alive(pod: Pod) -> None:
+        if pod.proc.poll() is not None:
+            raise RuntimeError(f"{pod.name} exited with {pod.proc.returncode}:\n{pod.tail()}")
 
     def replica_id(self, pod_name: str) -> str:
         """The lease-holder id a scheduler replica logged at start-up."""
