@@ -78,6 +78,16 @@ def _unavailable_on_redis_error(method: Callable[_P, Awaitable[_T]]) -> Callable
 
 
 
+def _indexed_messages(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[generation_pb2.GenerateResponse]:
+    """An output stream's entries as messages, each with its index (the entry id's sequence number)."""
+    out = []
+    for entry_id, fields in entries:
+        msg = generation_pb2.GenerateResponse.FromString(fields[b"m"])
+        msg.index = stream_index.index_of(entry_id)
+        out.append(msg)
+    return out
+
+
 class RedisStore:
     """Typed operations over the Redis state."""
 
@@ -304,13 +314,7 @@ class RedisStore:
         """
         cursor = {keys.output_stream(request_id): stream_index.read_cursor(from_index)}
         reply = await self._r.xread(cursor, block=block_ms)
-        out: list[generation_pb2.GenerateResponse] = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                msg = generation_pb2.GenerateResponse.FromString(fields[b"m"])
-                msg.index = stream_index.index_of(entry_id)
-                out.append(msg)
-        return out
+        return [msg for _stream, entries in reply or [] for msg in _indexed_messages(entries)]
 
     @_unavailable_on_redis_error
     async def read_many(
@@ -331,11 +335,7 @@ class RedisStore:
                 last = entries[-1][0]
                 wake_id = last.decode() if isinstance(last, bytes) else last
                 continue
-            messages = out.setdefault(names[name], [])
-            for entry_id, fields in entries:
-                msg = generation_pb2.GenerateResponse.FromString(fields[b"m"])
-                msg.index = stream_index.index_of(entry_id)
-                messages.append(msg)
+            out[names[name]] = _indexed_messages(entries)
         return out, wake_id
 
     @_unavailable_on_redis_error

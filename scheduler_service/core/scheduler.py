@@ -111,10 +111,11 @@ class Scheduler(RequestQueues):
         skipped. Validates everything before changing anything.
         """
         live = [s for s in output.scheduled if not s.seq.is_finished]
-        self._check_sampled(output, sampled, [s for s in live if s.samples])
+        sampling = [s for s in live if s.samples]
+        self._check_sampled(output, sampled, sampling)
         self._check_unchanged(live)
-        self.advance(output)
-        self.resolve(output, sampled)
+        self._advance(live)
+        self._resolve(sampling, sampled)
 
     def advance(self, output: SchedulerOutput) -> None:
         """The worker runs the step: its tokens count as computed and its samples as in flight.
@@ -127,12 +128,7 @@ class Scheduler(RequestQueues):
         """
         live = [s for s in output.scheduled if not s.seq.is_finished]
         self._check_unchanged(live)
-        for s in live:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            # Before the sampled token counts: its KV is not written by this step.
-            self.block_manager.mark_computed(s.seq)
-            if s.samples:
-                s.seq.num_inflight_tokens += 1
+        self._advance(live)
 
     def resolve(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
         """The step's result: each in-flight token of advance() becomes the sampled one.
@@ -142,6 +138,18 @@ class Scheduler(RequestQueues):
         """
         waiting = [s for s in output.scheduled if s.samples and s.seq.num_inflight_tokens]
         self._check_sampled(output, sampled, [s for s in waiting if not s.seq.is_finished])
+        self._resolve(waiting, sampled)
+
+    def _advance(self, live: list[ScheduledSequence]) -> None:
+        for s in live:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            # Before the sampled token counts: its KV is not written by this step.
+            self.block_manager.mark_computed(s.seq)
+            if s.samples:
+                s.seq.num_inflight_tokens += 1
+
+    @staticmethod
+    def _resolve(waiting: list[ScheduledSequence], sampled: dict[int, int]) -> None:
         for s in waiting:
             s.seq.resolve_inflight_token(None if s.seq.is_finished else sampled[s.seq.seq_id])
 

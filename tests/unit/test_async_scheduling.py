@@ -11,7 +11,7 @@ from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.planner import Planner
 from shared.sampling_params import SamplingParams
-from tests.unit.test_scheduler import SchedulerMachine, make_group, make_scheduler, plan
+from tests.unit.test_scheduler import SchedulerMachine, make_group, make_parallel_group, make_scheduler, plan
 
 
 def token_at(seq_id: int, position: int) -> int:
@@ -126,11 +126,10 @@ def _finish_by_length(sched: Scheduler, out: SchedulerOutput) -> None:
 def _requests() -> list[SequenceGroup]:
     groups = []
     for i in range(8):
-        prompt = [1 + (i * 5 + j) % 17 for j in range(3 + 3 * i)]
-        seqs = [make_group("x", 10 * i + k, 1).seqs[0] for k in range(1 + i % 3)]
-        for s in seqs:
-            s.prompt_token_ids = list(prompt)
-        groups.append(SequenceGroup(f"r{i}", seqs, SamplingParams(max_tokens=4 + 3 * i, n=len(seqs)), float(i)))
+        n = 1 + i % 3
+        group = make_parallel_group(f"r{i}", 10 * i, [1 + (i * 5 + j) % 17 for j in range(3 + 3 * i)], n, float(i))
+        group.sampling_params = SamplingParams(max_tokens=4 + 3 * i, n=n)
+        groups.append(group)
     return groups
 
 
