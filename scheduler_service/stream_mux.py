@@ -100,14 +100,18 @@ class StreamMux:
             finally:
                 self._reading = None
             for request_id, messages in batches.items():
-                self._deliver(request_id, messages)
+                self._deliver(request_id, cursors[request_id], messages)
 
-    def _deliver(self, request_id: str, messages: list[generation_pb2.GenerateResponse]) -> None:
-        """Answers the stream's readers whose index came; the rest wait for the next XREAD."""
+    def _deliver(self, request_id: str, read_from: int, messages: list[generation_pb2.GenerateResponse]) -> None:
+        """Answers the stream's readers whose index came; the rest wait for the next XREAD.
+
+        A reader that joined below `read_from` (the index this XREAD read from) is not answered from it: it
+        would miss the messages before; the next XREAD reads from its index.
+        """
         waiting = []
         answered = False
         for reader in self._readers.get(request_id, []):
-            mine = [m for m in messages if m.index >= reader.from_index]
+            mine = [m for m in messages if m.index >= reader.from_index] if reader.from_index >= read_from else []
             if mine:
                 reader.answer.set_result(mine)
                 answered = True

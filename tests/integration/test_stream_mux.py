@@ -136,3 +136,28 @@ def test_a_reader_coming_back_for_more_needs_no_wake(url: str) -> None:
             await idle
 
     run(url, body)
+
+
+def test_a_reader_joining_below_the_read_in_flight_misses_nothing(url: str) -> None:
+    """The same request read twice (an idempotent re-send): the second reader starts at 0 while the shared
+    XREAD reads the stream from 1 for the first one; what that XREAD returns must not be its first answer."""
+    async def body(store: RedisStore) -> None:
+        mux = StreamMux(store)
+
+        async def late_wake(key: str) -> None:  # the wake arrives after the messages (the race, made certain)
+            return None
+
+        store.wake_reader = late_wake  # type: ignore[method-assign]
+        await store.admit(record("a"))
+        await store.commit(StepCommit(W, outputs=[("a", response("a", "", [0]))]))
+        assert tokens(await mux.read_from("a", 0, 5000)) == [0]
+        first = asyncio.create_task(mux.read_from("a", 1, 5000))  # reads on from 1
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(mux.read_from("a", 0, 5000))
+        await asyncio.sleep(0.05)
+        await store.commit(StepCommit(W, outputs=[("a", response("a", "", [1]))]))
+        assert tokens(await first) == [1]
+        got = await second
+        assert [m.index for m in got] == [0, 1] and tokens(got) == [0, 1]
+
+    run(url, body)
