@@ -70,6 +70,24 @@ class BlockAllocator:
         """Ids of the blocks with reference count zero, sorted."""
         return sorted(self._free_heap)
 
+    def ref_counts(self) -> dict[int, int]:
+        """block id -> reference count, for the blocks in use."""
+        return {b: n for b, n in enumerate(self._ref_counts) if n}
+
+    def restore(self, ref_counts: dict[int, int]) -> None:
+        """Start over with these blocks in use (a scheduler restored from a snapshot); the rest are free."""
+        for block_id, count in ref_counts.items():
+            self._check_block_id(block_id)
+            if count < 1:
+                raise ValueError(f"block {block_id}: a reference count must be positive, got {count}.")
+        self._ref_counts = [ref_counts.get(b, 0) for b in range(self._num_blocks)]
+        # Sorted, hence already a valid min-heap.
+        self._free_heap = [b for b in range(self._num_blocks) if not self._ref_counts[b] and self._keeps_free(b)]
+
+    def _keeps_free(self, block_id: int) -> bool:
+        """Whether an unreferenced block belongs on the free list (the prefix cache keeps its own)."""
+        return True
+
     def _release(self, block_id: int) -> None:
         """Called when block_id lost its last owner (a hook for the prefix cache)."""
         heapq.heappush(self._free_heap, block_id)

@@ -183,6 +183,11 @@ class BlockManager(DeviceBlockTables):
 
     # -- prefix cache ----------------------------------------------------------
 
+    @property
+    def prefix_tracker(self) -> PrefixCacheTracker | None:
+        """The sequences' prefix-hash chains; None without prefix caching."""
+        return self._prefix
+
     def mark_computed(self, seq: Sequence) -> None:
         """Register the sequence's newly full and computed blocks in the prefix cache.
 

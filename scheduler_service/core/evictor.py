@@ -39,6 +39,11 @@ class LRUEvictor:
         """The evictable block ids, sorted by id."""
         return sorted(self._entries)
 
+    def last_accessed(self, block_id: int) -> int | None:
+        """The stamp a block entered with; None when it is not in the evictor."""
+        entry = self._entries.get(block_id)
+        return None if entry is None else entry[0]
+
     def add(self, block_id: int, last_accessed: int, num_hashed_tokens: int) -> None:
         """Make a block evictable."""
         if block_id in self._entries:

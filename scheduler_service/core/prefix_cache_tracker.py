@@ -80,6 +80,15 @@ class PrefixCacheTracker:
         if hashes is not None:
             self._block_hashes[child_id] = list(hashes)
 
+    def chain_length(self, seq_id: int) -> int | None:
+        """Blocks of seq's table considered for registration so far; None when it registers none."""
+        hashes = self._block_hashes.get(seq_id)
+        return None if hashes is None else len(hashes)
+
+    def restore_chain(self, seq_id: int, hashes: list[BlockHash]) -> None:
+        """Give a restored sequence the chain it had (its leading blocks' hashes)."""
+        self._block_hashes[seq_id] = list(hashes)
+
     def forget(self, seq_id: int) -> None:
         """Drop a sequence's hash chain; a no-op when it has none."""
         self._block_hashes.pop(seq_id, None)

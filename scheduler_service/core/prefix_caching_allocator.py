@@ -37,6 +37,17 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True)
+class CachedBlockEntry:
+    """A block registered in the prefix cache, as a snapshot holds it."""
+
+    block_id: int
+    block_hash: BlockHash
+    num_hashed_tokens: int
+    # The logical time it entered the evictor; None while a table holds it.
+    last_accessed: int | None
+
+
+@dataclass(frozen=True)
 class _CachedBlock:
     block_hash: BlockHash
     # Tokens covered by the hash chain up to this block: its depth in the
@@ -129,6 +140,39 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         self._block_by_hash[block_hash] = block_id
         self._cached[block_id] = _CachedBlock(block_hash, num_hashed_tokens)
         return True
+
+    def cached_blocks(self) -> list[CachedBlockEntry]:
+        """Every registered block, by block id, with its evictor stamp when unreferenced."""
+        return [
+            CachedBlockEntry(b, c.block_hash, c.num_hashed_tokens, self.evictor.last_accessed(b))
+            for b, c in sorted(self._cached.items())
+        ]
+
+    def restore(self, ref_counts: dict[int, int], cached: tuple[CachedBlockEntry, ...] = (), clock: int = 0) -> None:
+        """Start over with these blocks in use and these registered (see BlockAllocator.restore).
+
+        An entry with a stamp is an evictable block (no reference), one without is held by a table.
+        """
+        self.evictor.clear()
+        self._block_by_hash.clear()
+        self._cached.clear()
+        for entry in cached:
+            self._check_block_id(entry.block_id)
+            referenced = ref_counts.get(entry.block_id, 0) > 0
+            if referenced == (entry.last_accessed is not None):
+                state = "held by a table" if referenced else "held by no table"
+                raise ValueError(f"cached block {entry.block_id} is {state}, yet its evictor stamp is {entry.last_accessed}.")
+            if entry.block_hash in self._block_by_hash or entry.block_id in self._cached:
+                raise ValueError(f"cached block {entry.block_id}: its block id or hash is registered twice.")
+            self._block_by_hash[entry.block_hash] = entry.block_id
+            self._cached[entry.block_id] = _CachedBlock(entry.block_hash, entry.num_hashed_tokens)
+            if entry.last_accessed is not None:
+                self.evictor.add(entry.block_id, entry.last_accessed, entry.num_hashed_tokens)
+        self.clock = clock
+        super().restore(ref_counts)
+
+    def _keeps_free(self, block_id: int) -> bool:
+        return block_id not in self.evictor
 
     def reset(self) -> None:
         """Forget every hash: evictable blocks go back to the free list, blocks in use stay allocated."""

@@ -90,6 +90,25 @@ class RequestQueues:
         if group.is_finished():
             self._remove(group)
 
+    def restore_queues(
+        self, waiting: list[SequenceGroup], running: list[SequenceGroup], swapped: list[SequenceGroup]
+    ) -> None:
+        """Hold these groups, in these queues and orders (a scheduler restored from a snapshot).
+
+        Their block tables are the block manager's to restore; here only the ids are checked.
+        """
+        if self._requests:
+            raise ValueError("queues can only be restored into an empty scheduler.")
+        for group in [*waiting, *running, *swapped]:
+            if group.request_id in self._requests:
+                raise ValueError(f"request_id {group.request_id!r} appears twice.")
+            for seq in group.seqs:
+                if seq.seq_id in self._seq_ids:
+                    raise ValueError(f"seq_id {seq.seq_id} appears twice.")
+                self._seq_ids.add(seq.seq_id)
+            self._requests[group.request_id] = group
+        self.waiting, self.running, self.swapped = deque(waiting), list(running), deque(swapped)
+
     # -- beam search ---------------------------------------------------------
 
     def replace_beams(self, group: SequenceGroup, drop: list[Sequence], add_finished: list[Sequence]) -> None:

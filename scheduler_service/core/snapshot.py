@@ -1,0 +1,202 @@
+"""The scheduler's whole state as plain values, and a scheduler rebuilt from them.
+
+A new owner of a worker continues its requests where the last owner left them:
+the engine loop stores this state in Redis with every commit, and the new owner
+rebuilds an identical Scheduler from it (same queues in the same order, same
+block tables, reference counts, prefix-cache hashes and LRU order, same computed
+token counts, same swapped tables), so the worker's KV cache stays valid.
+
+What is stored and what is derived:
+
+    stored                                   derived on restore
+    ---------------------------------------  -----------------------------------------
+    queues: groups in order, their seqs      request and seq id sets
+    per seq: status, outputs, computed       device / CPU reference counts (how many
+      tokens, device or CPU table, length      tables hold each block)
+      of its prefix-hash chain               free lists (blocks no table holds and the
+    cached blocks: hash, depth, LRU stamp      evictor does not hold)
+    the cache's logical clock, hit counts    each chain's hashes (from the seq's tokens)
+
+Reference counts are derived because every reference is a table entry: fork,
+prefix-cache hits and swaps each add one per table. A snapshot is taken between
+steps or right after schedule() (a step planned, not yet run): with tokens in
+flight (async scheduling) the state is not one a restore could continue.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from scheduler_service.core.config import CacheConfig, SchedulerConfig
+from scheduler_service.core.prefix_caching_allocator import CachedBlockEntry, PrefixCachingBlockAllocator
+from scheduler_service.core.prefix_hash import hash_full_blocks
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from shared.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SeqSnapshot:
+    """One sequence: its tokens beyond the prompt, how far its KV is computed, where its KV lies."""
+
+    seq_id: int
+    status: SequenceStatus
+    output_token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    # Physical device block ids (the ring itself with a sliding window); None without a device table.
+    block_table: tuple[int, ...] | None = None
+    # CPU block ids of a swapped-out sequence; None otherwise.
+    cpu_block_table: tuple[int, ...] | None = None
+    # Leading blocks of its table already considered for the prefix cache; None: it registers none.
+    num_hashed_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class GroupSnapshot:
+    """One request: its prompt and parameters, its sequences in group order."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    arrival_time: float
+    seqs: tuple[SeqSnapshot, ...]
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """A Scheduler between steps (or with one step planned and not run), as values."""
+
+    waiting: tuple[GroupSnapshot, ...]
+    running: tuple[GroupSnapshot, ...]
+    swapped: tuple[GroupSnapshot, ...]
+    # Blocks registered in the prefix cache, by block id (empty without prefix caching).
+    cached_blocks: tuple[CachedBlockEntry, ...] = ()
+    # The prefix cache's logical clock (orders the evictor) and its cumulative lookups, in blocks.
+    clock: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def groups(self) -> tuple[GroupSnapshot, ...]:
+        return self.waiting + self.running + self.swapped
+
+
+def snapshot_scheduler(scheduler: Scheduler) -> SchedulerSnapshot:
+    """The scheduler's state as values (see the module doc for what is left to derive)."""
+    bm = scheduler.block_manager
+    prefix = bm.prefix_tracker
+    cache = bm.gpu_allocator if isinstance(bm.gpu_allocator, PrefixCachingBlockAllocator) else None
+
+    def seq_snapshot(seq: Sequence) -> SeqSnapshot:
+        if seq.num_inflight_tokens:
+            raise ValueError(f"seq {seq.seq_id} has a token in flight: its state cannot be restored as it is.")
+        table = bm.block_tables.get(seq.seq_id)
+        cpu_table = bm.cpu_block_tables.get(seq.seq_id)
+        return SeqSnapshot(
+            seq.seq_id, seq.status, tuple(seq.output_token_ids), seq.num_computed_tokens,
+            None if table is None else tuple(table), None if cpu_table is None else tuple(cpu_table),
+            None if prefix is None else prefix.chain_length(seq.seq_id),
+        )
+
+    def group_snapshot(group: SequenceGroup) -> GroupSnapshot:
+        return GroupSnapshot(
+            group.request_id, tuple(group.seqs[0].prompt_token_ids), group.sampling_params, group.arrival_time,
+            tuple(seq_snapshot(seq) for seq in group.seqs),
+        )
+
+    stats = bm.prefix_cache_stats
+    return SchedulerSnapshot(
+        waiting=tuple(group_snapshot(g) for g in scheduler.waiting),
+        running=tuple(group_snapshot(g) for g in scheduler.running),
+        swapped=tuple(group_snapshot(g) for g in scheduler.swapped),
+        cached_blocks=() if cache is None else tuple(cache.cached_blocks()),
+        clock=0 if cache is None else cache.clock,
+        prefix_cache_queries=stats.queries,
+        prefix_cache_hits=stats.hits,
+    )
+
+
+def restore_scheduler(
+    scheduler_config: SchedulerConfig, cache_config: CacheConfig, snapshot: SchedulerSnapshot
+) -> Scheduler:
+    """A Scheduler in exactly the snapshot's state.
+
+    Raises ValueError when the snapshot contradicts itself or the configuration (a block id out of
+    range, a block in a table and in the evictor, a chain longer than its table, a seq id twice):
+    the caller then recomputes instead of trusting it.
+    """
+    scheduler = Scheduler(scheduler_config, cache_config)
+    bm = scheduler.block_manager
+    queues: list[list[SequenceGroup]] = [[], [], []]
+    device_refs: Counter[int] = Counter()
+    cpu_refs: Counter[int] = Counter()
+    chains: list[tuple[Sequence, int]] = []
+    for queue, groups in zip(queues, (snapshot.waiting, snapshot.running, snapshot.swapped)):
+        for g in groups:
+            seqs = [
+                Sequence(s.seq_id, list(g.prompt_token_ids), list(s.output_token_ids), s.num_computed_tokens, s.status)
+                for s in g.seqs
+            ]
+            queue.append(SequenceGroup(g.request_id, seqs, g.sampling_params, g.arrival_time))
+            for seq, s in zip(seqs, g.seqs):
+                if s.block_table is not None:
+                    _check_table(s.seq_id, s.block_table, bm.num_gpu_blocks, "device")
+                    bm.block_tables[s.seq_id] = list(s.block_table)
+                    device_refs.update(s.block_table)
+                if s.cpu_block_table is not None:
+                    _check_table(s.seq_id, s.cpu_block_table, bm.num_cpu_blocks, "CPU")
+                    bm.cpu_block_tables[s.seq_id] = list(s.cpu_block_table)
+                    cpu_refs.update(s.cpu_block_table)
+                if s.num_hashed_blocks is not None:
+                    if bm.prefix_tracker is None or s.block_table is None or s.num_hashed_blocks > len(s.block_table):
+                        raise ValueError(f"seq {s.seq_id}: a prefix-hash chain of {s.num_hashed_blocks} blocks "
+                                         "does not fit its table.")
+                    chains.append((seq, s.num_hashed_blocks))
+    waiting, running, swapped = queues
+    scheduler.restore_queues(waiting, running, swapped)
+    cache = bm.gpu_allocator
+    if isinstance(cache, PrefixCachingBlockAllocator):
+        cache.restore(dict(device_refs), snapshot.cached_blocks, snapshot.clock)
+    elif snapshot.cached_blocks:
+        raise ValueError("the snapshot has prefix-cached blocks, the configuration no prefix caching.")
+    else:
+        cache.restore(dict(device_refs))
+    if bm.cpu_allocator is not None:  # without one, a CPU table failed the range check above
+        bm.cpu_allocator.restore(dict(cpu_refs))
+    if bm.prefix_tracker is not None:
+        block_size = bm.block_size
+        for seq, length in chains:
+            bm.prefix_tracker.restore_chain(seq.seq_id, hash_full_blocks(seq.all_token_ids, block_size, length))
+    bm.prefix_cache_stats.queries = snapshot.prefix_cache_queries
+    bm.prefix_cache_stats.hits = snapshot.prefix_cache_hits
+    return scheduler
+
+
+def restore_step(
+    scheduler: Scheduler, scheduled: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]] = (),
+    blocks_to_swap_out: list[tuple[int, int]] = (), blocks_to_copy: list[tuple[int, int]] = (),
+) -> SchedulerOutput:
+    """The SchedulerOutput of a step planned before the snapshot and not run: (seq id, new tokens) in plan order.
+
+    Its sequences' computed counts are still those it was planned from, so the output is the one
+    schedule() returned (its groups and sequences are the restored scheduler's objects).
+    """
+    seqs = {s.seq_id: (g, s) for g in (*scheduler.running, *scheduler.swapped, *scheduler.waiting) for s in g.seqs}
+    out = SchedulerOutput(
+        blocks_to_swap_in=list(blocks_to_swap_in), blocks_to_swap_out=list(blocks_to_swap_out),
+        blocks_to_copy=list(blocks_to_copy),
+    )
+    for seq_id, num_new_tokens in scheduled:
+        if seq_id not in seqs:
+            raise ValueError(f"the step schedules seq {seq_id}, which the restored scheduler does not hold.")
+        group, seq = seqs[seq_id]
+        out.scheduled.append(ScheduledSequence(group, seq, num_new_tokens))
+    out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+    return out
+
+
+def _check_table(seq_id: int, table: tuple[int, ...], num_blocks: int, where: str) -> None:
+    bad = [b for b in table if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"seq {seq_id}: {where} block ids {bad} are outside [0, {num_blocks}).")
