@@ -81,6 +81,7 @@ class _Workload:
         self.requests = requests
         self.rng = random.Random(seed)
         self.tokens = {r.seq_ids[0]: len(r.prompt_token_ids) for r in requests}
+        self.tables: dict[int, list[int]] = {}
         self.next_block = 0
         self.free = NUM_BLOCKS
 
@@ -96,7 +97,8 @@ class _Workload:
     def prefill(self) -> StepCommit:
         c = StepCommit(WORKER, EPOCH)
         for r in self.requests:
-            c.new_blocks[r.seq_ids[0]] = self._allocate(_blocks_for(len(r.prompt_token_ids)))
+            self.tables[r.seq_ids[0]] = self._allocate(_blocks_for(len(r.prompt_token_ids)))
+        self._write_states(c, computed_lag=len(self.requests[0].prompt_token_ids))
         c.newly_scheduled = [r.request_id for r in self.requests]
         c.running, c.waiting = [r.request_id for r in self.requests], []
         c.cache_stats = self._stats()
@@ -109,7 +111,7 @@ class _Workload:
             token = self.rng.randrange(49_152)
             # The step computes the KV of the last sampled token: a block more when it starts one.
             if self.tokens[seq_id] % BLOCK_SIZE == 0:
-                c.new_blocks[seq_id] = self._allocate(1)
+                self.tables[seq_id] += self._allocate(1)
             self.tokens[seq_id] += 1
             c.new_tokens[seq_id] = [token]
             delta = generation_pb2.CompletionDelta(index=0, text=self.rng.choice(WORDS), token_ids=[token])
@@ -123,11 +125,20 @@ class _Workload:
             c.outputs.append((r.request_id, msg))
         if finish:
             c.running = []
-            c.dropped_block_tables = [r.seq_ids[0] for r in self.requests]
             self.free = NUM_BLOCKS
-        if c.new_blocks or finish:
-            c.cache_stats = self._stats()
+            c.dropped_seq_states = [r.seq_ids[0] for r in self.requests]
+        else:
+            # Every decoding sequence's computed count moves: its state is rewritten each step.
+            self._write_states(c, computed_lag=1)
+        c.cache_stats = self._stats() if finish or any(t % BLOCK_SIZE == 1 for t in self.tokens.values()) else None
         return c
+
+    def _write_states(self, c: StepCommit, computed_lag: int) -> None:
+        for seq_id, table in self.tables.items():
+            c.seq_states[seq_id] = state_pb2.SequenceState(
+                seq_id=seq_id, status="RUNNING", num_computed_tokens=max(0, self.tokens[seq_id] - computed_lag),
+                table=state_pb2.SequenceState.DEVICE, block_table=table, num_hashed_blocks=-1,
+            ).SerializeToString()
 
 
 def state_digest(client: redis.Redis) -> str:

@@ -1,6 +1,7 @@
 from protos import common_pb2 as _common_pb2
 from protos import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -39,3 +40,61 @@ class WorkerRegistration(_message.Message):
     draining: bool
     registered_at: float
     def __init__(self, worker_id: _Optional[str] = ..., description: _Optional[_Union[_worker_pb2.WorkerDescription, _Mapping]] = ..., draining: _Optional[bool] = ..., registered_at: _Optional[float] = ...) -> None: ...
+
+class SequenceState(_message.Message):
+    __slots__ = ("seq_id", "status", "num_computed_tokens", "table", "block_table", "num_hashed_blocks")
+    class Table(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NO_TABLE: _ClassVar[SequenceState.Table]
+        DEVICE: _ClassVar[SequenceState.Table]
+        CPU: _ClassVar[SequenceState.Table]
+    NO_TABLE: SequenceState.Table
+    DEVICE: SequenceState.Table
+    CPU: SequenceState.Table
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    status: str
+    num_computed_tokens: int
+    table: SequenceState.Table
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    num_hashed_blocks: int
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., table: _Optional[_Union[SequenceState.Table, str]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_hashed_blocks: _Optional[int] = ...) -> None: ...
+
+class CachedBlock(_message.Message):
+    __slots__ = ("block_hash", "num_hashed_tokens", "last_accessed")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESSED_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    num_hashed_tokens: int
+    last_accessed: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., num_hashed_tokens: _Optional[int] = ..., last_accessed: _Optional[int] = ...) -> None: ...
+
+class ScheduledTokens(_message.Message):
+    __slots__ = ("seq_id", "num_new_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_new_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
+
+class StepRecord(_message.Message):
+    __slots__ = ("epoch", "step_id", "scheduled", "swap_in", "swap_out", "copy")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step_id: int
+    scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledTokens]
+    swap_in: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockPair]
+    swap_out: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockPair]
+    copy: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockPair]
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[_worker_pb2.BlockPair, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[_worker_pb2.BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[_worker_pb2.BlockPair, _Mapping]]] = ...) -> None: ...

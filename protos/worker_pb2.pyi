@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "instance_id", "device", "num_cached_sequences", "epoch", "vocab_size", "num_used_blocks", "sliding_window")
+    __slots__ = ("model", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "instance_id", "device", "num_cached_sequences", "epoch", "vocab_size", "num_used_blocks", "sliding_window", "num_recomputed_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class WorkerDescription(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -39,7 +40,8 @@ class WorkerDescription(_message.Message):
     vocab_size: int
     num_used_blocks: int
     sliding_window: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., device: _Optional[str] = ..., num_cached_sequences: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    num_recomputed_tokens: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., device: _Optional[str] = ..., num_cached_sequences: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockPair(_message.Message):
     __slots__ = ("src", "dst")
@@ -143,13 +145,75 @@ class PromptLogprobs(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("epoch",)
+    __slots__ = ("epoch", "keep_cache")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+    keep_cache: bool
+    def __init__(self, epoch: _Optional[int] = ..., keep_cache: _Optional[bool] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("instance_id",)
+    __slots__ = ("instance_id", "last_steps")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEPS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
-    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+    last_steps: _containers.RepeatedCompositeFieldContainer[ExecutedStep]
+    def __init__(self, instance_id: _Optional[str] = ..., last_steps: _Optional[_Iterable[_Union[ExecutedStep, _Mapping]]] = ...) -> None: ...
+
+class ExecutedStep(_message.Message):
+    __slots__ = ("epoch", "step_id", "result", "sequences", "swap_in", "swap_out", "copy")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step_id: int
+    result: StepResult
+    sequences: _containers.RepeatedCompositeFieldContainer[ExecutedSequence]
+    swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[ExecutedSequence, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
+
+class ExecutedSequence(_message.Message):
+    __slots__ = ("seq_id", "num_computed_tokens", "num_new_tokens", "block_table")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ResumeSequencesRequest(_message.Message):
+    __slots__ = ("epoch", "swap_in", "swap_out", "copy", "sequences")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    def __init__(self, epoch: _Optional[int] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ...) -> None: ...
+
+class RefusedSequence(_message.Message):
+    __slots__ = ("seq_id", "reason")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    reason: str
+    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ResumeSequencesResponse(_message.Message):
+    __slots__ = ("refused",)
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedSequence]
+    def __init__(self, refused: _Optional[_Iterable[_Union[RefusedSequence, _Mapping]]] = ...) -> None: ...

@@ -51,6 +51,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.ResetRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/llmserve.v1.Worker/Resume',
+                request_serializer=protos_dot_worker__pb2.ResumeSequencesRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.ResumeSequencesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -74,7 +79,17 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Forgets every cached sequence and adopts a new fencing epoch (owner change).
+        """Adopts a new fencing epoch (owner change) and forgets every cached sequence, or, with
+        keep_cache, only fences: the new owner then resumes the sequences it continues (Resume).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """After a fence-only Reset: replays the block operations of a step the last owner planned and the
+        worker never ran, checks the new owner's view of each sequence against the cache and keeps those
+        that match; every other cached sequence is forgotten.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +112,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=protos_dot_worker__pb2.ResetRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.ResetResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=protos_dot_worker__pb2.ResumeSequencesRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.ResumeSequencesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +202,33 @@ class Worker:
             '/llmserve.v1.Worker/Reset',
             protos_dot_worker__pb2.ResetRequest.SerializeToString,
             protos_dot_worker__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Worker/Resume',
+            protos_dot_worker__pb2.ResumeSequencesRequest.SerializeToString,
+            protos_dot_worker__pb2.ResumeSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,

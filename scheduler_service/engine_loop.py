@@ -45,8 +45,9 @@ from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
 from scheduler_service.step_profile import StepProfile, StepProfileWriter
 from scheduler_service.step_telemetry import StepTelemetry
-from scheduler_service.queue_snapshot import QueueSnapshot
+from scheduler_service.resume import RESET_TIMEOUT_SECONDS, WorkerResume
 from scheduler_service.sent_step import SentStep
+from scheduler_service.state_journal import StateJournal, step_record
 from scheduler_service.store import Pickup, RedisStore, StepCommit
 from shared.metrics import EngineMetrics
 from shared.tracing import PerfClock, metadata_for
@@ -66,7 +67,6 @@ async def _timed(awaitable: Awaitable[_T]) -> tuple[_T, float, float]:
 # Every worker RPC has a deadline. A step that takes longer than the step timeout (--step-timeout) is
 # treated as a failed worker: its running requests are recomputed after a Reset.
 STEP_TIMEOUT_SECONDS = 60.0
-RESET_TIMEOUT_SECONDS = 30.0
 IDLE_WAIT_SECONDS = 1.0
 # A worker that leaves or drains gets requests handed over only when one came back from a target that
 # went away meanwhile (or a router's view was a tick old): the pause before handing them on again lets
@@ -115,7 +115,9 @@ class EngineLoop:
         # time.monotonic() of the last completed step, or of the last moment the loop was idle:
         # liveness (scheduler_service/health.py) flags a loop holding work that has not stepped since.
         self.last_progress = time.monotonic()
-        self._snapshot = QueueSnapshot()
+        self._journal = StateJournal()
+        # The step sent and not landed yet (sync loop): its commit stores a record of it for a new owner.
+        self._unlanded: SentStep | None = None
         self._profiles = StepProfileWriter(profile_path) if profile_path is not None else None
         # Spans and metrics are built from the same per-step measurements as --profile-steps.
         self._telemetry = StepTelemetry(worker_id, scheduler, processor, tracer, metrics)
@@ -140,9 +142,10 @@ class EngineLoop:
         epoch = await self._fleet.leases.next_epoch(self.worker_id)
         # The epoch fences this loop's commits from now on, even while the worker cannot be reached.
         self._planner.reset(epoch)
-        await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=RESET_TIMEOUT_SECONDS)
+        reset = await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=RESET_TIMEOUT_SECONDS)
         # The worker's KV is gone: cached prefix blocks no longer hold what their hashes say.
         self._scheduler.reset_prefix_cache()
+        self._journal.restart(reset.instance_id)
         log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
         if self._on_owned is not None:
             self._on_owned(self.worker_id, epoch)
@@ -162,7 +165,6 @@ class EngineLoop:
         for group in out.preempted:
             for seq in group.seqs:
                 self._planner.forget(seq.seq_id)
-                commit.dropped_block_tables.append(seq.seq_id)
         for group in out.ignored:
             self._processor.fail(group, commit, self._ignored_message(group))
         # Sequences that finished since the last plan: the worker may drop them. Only now, after the
@@ -176,11 +178,6 @@ class EngineLoop:
             for seq_id in seq_ids:
                 self._planner.forget(seq_id)
         built = self._planner.build(out, self._scheduler.block_manager)
-        for seq_id, block_ids in built.new_blocks.items():
-            commit.new_blocks.setdefault(seq_id, []).extend(block_ids)
-        for seq_id, replaced in built.replaced_blocks.items():
-            commit.replaced_blocks.setdefault(seq_id, {}).update(replaced)
-        self._snapshot.write(self._scheduler, commit)
         plan = built.plan
         # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.
         has_work = built.num_sequences or plan.swap_in or plan.swap_out or plan.copy or plan.finished_seq_ids
@@ -220,17 +217,39 @@ class EngineLoop:
             # latter's abort goes on to the loop that runs the request now.
             await self._store.route_aborts(unknown, skip_worker=self.worker_id)
 
+    async def _resume(self, commit: StepCommit, stop: asyncio.Event) -> bool:
+        """Continues on the KV cache the worker kept, from the state its last owner stored (resume.py);
+        False when there is none to continue from (then everything is recomputed)."""
+        state = await self._store.load_engine_state(self.worker_id)
+        if state is None:
+            return False
+        resume = WorkerResume(self.worker_id, self._stub, self._scheduler, self._processor, self._planner, self._plan)
+        resumed = await resume.run(state, commit)
+        if resumed is None:
+            return False
+        for record in resumed.records:
+            self._telemetry.remember(record)
+        self._journal.restart(resumed.instance_id)
+        epoch = self._planner.epoch
+        log.info("engine loop for worker %s owns epoch %d: continued %d request(s) on its KV cache, %d recomputed, "
+                 "%d step(s) of the last owner landed", self.worker_id, epoch, resumed.continued, resumed.recomputed,
+                 resumed.landed_steps)
+        if resumed.needs_reset:
+            await self._own_worker(stop)
+        elif self._on_owned is not None:
+            self._on_owned(self.worker_id, epoch)
+        return True
+
     async def _restore(self, commit: StepCommit) -> None:
         """Continues what an earlier owner of the worker left: requests it picked up, their outputs.
 
         The worker is reset on takeover, so every restored sequence is recomputed from its
-        prompt and committed outputs, and the block tables the old owner stored are dropped.
+        prompt and committed outputs (the first commit replaces the stored scheduler state).
         """
         restored = await self._store.load_picked_up(self.worker_id)
         for request in restored:
             self._processor.restore(request)
             self._telemetry.remember(request.record)
-            commit.dropped_block_tables.extend(request.record.seq_ids)
         if restored:
             log.info("worker %s: continuing %d request(s) of the previous owner", self.worker_id, len(restored))
 
@@ -241,8 +260,9 @@ class EngineLoop:
             # Fence first: once the epoch has moved on, a loop that drove this worker before (its lease lost,
             # a commit of it still in flight) can take nothing more off the inbox, so the restore sees it all.
             self._planner.reset(await self._fleet.leases.next_epoch(self.worker_id))
-            await self._restore(pending)
-            await self._own_worker(stop)
+            if not await self._resume(pending, stop):
+                await self._restore(pending)
+                await self._own_worker(stop)
             await self._steps(stop, pending, Pickup([], []))
         finally:
             if self._profiles is not None:
@@ -334,7 +354,11 @@ class EngineLoop:
         # holding its result. Awaited as is: a Task around it cost the loop one more turn per answer.
         sent = time.perf_counter()
         call = self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span))
-        return SentStep(out, call, span, clock, profile, started, ingested, sent)
+        step = SentStep(out, call, span, clock, profile, started, ingested, sent)
+        if not self._async_scheduling:
+            step.record = step_record(plan, out)
+            self._unlanded = step
+        return step
 
     def _advance(self, step: SentStep) -> SentStep:
         """Counts the step as running (Scheduler.advance): the next one is planned before it lands."""
@@ -356,6 +380,9 @@ class EngineLoop:
             result = await step.call
         except grpc.aio.AioRpcError as exc:
             failure = exc
+        finally:
+            if self._unlanded is step:
+                self._unlanded = None
         stepped = time.perf_counter()
         pickup, commit_start, commit_s = await committed if committed is not None else (Pickup([], []), stepped, 0.0)
         if failure is not None:
@@ -391,6 +418,8 @@ class EngineLoop:
         # Fenced by the loop's epoch, stamped at commit time: the loop may have taken a newer epoch (worker
         # reset) since the commit began, and a loop that lost its worker to another replica writes nothing.
         commit.epoch = self._planner.epoch
+        self._journal.write(self._scheduler, commit, None if self._unlanded is None else self._unlanded.record,
+                            (self._planner.epoch, self._planner.last_step_id))
         return self._store.commit(commit)
 
     async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit, stop: asyncio.Event) -> None:

@@ -38,7 +38,7 @@ class Fleet:
         for group in list(groups):
             prompt = group.seqs[0].prompt_token_ids
             target = await self.router.pick(group.request_id, prompt, exclude={worker_id})
-            record = processor.hand_over(group, commit)
+            record = processor.hand_over(group)
             if record is not None:
                 commit.handed_over.append((record, target))
                 moved += 1

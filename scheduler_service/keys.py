@@ -72,9 +72,27 @@ def seq_tokens(seq_id: int) -> str:
     return f"{PREFIX}:seq:{seq_id}:tokens"
 
 
-def seq_blocks(seq_id: int) -> str:
-    """List: the sequence's block table (physical block ids in logical order)."""
-    return f"{PREFIX}:seq:{seq_id}:blocks"
+def seq_states(worker_id: str) -> str:
+    """Hash: seq id -> SequenceState (status, computed tokens, block table) of the worker's sequences."""
+    return f"{PREFIX}:w:{worker_id}:seqs"
+
+
+def cached_blocks(worker_id: str) -> str:
+    """Hash: block id -> CachedBlock, the blocks registered in the worker's prefix cache."""
+    return f"{PREFIX}:w:{worker_id}:cached"
+
+
+# Fields of the engine hash: whether the stored state restores exactly ("1"), the prefix cache's clock, the
+# StepRecord of a step sent and not landed, the last step sent ("epoch:step id") and the worker instance
+# whose KV cache the state describes.
+ENGINE_VALID, ENGINE_CLOCK, ENGINE_STEP, ENGINE_LAST_SENT, ENGINE_INSTANCE = (
+    "valid", "clock", "step", "last_sent", "instance")
+
+
+def engine(worker_id: str) -> str:
+    """Hash: the engine loop's own state: `valid` ("1": the stored state restores exactly), `clock` (the
+    prefix cache's logical clock), `step` (StepRecord of a step sent and not landed, when there is one)."""
+    return f"{PREFIX}:w:{worker_id}:engine"
 
 
 def queue(worker_id: str) -> str:

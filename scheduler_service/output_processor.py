@@ -86,23 +86,39 @@ class OutputProcessor:
         group = SequenceGroup(
             request_id=record.request_id, seqs=seqs, sampling_params=params, arrival_time=record.arrival_time,
         )
-        # Outputs were committed only after the response that carried the prompt logprobs.
-        state = RequestState(record, group, prompt_logprobs_sent=any(restored.outputs.values()))
-        if params.use_beam_search:
-            state.beams = BeamState(
-                list(record.seq_ids), {s: restored.cumulative_logprobs.get(s, 0.0) for s in seq_ids}
-            )
-        for index, seq in enumerate(seqs if state.beams is None else []):
-            detokenizer = IncrementalDetokenizer(self._tokenizer, prompt, params.skip_special_tokens)
-            detokenizer.step(seq.output_token_ids)
-            sent = streamable_text_length(detokenizer.output_text, held_back_stop_strings(params), finished=False)
-            cumulative = restored.cumulative_logprobs.get(seq.seq_id, 0.0)
-            state.seqs[seq.seq_id] = SeqOutput(index, detokenizer, sent, cumulative)
+        state = self._state_for(restored, group)
         self._scheduler.add_request(group)
         for seq in seqs:
             if seq.seq_id in restored.finished:
                 self._scheduler.finish_sequence(group, seq, SequenceStatus[restored.finished[seq.seq_id]])
         self._requests[record.request_id] = state
+
+    def adopt(self, restored: RestoredRequest, group: SequenceGroup) -> None:
+        """Takes on a request the scheduler already holds as the last owner of the worker left it.
+
+        Its detokenizers replay the committed outputs, as restore() does; its sequences are not
+        recomputed (scheduler_service/takeover.py).
+        """
+        self._requests[group.request_id] = self._state_for(restored, group)
+
+    def _state_for(self, restored: RestoredRequest, group: SequenceGroup) -> RequestState:
+        """A request's streaming state after the outputs committed for it: the stream goes on right after them."""
+        record, params = restored.record, group.sampling_params
+        prompt = list(record.prompt_token_ids)
+        # Outputs were committed only after the response that carried the prompt logprobs.
+        state = RequestState(record, group, prompt_logprobs_sent=any(restored.outputs.values()))
+        if params.use_beam_search:
+            state.beams = BeamState(
+                list(record.seq_ids), {s.seq_id: restored.cumulative_logprobs.get(s.seq_id, 0.0) for s in group.seqs}
+            )
+            return state
+        for index, seq in enumerate(group.seqs):
+            detokenizer = IncrementalDetokenizer(self._tokenizer, prompt, params.skip_special_tokens)
+            detokenizer.step(seq.output_token_ids)
+            sent = streamable_text_length(detokenizer.output_text, held_back_stop_strings(params), finished=False)
+            cumulative = restored.cumulative_logprobs.get(seq.seq_id, 0.0)
+            state.seqs[seq.seq_id] = SeqOutput(index, detokenizer, sent, cumulative)
+        return state
 
     def abort(self, request_id: str, commit: StepCommit) -> bool:
         """Client-requested abort: frees blocks, ends the stream with FINISH_REASON_ABORT; False for a request
@@ -125,26 +141,31 @@ class OutputProcessor:
         if state.worker_failures > MAX_WORKER_FAILURES:
             self.fail(group, commit, message)
             return
+        self.recompute(group)
+
+    def recompute(self, group: SequenceGroup) -> None:
+        """Recomputes the group from prompt + outputs (its KV cannot be trusted); its client sees nothing of this."""
+        state = self._requests.get(group.request_id)
+        if state is None:
+            return
         outputs = {seq.seq_id: list(seq.output_token_ids) for seq in group.seqs}
         finished = {seq.seq_id: seq.status.name for seq in group.seqs if seq.is_finished}
         self._scheduler.abort_request(group.request_id)
         del self._requests[group.request_id]
         self.restore(RestoredRequest(state.record, outputs, finished, state.cumulative_logprobs()))
         self._requests[group.request_id].worker_failures = state.worker_failures
-        commit.dropped_block_tables.extend(outputs)
 
-    def hand_over(self, group: SequenceGroup, commit: StepCommit) -> state_pb2.AdmittedRequest | None:
+    def hand_over(self, group: SequenceGroup) -> state_pb2.AdmittedRequest | None:
         """Lets go of a request that continues on another worker; returns its record (None if unknown).
 
-        Its client sees nothing of this: the outputs committed so far stay in Redis (this step's
-        ones are in `commit`), and the new loop recomputes from prompt + outputs.
+        Its client sees nothing of this: the outputs committed so far stay in Redis (the step's
+        ones in the commit that moves it), and the new loop recomputes from prompt + outputs.
         """
         state = self._requests.pop(group.request_id, None)
         if state is None:
             return None
         self._times.pop(group.request_id, None)  # the new loop measures the request from its own start
         self._scheduler.abort_request(group.request_id)
-        commit.dropped_block_tables.extend(seq.seq_id for seq in group.seqs)
         return state.record
 
     def fail(self, group: SequenceGroup, commit: StepCommit, message: str) -> None:

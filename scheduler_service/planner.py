@@ -40,7 +40,7 @@ class BuiltPlan:
         return len(self.plan.new_sequences) + len(self.plan.cached_sequences)
 
 
-def _sequence_sampling(group: SequenceGroup, seq: Sequence) -> common_pb2.SamplingParams:
+def sequence_sampling(group: SequenceGroup, seq: Sequence) -> common_pb2.SamplingParams:
     """The group's sampling parameters, with a seed of the sequence's own when the request is seeded."""
     msg = sampling_to_proto(group.sampling_params)
     if msg.HasField("seed") and len(group.seqs) > 1:
@@ -63,6 +63,15 @@ class Planner:
         """The sequence finished or was preempted: the next plan tells the worker to drop it."""
         if self._sent_blocks.pop(seq_id, None) is not None:
             self._to_forget.append(seq_id)
+
+    @property
+    def last_step_id(self) -> int:
+        """The step id of the last plan built in this epoch (0: none yet)."""
+        return self._step_id
+
+    def adopt(self, seq_id: int, table: list[int]) -> None:
+        """The worker holds the sequence with this (logical) table already: it resumed it for a new owner."""
+        self._sent_blocks[seq_id] = (len(table), table[-1] if table else -1)
 
     def reset(self, epoch: int) -> None:
         """After a worker Reset nothing is cached there any more."""
@@ -95,7 +104,7 @@ class Planner:
                     seq_id=seq.seq_id,
                     prompt_token_ids=seq.prompt_token_ids,
                     output_token_ids=seq.output_token_ids,
-                    sampling=_sequence_sampling(item.group, seq),
+                    sampling=sequence_sampling(item.group, seq),
                     block_table=table,
                     num_computed_tokens=seq.num_computed_tokens,
                     num_new_tokens=item.num_new_tokens,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from protos import worker_pb2
+from protos import state_pb2, worker_pb2
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.step_profile import StepProfile
 from shared.tracing import PerfClock
@@ -28,3 +28,5 @@ class SentStep:
     sent: float
     # The scheduler advanced it (Scheduler.advance) and planned the next step before its result came back.
     advanced: bool = False
+    # What its commit stores of it for a new owner while it has not landed (sync loop only).
+    record: state_pb2.StepRecord | None = None

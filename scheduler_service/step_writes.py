@@ -2,7 +2,7 @@
 
 RedisStore.commit wraps these writes in the fenced transaction (WATCH epoch, GET, MULTI ... EXEC) and
 adds the pickup of new requests and aborts. The order matters where writes touch the same keys:
-resets and dropped or replaced block tables before the appends, dropped sequences after them.
+resets before the appends, dropped sequences after them.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ OUTPUT_TTL_SECONDS = 3600
 
 
 def _append_step_args(c: StepCommit) -> list[object] | None:
-    """numkeys, KEYS and ARGV of APPEND_STEP_LUA for the commit's new tokens, new blocks and outputs (None: none).
+    """numkeys, KEYS and ARGV of APPEND_STEP_LUA for the commit's new tokens and outputs (None: none).
 
     An empty list is no write (as an RPUSH of nothing, which Redis refuses, would have aborted the commit).
     """
     lists = [(keys.seq_tokens(s), v) for s, v in c.new_tokens.items() if v]
-    lists += [(keys.seq_blocks(s), v) for s, v in c.new_blocks.items() if v]
     if not lists and not c.outputs:
         return None
     argv: list[object] = [len(lists)]
@@ -50,21 +49,17 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
     w = c.worker_id
     for request_id, seq_ids in c.reset_seqs.items():
         for seq_id in seq_ids:
-            pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
+            pipe.delete(keys.seq_tokens(seq_id))
             pipe.hdel(keys.request(request_id), f"finished:{seq_id}", f"cum:{seq_id}")
-    for seq_id in c.dropped_block_tables:
-        pipe.delete(keys.seq_blocks(seq_id))
-    for seq_id, replaced in c.replaced_blocks.items():
-        for index, block_id in replaced.items():
-            pipe.lset(keys.seq_blocks(seq_id), index, block_id)
-    # New tokens, new blocks and output messages in one script call: one command per sequence costs
-    # redis-py ~10 us of CPU each (packing, parsing its QUEUED reply). Placed after the block-table drops and
-    # replacements and before the dropped sequences' deletes; the output streams are no sequence's keys.
+    # New tokens and output messages in one script call: one command per sequence costs redis-py ~10 us of
+    # CPU each (packing, parsing its QUEUED reply). Placed after the resets and before the dropped sequences'
+    # deletes; the output streams are no sequence's keys.
     appends = _append_step_args(c)
     if appends is not None:
         pipe.eval(scripts.APPEND_STEP_LUA, *appends)
     for seq_id in c.dropped_seqs:
-        pipe.delete(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id))
+        pipe.delete(keys.seq_tokens(seq_id))
+    _queue_engine_state(pipe, c)
     for request_id, cumulative in c.cumulative_logprobs.items():
         pipe.hset(keys.request(request_id), mapping={f"cum:{s}": repr(v) for s, v in cumulative.items()})
     for request_id, seqs in c.finished_seqs.items():
@@ -97,3 +92,19 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
         pipe.hincrby(keys.stats(w), "preemptions", c.num_preemptions)
     if c.num_swaps:
         pipe.hincrby(keys.stats(w), "swaps", c.num_swaps)
+
+
+def _queue_engine_state(pipe: Pipeline, c: StepCommit) -> None:
+    """The scheduler's state of the worker: sequence states, cached blocks, the engine hash (one command each)."""
+    w = c.worker_id
+    if c.reset_engine_state:
+        pipe.delete(keys.seq_states(w), keys.cached_blocks(w), keys.engine(w))
+    for key, written, dropped in (
+        (keys.seq_states(w), c.seq_states, c.dropped_seq_states),
+        (keys.cached_blocks(w), c.cached_blocks, c.uncached_blocks),
+        (keys.engine(w), c.engine_fields, c.dropped_engine_fields),
+    ):
+        if dropped:
+            pipe.hdel(key, *dropped)
+        if written:
+            pipe.hset(key, mapping=written)

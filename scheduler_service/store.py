@@ -33,6 +33,7 @@ from scheduler_service.store_types import (
     QueueStats,
     RestoredRequest,
     StepCommit,
+    StoredEngineState,
     StreamInfo,
     StreamState,
     WorkerGoneError,
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "INBOX_BATCH", "OUTPUT_TTL_SECONDS", "PREFIX_TTL_SECONDS", "AdmitOutcome", "CacheStats", "DuplicateRequestError",
     "Pickup", "QueueFullError", "QueueLimits", "QueueStats", "RedisStore", "RestoredRequest", "StepCommit",
-    "StreamInfo", "StreamState", "WorkerGoneError",
+    "StoredEngineState", "StreamInfo", "StreamState", "WorkerGoneError",
 ]
 
 # How long the router remembers which worker received a prompt block: about as long as an idle
@@ -275,6 +276,50 @@ class RedisStore:
         live = {m.decode() for m in members}
         queued = {state_pb2.AdmittedRequest.FromString(v).request_id for v in inbox}
         return await self._restore(sorted(live - queued))
+
+    @_unavailable_on_redis_error
+    async def load_engine_state(self, worker_id: str) -> StoredEngineState | None:
+        """The worker's scheduler state as its last owner committed it; None when none was stored.
+
+        Read in one transaction, so that it is one commit's state (commits are transactions too);
+        the records and token lists of its requests follow (no commit can change them meanwhile:
+        the caller holds the worker's new epoch, which fences every older loop).
+        """
+        w = worker_id
+        async with self._r.pipeline(transaction=True) as pipe:
+            pipe.hgetall(keys.engine(w))
+            pipe.hgetall(keys.seq_states(w))
+            pipe.hgetall(keys.cached_blocks(w))
+            pipe.lrange(keys.waiting(w), 0, -1)
+            pipe.lrange(keys.running(w), 0, -1)
+            pipe.lrange(keys.swapped(w), 0, -1)
+            pipe.hgetall(keys.stats(w))
+            pipe.smembers(keys.live(w))
+            pipe.lrange(keys.inbox(w), 0, -1)
+            engine, seqs, cached, waiting, running, swapped, stats, live, inbox = await pipe.execute()
+        if not engine:
+            return None
+        queues = [[r.decode() for r in q] for q in (waiting, running, swapped)]
+        queued = {state_pb2.AdmittedRequest.FromString(v).request_id for v in inbox}
+        restored = {r.record.request_id: r for r in await self._restore(sorted({m.decode() for m in live} - queued))}
+        in_queues = {r for q in queues for r in q}
+        fields = {k.decode(): v for k, v in engine.items()}
+        step = fields.get(keys.ENGINE_STEP)
+        epoch, _, step_id = fields.get(keys.ENGINE_LAST_SENT, b"0:0").decode().partition(":")
+        return StoredEngineState(
+            valid=fields.get(keys.ENGINE_VALID) == b"1",
+            clock=int(fields.get(keys.ENGINE_CLOCK, 0)),
+            step=state_pb2.StepRecord.FromString(step) if step is not None else None,
+            last_sent=(int(epoch), int(step_id or 0)),
+            instance_id=fields.get(keys.ENGINE_INSTANCE, b"").decode(),
+            waiting=queues[0], running=queues[1], swapped=queues[2],
+            requests={r: restored[r] for r in in_queues if r in restored},
+            seq_states={int(k): state_pb2.SequenceState.FromString(v) for k, v in seqs.items()},
+            cached_blocks={int(k): state_pb2.CachedBlock.FromString(v) for k, v in cached.items()},
+            prefix_cache_queries=int(stats.get(b"prefix_cache_queries", 0)),
+            prefix_cache_hits=int(stats.get(b"prefix_cache_hits", 0)),
+            picked_up=[r for r in restored.values() if r.record.request_id not in in_queues],
+        )
 
     async def _restore(self, ids: list[str]) -> list[RestoredRequest]:
         """The live ones of these requests with their committed outputs, oldest first (two round trips)."""

@@ -96,12 +96,16 @@ class StepCommit:
     pick_up: bool = True
     # seq_id -> output tokens appended this step.
     new_tokens: dict[int, list[int]] = field(default_factory=dict)
-    # seq_id -> block ids appended to its table this step.
-    new_blocks: dict[int, list[int]] = field(default_factory=dict)
-    # seq_id -> {table index: block id} replaced by copy-on-write this step.
-    replaced_blocks: dict[int, dict[int, int]] = field(default_factory=dict)
-    # Sequences whose stored block table is dropped (finished or preempted).
-    dropped_block_tables: list[int] = field(default_factory=list)
+    # The scheduler's state (scheduler_service/state_journal.py): seq id -> SequenceState rewritten, seq ids
+    # whose state goes; block id -> CachedBlock rewritten, block ids no longer cached; fields of the engine hash
+    # set and deleted. With `reset_engine_state` all three keys are dropped first (a new owner's first commit).
+    seq_states: dict[int, bytes] = field(default_factory=dict)
+    dropped_seq_states: list[int] = field(default_factory=list)
+    cached_blocks: dict[int, bytes] = field(default_factory=dict)
+    uncached_blocks: list[int] = field(default_factory=list)
+    engine_fields: dict[str, bytes] = field(default_factory=dict)
+    dropped_engine_fields: list[str] = field(default_factory=list)
+    reset_engine_state: bool = False
     # Sequences whose token list is dropped (their request finished).
     dropped_seqs: list[int] = field(default_factory=list)
     # request id -> seq_ids whose stored tokens, blocks, status and logprob are wiped before this
@@ -130,8 +134,9 @@ class StepCommit:
     num_swaps: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.new_tokens or self.new_blocks or self.replaced_blocks or self.dropped_block_tables or self.dropped_seqs
-                    or self.reset_seqs or self.outputs or self.handed_over
+        return not (self.new_tokens or self.seq_states or self.dropped_seq_states or self.cached_blocks
+                    or self.uncached_blocks or self.engine_fields or self.dropped_engine_fields
+                    or self.reset_engine_state or self.dropped_seqs or self.reset_seqs or self.outputs or self.handed_over
                     or self.finished_requests or self.newly_scheduled or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
                     or self.cache_stats is not None or self.num_preemptions)
 
@@ -160,3 +165,32 @@ class Pickup:
 
     def is_empty(self) -> bool:
         return not (self.admitted or self.aborts or self.handed_over)
+
+
+@dataclass
+class StoredEngineState:
+    """A worker's scheduler state as its last owner committed it (RedisStore.load_engine_state)."""
+
+    # The state restores exactly (the last commit was made with no token in flight).
+    valid: bool
+    # The prefix cache's logical clock.
+    clock: int
+    # The step the last owner had sent and not landed at its last commit, if any.
+    step: state_pb2.StepRecord | None
+    # (epoch, step id) of the last step it had sent; the worker instance its state describes.
+    last_sent: tuple[int, int]
+    instance_id: str
+    # Request ids, in queue order.
+    waiting: list[str]
+    running: list[str]
+    swapped: list[str]
+    # The queued requests (records, committed outputs), by request id.
+    requests: dict[str, RestoredRequest]
+    seq_states: dict[int, state_pb2.SequenceState]
+    # block id -> its registration in the prefix cache.
+    cached_blocks: dict[int, state_pb2.CachedBlock]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # Live requests the last owner picked up and never queued (it stopped first), oldest first: they
+    # join the waiting queue as new.
+    picked_up: list[RestoredRequest] = field(default_factory=list)

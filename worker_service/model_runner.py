@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from worker_service.config import WorkerConfig
 from worker_service.input_builder import ModelInputs, build_inputs
 from worker_service.model_loader import load_config, model_shape, resolve_dtype
 from worker_service.models import build_model
-from worker_service.plan import StepPlanData
+from worker_service.plan import StepPlanData, new_sequence_from_proto, pairs_from_proto
 from worker_service.profiler import profile_gpu_memory
 from worker_service.prompt_logprobs import PromptLogprobsData, compute_prompt_logprobs
 from worker_service.sampler import sample
@@ -43,6 +44,21 @@ class StepOutput:
     sampled: list[SampledTokenData]
     execute_seconds: float
     prompt_logprobs: list[PromptLogprobsData] = field(default_factory=list)
+
+
+@dataclass
+class ExecutedStepData:
+    """A step the worker ran, kept for a new owner that lands it instead of computing it again."""
+
+    plan: StepPlanData
+    output: StepOutput
+    # (seq id, tokens computed before the step, tokens it computed), in the step's order.
+    scheduled: list[tuple[int, int, int]]
+
+
+# Steps kept: the one whose plan the last owner committed, and the one after it (sent before that
+# commit returned, the owner may have died meanwhile).
+KEPT_STEPS = 2
 
 
 def eos_token_ids(config: PretrainedConfig, path: str) -> list[int]:
@@ -115,12 +131,27 @@ class ModelRunner:
             sizing = CacheSizing(tp.min_over_ranks(sizing.num_gpu_blocks), tp.min_over_ranks(sizing.num_cpu_blocks))
         self.cache = CacheEngine(self.cache_shape, sizing, config.block_size, self.dtype, self.device, self.backend)
         self.seqs = SequenceCache(config.block_size)
+        self.last_steps: deque[ExecutedStepData] = deque(maxlen=KEPT_STEPS)
 
     def reset(self) -> None:
         """Forgets every sequence (their blocks are reassigned by the new owner)."""
         if self.tp is not None and self.tp.is_driver:
             self.tp.send(Command.RESET)
         self.seqs.clear()
+        self.last_steps.clear()
+
+    def resume(self, request: worker_pb2.ResumeSequencesRequest) -> list[tuple[int, str]]:
+        """A new owner's Resume: replays a planned step's block operations, keeps the sequences whose view
+        matches the cache (SequenceCache.resume). Returns (seq id, reason) of the sequences refused."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.send(Command.RESUME, request.SerializeToString())
+        copies = pairs_from_proto(request.copy)
+        # The worker's order for a step's block operations.
+        self.cache.swap_out(pairs_from_proto(request.swap_out))
+        self.cache.swap_in(pairs_from_proto(request.swap_in))
+        self.cache.copy(copies)
+        self.last_steps.clear()
+        return self.seqs.resume([new_sequence_from_proto(s) for s in request.sequences], dict(copies))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlanData, wire: worker_pb2.StepPlan | None = None) -> StepOutput:
@@ -139,12 +170,13 @@ class ModelRunner:
         scheduled += [self.seqs.update(d) for d in plan.cached_sequences]
         if len({s.seq_id for s in scheduled}) != len(scheduled):
             raise PlanError("a sequence is scheduled twice in one plan")
+        summary = [(s.seq_id, s.num_computed_tokens, s.num_new_tokens) for s in scheduled]
         # Block moves come before the forward pass: it may read swapped-in or copied blocks.
         self.cache.swap_out(plan.swap_out)
         self.cache.swap_in(plan.swap_in)
         self.cache.copy(plan.copy)
         if not scheduled:
-            return StepOutput(plan.step_id, [], time.perf_counter() - start)
+            return self._ran(plan, StepOutput(plan.step_id, [], time.perf_counter() - start), summary)
 
         inputs = build_inputs(
             scheduled, self.backend, self.cache.key_caches, self.cache.value_caches,
@@ -164,7 +196,11 @@ class ModelRunner:
         sampled_ids = {seq.seq_id: token for seq, token in zip(inputs.sampling_seqs, token_ids)}
         for seq in inputs.seqs:
             self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
-        return StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs)
+        return self._ran(plan, StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs), summary)
+
+    def _ran(self, plan: StepPlanData, out: StepOutput, summary: list[tuple[int, int, int]]) -> StepOutput:
+        self.last_steps.append(ExecutedStepData(plan, out, summary))
+        return out
 
     def _sample(self, hidden: torch.Tensor, inputs: ModelInputs) -> tuple[list[SampledTokenData], list[PromptLogprobsData]]:
         """The LM head and the sampler (rank 0 only); a failure tells the other ranks to drop the step."""

@@ -48,8 +48,22 @@ class StepPlanData:
     finished_seq_ids: list[int]
 
 
-def _pairs(pairs: object) -> list[tuple[int, int]]:
+def pairs_from_proto(pairs: object) -> list[tuple[int, int]]:
+    """Block pairs as (src, dst) tuples."""
     return [(p.src, p.dst) for p in pairs]  # type: ignore[attr-defined]
+
+
+def new_sequence_from_proto(s: worker_pb2.NewSequence) -> NewSequenceData:
+    """A sequence sent in full, as a domain object."""
+    return NewSequenceData(
+        seq_id=s.seq_id,
+        prompt_token_ids=list(s.prompt_token_ids),
+        output_token_ids=list(s.output_token_ids),
+        sampling=sampling_from_proto(s.sampling),
+        block_table=list(s.block_table),
+        num_computed_tokens=s.num_computed_tokens,
+        num_new_tokens=s.num_new_tokens,
+    )
 
 
 def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlanData:
@@ -57,21 +71,10 @@ def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlanData:
     return StepPlanData(
         epoch=msg.epoch,
         step_id=msg.step_id,
-        swap_in=_pairs(msg.swap_in),
-        swap_out=_pairs(msg.swap_out),
-        copy=_pairs(msg.copy),
-        new_sequences=[
-            NewSequenceData(
-                seq_id=s.seq_id,
-                prompt_token_ids=list(s.prompt_token_ids),
-                output_token_ids=list(s.output_token_ids),
-                sampling=sampling_from_proto(s.sampling),
-                block_table=list(s.block_table),
-                num_computed_tokens=s.num_computed_tokens,
-                num_new_tokens=s.num_new_tokens,
-            )
-            for s in msg.new_sequences
-        ],
+        swap_in=pairs_from_proto(msg.swap_in),
+        swap_out=pairs_from_proto(msg.swap_out),
+        copy=pairs_from_proto(msg.copy),
+        new_sequences=[new_sequence_from_proto(s) for s in msg.new_sequences],
         cached_sequences=[
             SequenceDeltaData(
                 seq_id=s.seq_id,

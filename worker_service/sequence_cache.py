@@ -47,11 +47,19 @@ class CachedSequence:
 
 
 class SequenceCache:
-    """seq_id -> CachedSequence, updated from each plan."""
+    """seq_id -> CachedSequence, updated from each plan.
+
+    It also counts recomputed tokens: positions computed again for a sequence whose KV the worker
+    still held (most tokens ever computed for it, kept until a plan tells the worker to forget it).
+    A change of owner that resumes on the cache computes none; one that recomputes shows here.
+    """
 
     def __init__(self, block_size: int) -> None:
         self._block_size = block_size
         self._seqs: dict[int, CachedSequence] = {}
+        # seq_id -> most of its tokens computed since a plan last told the worker to forget it.
+        self._high: dict[int, int] = {}
+        self.num_recomputed_tokens = 0
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -63,11 +71,64 @@ class SequenceCache:
         return len({b for seq in list(self._seqs.values()) for b in seq.block_table})
 
     def clear(self) -> None:
-        self._seqs.clear()
+        """Forgets every sequence (a new owner recomputes them: their positions stay counted as computed)."""
+        self._forget_all()
+
+    def _forget_all(self) -> None:
+        # The high-water marks of older, forgotten sequences go: only the ones just held may come back.
+        self._high = {seq_id: high for seq_id, high in self._high.items() if seq_id in self._seqs}
+        self._seqs = {}
 
     def drop(self, seq_ids: list[int]) -> None:
+        """Forgets sequences a plan finished or preempted."""
         for seq_id in seq_ids:
             self._seqs.pop(seq_id, None)
+            self._high.pop(seq_id, None)
+
+    def get(self, seq_id: int) -> CachedSequence | None:
+        return self._seqs.get(seq_id)
+
+    def resume(self, views: list[NewSequenceData], copies: dict[int, int]) -> list[tuple[int, str]]:
+        """Keeps the sequences whose view matches the cache, as the view has them; forgets all others.
+
+        A view matches when the worker caches the sequence, has computed at least the view's computed
+        tokens, holds the same tokens there and the same blocks for them (or a block `copies` copied
+        into the view's, src -> dst). Returns (seq id, reason) of each view refused.
+        """
+        refused: list[tuple[int, str]] = []
+        kept: dict[int, CachedSequence] = {}
+        for view in views:
+            reason = self._mismatch(view, copies)
+            if reason:
+                refused.append((view.seq_id, reason))
+                continue
+            kept[view.seq_id] = CachedSequence(
+                seq_id=view.seq_id, token_ids=list(view.prompt_token_ids) + list(view.output_token_ids),
+                num_prompt_tokens=len(view.prompt_token_ids), block_table=list(view.block_table),
+                num_computed_tokens=view.num_computed_tokens, sampling=view.sampling,
+            )
+        self._forget_all()
+        self._seqs = kept
+        return refused
+
+    def _mismatch(self, view: NewSequenceData, copies: dict[int, int]) -> str:
+        cached = self._seqs.get(view.seq_id)
+        if cached is None:
+            return "not cached on this worker"
+        computed = view.num_computed_tokens
+        if computed > cached.num_computed_tokens:
+            return f"{computed} tokens computed in the view, {cached.num_computed_tokens} on the worker"
+        tokens = list(view.prompt_token_ids) + list(view.output_token_ids)
+        if tokens[:computed] != cached.token_ids[:computed]:
+            return "its computed tokens differ"
+        num_blocks = -(-computed // self._block_size)
+        if len(view.block_table) < num_blocks:
+            return f"its table of {len(view.block_table)} blocks cannot hold {computed} tokens"
+        for index in range(num_blocks):
+            mine, theirs = cached.block_table[index], view.block_table[index]
+            if mine != theirs and copies.get(mine) != theirs:
+                return f"block {index} of its table is {theirs} in the view, {mine} on the worker"
+        return ""
 
     def add(self, new: NewSequenceData) -> CachedSequence:
         """Learns (or re-learns after recompute) a sequence sent in full."""
@@ -104,6 +165,11 @@ class SequenceCache:
 
     def commit_step(self, seq: CachedSequence, sampled_token: int | None) -> None:
         """Advances a sequence after its step ran."""
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_new_tokens
+        high = self._high.get(seq.seq_id, 0)
+        if start < high:
+            self.num_recomputed_tokens += min(end, high) - start
+        self._high[seq.seq_id] = max(high, end)
         seq.num_computed_tokens += seq.num_new_tokens
         seq.num_new_tokens = 0
         if sampled_token is not None:

@@ -15,7 +15,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from shared.errors import StaleEpochError, abort_with, status_for
 from shared.metrics import WorkerMetrics
 from shared.tracing import context_from_metadata
-from worker_service.model_runner import ModelRunner, StepOutput
+from worker_service.model_runner import ExecutedStepData, ModelRunner, StepOutput
 from worker_service.model_thread import ModelThread
 from shared.liveness import Activity
 from worker_service.plan import StepPlanData, plan_from_proto
@@ -44,6 +44,21 @@ def step_result(out: StepOutput) -> worker_pb2.StepResult:
             for token_id, top_logprob in top:
                 add_position_top(token_id=token_id, logprob=top_logprob)
     return result
+
+
+def executed_step(step: ExecutedStepData, runner: ModelRunner, with_tables: bool) -> worker_pb2.ExecutedStep:
+    """The wire form of a step the worker ran (Reset with keep_cache); `with_tables`: the newest step."""
+    plan = step.plan
+    msg = worker_pb2.ExecutedStep(epoch=plan.epoch, step_id=plan.step_id, result=step_result(step.output))
+    for seq_id, computed, new in step.scheduled:
+        entry = msg.sequences.add(seq_id=seq_id, num_computed_tokens=computed, num_new_tokens=new)
+        cached = runner.seqs.get(seq_id) if with_tables else None
+        if cached is not None:
+            entry.block_table.extend(cached.block_table)
+    for field, pairs in ((msg.swap_in, plan.swap_in), (msg.swap_out, plan.swap_out), (msg.copy, plan.copy)):
+        for src, dst in pairs:
+            field.add(src=src, dst=dst)
+    return msg
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -112,6 +127,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=r.shape.vocab_size,
             num_used_blocks=r.seqs.num_used_blocks(),
             sliding_window=r.shape.sliding_window or 0,
+            num_recomputed_tokens=r.seqs.num_recomputed_tokens,
         )
 
     async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
@@ -160,9 +176,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async with self._lock:
                 self._fence(request.epoch)
-                self._runner.reset()
+                # On the model thread: after a step still running there (its caller gone), never beside it.
+                steps = await self._model_thread.call(self._reset, request.keep_cache)
         except Exception as exc:  # noqa: BLE001
             await abort_with(context, exc)
             raise
-        log.info("reset by epoch %d", request.epoch)
-        return worker_pb2.ResetResponse(instance_id=self._instance_id)
+        log.info("%s by epoch %d", "fenced (cache kept)" if request.keep_cache else "reset", request.epoch)
+        return worker_pb2.ResetResponse(instance_id=self._instance_id, last_steps=steps)
+
+    def _reset(self, keep_cache: bool) -> list[worker_pb2.ExecutedStep]:
+        if not keep_cache:
+            self._runner.reset()
+            return []
+        steps = list(self._runner.last_steps)
+        return [executed_step(step, self._runner, step is steps[-1]) for step in steps]
+
+    async def Resume(self, request: worker_pb2.ResumeSequencesRequest,
+                     context: grpc.aio.ServicerContext) -> worker_pb2.ResumeSequencesResponse:
+        try:
+            async with self._lock:
+                if request.epoch != self._epoch:
+                    raise StaleEpochError(f"Resume of epoch {request.epoch}, the worker is fenced at {self._epoch}")
+                refused = await self._model_thread.call(self._runner.resume, request)
+        except Exception as exc:  # noqa: BLE001
+            await abort_with(context, exc)
+            raise
+        log.info("resumed %d sequence(s) for epoch %d, refused %d", len(request.sequences) - len(refused),
+                 request.epoch, len(refused))
+        response = worker_pb2.ResumeSequencesResponse()
+        for seq_id, reason in refused:
+            response.refused.add(seq_id=seq_id, reason=reason)
+        return response

@@ -41,6 +41,7 @@ class Command(enum.IntEnum):
 
     STEP = 1  # payload: a serialized worker_pb2.StepPlan
     RESET = 2  # forget every sequence
+    RESUME = 3  # payload: a serialized worker_pb2.ResumeSequencesRequest
 
 
 class StepAbandonedError(RuntimeError):

@@ -169,6 +169,9 @@ def follow(runner: ModelRunner, group: TensorParallelGroup) -> None:
         if command is Command.RESET:
             runner.reset()
             continue
+        if command is Command.RESUME:
+            runner.resume(worker_pb2.ResumeSequencesRequest.FromString(payload))
+            continue
         plan = plan_from_proto(worker_pb2.StepPlan.FromString(payload))
         try:
             runner.execute(plan)

@@ -72,6 +72,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         self.clock = 0
         self._block_by_hash: dict[BlockHash, int] = {}
         self._cached: dict[int, _CachedBlock] = {}
+        # Blocks registered, evicted, or moved in or out of the evictor since take_changes(): what a
+        # journal of the cache rewrites.
+        self._changed: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,6 +107,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
                 f"all {self._num_blocks} KV blocks are in use; check can_* before allocating."
             )
         block_id = self.evictor.evict()
+        self._changed.add(block_id)
         cached = self._cached.pop(block_id)
         del self._block_by_hash[cached.block_hash]
         self._ref_counts[block_id] = 1
@@ -125,6 +129,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             raise ValueError(f"cannot acquire block {block_id}: it is not a cached block.")
         if self._ref_counts[block_id] == 0:
             self.evictor.remove(block_id)
+            self._changed.add(block_id)
         self._ref_counts[block_id] += 1
 
     def register(self, block_id: int, block_hash: BlockHash, num_hashed_tokens: int) -> bool:
@@ -139,20 +144,32 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             return False
         self._block_by_hash[block_hash] = block_id
         self._cached[block_id] = _CachedBlock(block_hash, num_hashed_tokens)
+        self._changed.add(block_id)
         return True
 
     def cached_blocks(self) -> list[CachedBlockEntry]:
         """Every registered block, by block id, with its evictor stamp when unreferenced."""
-        return [
-            CachedBlockEntry(b, c.block_hash, c.num_hashed_tokens, self.evictor.last_accessed(b))
-            for b, c in sorted(self._cached.items())
-        ]
+        return [entry for entry in map(self.cached_entry, sorted(self._cached)) if entry is not None]
+
+    def cached_entry(self, block_id: int) -> CachedBlockEntry | None:
+        """The block's registration with its evictor stamp; None when it is not cached."""
+        cached = self._cached.get(block_id)
+        if cached is None:
+            return None
+        return CachedBlockEntry(block_id, cached.block_hash, cached.num_hashed_tokens, self.evictor.last_accessed(block_id))
+
+    def take_changes(self) -> set[int]:
+        """Blocks whose registration or evictor stamp changed since the last call (look them up with cached_entry)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def restore(self, ref_counts: dict[int, int], cached: tuple[CachedBlockEntry, ...] = (), clock: int = 0) -> None:
         """Start over with these blocks in use and these registered (see BlockAllocator.restore).
 
         An entry with a stamp is an evictable block (no reference), one without is held by a table.
         """
+        # Restored from a snapshot, nothing differs from it: no change to journal.
+        self._changed = set()
         self.evictor.clear()
         self._block_by_hash.clear()
         self._cached.clear()
@@ -176,6 +193,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
 
     def reset(self) -> None:
         """Forget every hash: evictable blocks go back to the free list, blocks in use stay allocated."""
+        self._changed.update(self._cached)
         for block_id in self.evictor.clear():
             heapq.heappush(self._free_heap, block_id)
         self._block_by_hash.clear()
@@ -187,3 +205,4 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             super()._release(block_id)
         else:
             self.evictor.add(block_id, self.clock, cached.num_hashed_tokens)
+            self._changed.add(block_id)

@@ -90,6 +90,10 @@ class RequestQueues:
         if group.is_finished():
             self._remove(group)
 
+    def group(self, request_id: str) -> SequenceGroup | None:
+        """The request's group while it is waiting, running or swapped; None otherwise."""
+        return self._requests.get(request_id)
+
     def restore_queues(
         self, waiting: list[SequenceGroup], running: list[SequenceGroup], swapped: list[SequenceGroup]
     ) -> None:

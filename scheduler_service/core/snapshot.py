@@ -120,13 +120,28 @@ def snapshot_scheduler(scheduler: Scheduler) -> SchedulerSnapshot:
 def restore_scheduler(
     scheduler_config: SchedulerConfig, cache_config: CacheConfig, snapshot: SchedulerSnapshot
 ) -> Scheduler:
-    """A Scheduler in exactly the snapshot's state.
+    """A Scheduler in exactly the snapshot's state (see load_snapshot)."""
+    scheduler = Scheduler(scheduler_config, cache_config)
+    load_snapshot(scheduler, snapshot)
+    return scheduler
+
+
+def load_snapshot(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
+    """Puts a scheduler that holds nothing yet into exactly the snapshot's state.
 
     Raises ValueError when the snapshot contradicts itself or the configuration (a block id out of
-    range, a block in a table and in the evictor, a chain longer than its table, a seq id twice):
-    the caller then recomputes instead of trusting it.
+    range, a block in a table and in the evictor, a chain longer than its table, a seq id twice), and
+    leaves the scheduler as it was: the caller then recomputes instead of trusting it.
     """
-    scheduler = Scheduler(scheduler_config, cache_config)
+    if scheduler.has_unfinished_requests() or scheduler.block_manager.block_tables:
+        raise ValueError("a snapshot can only be loaded into a scheduler that holds nothing.")
+    staged = Scheduler(scheduler.scheduler_config, scheduler.cache_config)
+    _fill(staged, snapshot)
+    # Only a snapshot that loaded whole replaces the scheduler's parts.
+    scheduler.__dict__.update(staged.__dict__)
+
+
+def _fill(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
     bm = scheduler.block_manager
     queues: list[list[SequenceGroup]] = [[], [], []]
     device_refs: Counter[int] = Counter()
@@ -170,7 +185,6 @@ def restore_scheduler(
             bm.prefix_tracker.restore_chain(seq.seq_id, hash_full_blocks(seq.all_token_ids, block_size, length))
     bm.prefix_cache_stats.queries = snapshot.prefix_cache_queries
     bm.prefix_cache_stats.hits = snapshot.prefix_cache_hits
-    return scheduler
 
 
 def restore_step(

@@ -157,13 +157,13 @@ def test_duplicate_request_id_is_refused(url: str, plain) -> None:
 # -- commits -----------------------------------------------------------------------------
 
 
-def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) -> None:
+def test_commit_writes_tokens_sequence_states_snapshots_and_stats(url: str, plain) -> None:
     async def body(store: RedisStore) -> None:
         await store.commit(
             StepCommit(
                 W,
                 new_tokens={1: [10], 2: [20]},
-                new_blocks={1: [0, 1], 2: [2]},
+                seq_states={1: b"one", 2: b"two"},
                 waiting=["c", "d"],
                 running=["a", "b"],
                 swapped=["e"],
@@ -173,8 +173,7 @@ def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) 
         )
         assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10"]
         assert plain.lrange(keys.seq_tokens(2), 0, -1) == ["20"]
-        assert plain.lrange(keys.seq_blocks(1), 0, -1) == ["0", "1"]
-        assert plain.lrange(keys.seq_blocks(2), 0, -1) == ["2"]
+        assert plain.hgetall(keys.seq_states(W)) == {"1": "one", "2": "two"}
         assert plain.lrange(keys.waiting(W), 0, -1) == ["c", "d"]
         assert plain.lrange(keys.running(W), 0, -1) == ["a", "b"]
         assert plain.lrange(keys.swapped(W), 0, -1) == ["e"]
@@ -182,10 +181,11 @@ def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) 
 
         # Appends; unchanged snapshots (None) are left alone; an empty snapshot clears the list.
         await store.commit(
-            StepCommit(W, new_tokens={1: [11, 12]}, new_blocks={1: [3]}, waiting=[], cache_stats=CacheStats(12, 16, 4, 1), num_preemptions=1)
+            StepCommit(W, new_tokens={1: [11, 12]}, seq_states={1: b"one'"}, dropped_seq_states=[2], waiting=[],
+                       cache_stats=CacheStats(12, 16, 4, 1), num_preemptions=1)
         )
         assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10", "11", "12"]
-        assert plain.lrange(keys.seq_blocks(1), 0, -1) == ["0", "1", "3"]
+        assert plain.hgetall(keys.seq_states(W)) == {"1": "one'"}
         assert plain.exists(keys.waiting(W)) == 0
         assert plain.lrange(keys.running(W), 0, -1) == ["a", "b"]
         assert plain.hgetall(keys.stats(W)) == {"free": "12", "total": "16", "prefix_cache_queries": "4", "prefix_cache_hits": "1", "preemptions": "3"}
@@ -200,18 +200,22 @@ def test_commit_writes_tokens_block_tables_snapshots_and_stats(url: str, plain) 
     run(url, body)
 
 
-def test_dropped_block_tables_and_dropped_seqs(url: str, plain) -> None:
+def test_engine_state_rewrite_and_dropped_seqs(url: str, plain) -> None:
     async def body(store: RedisStore) -> None:
-        await store.commit(StepCommit(W, new_tokens={1: [10], 2: [20]}, new_blocks={1: [0, 1], 2: [2, 3]}))
-        # Preempted seq 1: its table goes, its tokens stay; a table re-announced in the same commit replaces it.
-        await store.commit(StepCommit(W, dropped_block_tables=[1, 2], new_blocks={2: [5]}))
-        assert plain.exists(keys.seq_blocks(1)) == 0
-        assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10"]
-        assert plain.lrange(keys.seq_blocks(2), 0, -1) == ["5"]
-        # Finished seqs lose both keys.
+        await store.commit(StepCommit(W, new_tokens={1: [10], 2: [20]}, seq_states={1: b"a", 2: b"b"},
+                                      cached_blocks={7: b"c7", 8: b"c8"}, engine_fields={"valid": b"1", "step": b"s"}))
+        # A block leaves the cache, the step record goes; nothing else changes.
+        await store.commit(StepCommit(W, uncached_blocks=[7], dropped_engine_fields=["step"]))
+        assert plain.hgetall(keys.cached_blocks(W)) == {"8": "c8"}
+        assert plain.hgetall(keys.engine(W)) == {"valid": "1"}
+        # A rewrite drops the three hashes first, then writes what the commit holds.
+        await store.commit(StepCommit(W, reset_engine_state=True, seq_states={2: b"b'"}, engine_fields={"valid": b"1"}))
+        assert plain.hgetall(keys.seq_states(W)) == {"2": "b'"}
+        assert plain.exists(keys.cached_blocks(W)) == 0
+        assert plain.hgetall(keys.engine(W)) == {"valid": "1"}
+        # Finished seqs lose their token lists.
         await store.commit(StepCommit(W, dropped_seqs=[1, 2]))
-        for seq_id in (1, 2):
-            assert plain.exists(keys.seq_tokens(seq_id), keys.seq_blocks(seq_id)) == 0
+        assert plain.exists(keys.seq_tokens(1), keys.seq_tokens(2)) == 0
 
     run(url, body)
 
@@ -220,16 +224,15 @@ def test_reset_seqs_wipe_a_reused_seq_id_before_the_commit_writes_its_new_sequen
     async def body(store: RedisStore) -> None:
         await store.admit(record("beams", [1, 2]))
         await store.commit(StepCommit(
-            W, new_tokens={1: [10, 11], 2: [12]}, new_blocks={1: [0, 1]},
+            W, new_tokens={1: [10, 11], 2: [12]},
             finished_seqs={"beams": {2: "FINISHED_STOPPED"}}, cumulative_logprobs={"beams": {1: -1.5, 2: -0.5}},
         ))
         # Beam 1 is dropped; its id comes back in the same commit as a fork with other tokens and blocks.
         await store.commit(StepCommit(
-            W, reset_seqs={"beams": [1, 2]}, new_tokens={1: [10, 13]}, new_blocks={1: [0, 4]},
+            W, reset_seqs={"beams": [1, 2]}, new_tokens={1: [10, 13]},
             cumulative_logprobs={"beams": {1: -2.0}},
         ))
         assert plain.lrange(keys.seq_tokens(1), 0, -1) == ["10", "13"]
-        assert plain.lrange(keys.seq_blocks(1), 0, -1) == ["0", "4"]
         assert plain.exists(keys.seq_tokens(2)) == 0
         fields = plain.hkeys(keys.request("beams"))
         assert "cum:1" in fields and "cum:2" not in fields and "finished:2" not in fields

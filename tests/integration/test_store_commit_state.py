@@ -30,24 +30,24 @@ def apply_reference(r: redis.Redis, c: StepCommit) -> None:
     for request_id, seq_ids in c.reset_seqs.items():
         for s in seq_ids:
             r.delete(keys.seq_tokens(s))
-            r.delete(keys.seq_blocks(s))
             r.hdel(keys.request(request_id), f"finished:{s}")
             r.hdel(keys.request(request_id), f"cum:{s}")
     for s, tokens in c.new_tokens.items():
         for t in tokens:
             r.rpush(keys.seq_tokens(s), t)
-    for s in c.dropped_block_tables:
-        r.delete(keys.seq_blocks(s))
-    for s, replaced in c.replaced_blocks.items():
-        for index, block_id in replaced.items():
-            if r.exists(keys.seq_blocks(s)):  # LSET on a missing table is an error that writes nothing
-                r.lset(keys.seq_blocks(s), index, block_id)
-    for s, block_ids in c.new_blocks.items():
-        for b in block_ids:
-            r.rpush(keys.seq_blocks(s), b)
     for s in c.dropped_seqs:
         r.delete(keys.seq_tokens(s))
-        r.delete(keys.seq_blocks(s))
+    w = c.worker_id
+    if c.reset_engine_state:
+        for key in (keys.seq_states(w), keys.cached_blocks(w), keys.engine(w)):
+            r.delete(key)
+    for key, written, dropped in ((keys.seq_states(w), c.seq_states, c.dropped_seq_states),
+                                  (keys.cached_blocks(w), c.cached_blocks, c.uncached_blocks),
+                                  (keys.engine(w), c.engine_fields, c.dropped_engine_fields)):
+        for f in dropped:
+            r.hdel(key, f)
+        for f, v in written.items():
+            r.hset(key, f, v)
     for request_id, msg in c.outputs:
         stream = keys.output_stream(request_id)
         r.xadd(stream, {"m": msg.SerializeToString()}, id=f"0-{r.xlen(stream) + 1}")
@@ -121,28 +121,31 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 def commits() -> list[StepCommit]:
     """A loop's commits, step by step (each with the loop's epoch)."""
     steps = [
-        # Prefill: block tables, first tokens and messages, snapshots, the admission queue count, stats; the
+        # Prefill: the scheduler state rewritten, first tokens and messages, snapshots, the admission queue count, stats; the
         # queued requests and the abort stay queued (no pick-up) until the next commit.
         StepCommit(W, pick_up=False, new_tokens={1: [100], 2: [200], 3: [300], 4: [400], 5: [500], 6: [600], 7: [700]},
-                   new_blocks={1: [0, 1], 2: [2, 3], 3: [4, 5], 4: [6, 7], 5: [8, 9], 6: [10, 11], 7: [12, 13]},
+                   reset_engine_state=True, seq_states={s: b"running %d" % s for s in range(1, 8)},
+                   engine_fields={"valid": b"1", "clock": b"3", "step": b"record"},
                    outputs=[delta("a", [100]), delta("b", [200]), delta("n2", [300]), delta("n2", [400], index=1)],
                    cumulative_logprobs={"best": {5: -0.5, 6: -1.25}},
                    newly_scheduled=["a", "b", "n2", "best", "beam"], waiting=["moved"],
                    running=["a", "b", "n2", "best", "beam"], swapped=[], cache_stats=CacheStats(50, 64)),
         # Decode, a block boundary for seq 1, a beam fork (copy-on-write of seq 8's last block).
         StepCommit(W, new_tokens={1: [101], 2: [201], 3: [301], 4: [401], 5: [501], 6: [601], 7: [701], 8: [702]},
-                   new_blocks={1: [14], 8: [12, 15]}, replaced_blocks={7: {1: 16}},
+                   seq_states={1: b"grown", 7: b"copied", 8: b"forked"}, cached_blocks={0: b"c0", 2: b"c2"},
+                   engine_fields={"clock": b"9"}, dropped_engine_fields=["step"],
                    outputs=[delta("a", [101], text=""), delta("b", [201]), delta("n2", [301]),
                             delta("n2", [401], index=1)],
                    cumulative_logprobs={"best": {5: -0.75, 6: -1.5}, "beam": {7: -0.1, 8: -0.2}},
                    cache_stats=CacheStats(47, 64, 8, 2)),
         # Preemption of b by recompute (its table goes and comes back), n2's second sequence ends.
-        StepCommit(W, new_tokens={1: [102], 3: [302], 4: [402]}, dropped_block_tables=[2], new_blocks={2: [17, 18]},
+        StepCommit(W, new_tokens={1: [102], 3: [302], 4: [402]}, seq_states={2: b"waiting", 4: b"finished"},
+                   uncached_blocks=[2],
                    outputs=[delta("a", [102]), delta("n2", [302]), delta("n2", [402], index=1, finish=LENGTH)],
                    finished_seqs={"n2": {4: "FINISHED_LENGTH"}}, running=["a", "n2", "best", "beam"],
                    waiting=["b", "moved"], num_preemptions=1),
         # Beam search drops beam 8 and reuses its id in the same commit; a swap-out.
-        StepCommit(W, reset_seqs={"beam": [8]}, new_tokens={8: [703, 704]}, new_blocks={8: [12, 19]},
+        StepCommit(W, reset_seqs={"beam": [8]}, new_tokens={8: [703, 704]}, seq_states={8: b"reforked", 5: b"swapped"},
                    cumulative_logprobs={"beam": {7: -0.3, 8: -0.4}}, swapped=["best"],
                    running=["a", "n2", "beam"], num_preemptions=1, num_swaps=1),
         # Finishes: a (stop), n2 (its last sequence), an aborted waiting request; the waiting ones are handed
@@ -150,12 +153,12 @@ def commits() -> list[StepCommit]:
         StepCommit(W, new_tokens={1: [103], 3: [303]},
                    outputs=[delta("a", [103], finish=common_pb2.FINISH_REASON_STOP, usage=True),
                             delta("n2", [303], finish=LENGTH, usage=True)],
-                   finished_requests=["a", "n2"], dropped_seqs=[1, 3, 4], dropped_block_tables=[1],
+                   finished_requests=["a", "n2"], dropped_seqs=[1, 3, 4], dropped_seq_states=[1, 3, 4],
                    handed_over=[(RECORDS[-2], OTHER), (RECORDS[-1], GONE)], running=["beam"], waiting=["b"],
                    cache_stats=CacheStats(55, 64, 8, 2)),
-        # Only outputs; then only lists, one a long table (the script pushes it in chunks).
+        # Only outputs; then only lists, one long (the script pushes it in chunks).
         StepCommit(W, outputs=[delta("b", [202], text="")], finished_requests=["b"], dropped_seqs=[2], waiting=[]),
-        StepCommit(W, new_tokens={6: [602]}, new_blocks={5: list(range(100, 10_100))}, swapped=[],
+        StepCommit(W, new_tokens={6: [602], 5: list(range(100, 10_100))}, swapped=[],
                    running=["best", "beam"]),
         # best_of picks at the end: its one message; beam search ends too; an idle commit picks up nothing.
         StepCommit(W, outputs=[delta("best", [500, 501], usage=True, finish=LENGTH),

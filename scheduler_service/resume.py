@@ -1,0 +1,209 @@
+"""A new owner continues a worker on the KV cache it kept: fence, rebuild, land, resume.
+
+    1. fence only   Reset(epoch, keep_cache): the old owner can no longer run a step; the worker
+                    answers with its instance id and the last steps it ran (results included).
+    2. rebuild      the scheduler from the state the old owner committed (takeover.py), exactly.
+    3. land         the stored state is "step N planned, not landed". If the worker ran N, its kept
+                    result lands here (tokens appended, outputs published): nothing is computed
+                    again. If it ran the step after N as well (sent before the old owner's next
+                    commit returned), this owner plans that step itself and, when the plan is the one
+                    the worker ran (same sequences, token counts, tables and block operations), lands
+                    its result too. If the worker never ran N, N's block operations are replayed.
+    4. resume       Resume(views): the worker checks each running sequence's tokens and blocks against
+                    its cache and keeps the ones that match; the others are recomputed here (and the
+                    prefix cache is forgotten when the worker's cache disagreed with the stored state).
+
+Only a restarted worker (another instance id), a state committed with tokens in flight (async
+scheduling) or no stored state at all make the new owner recompute everything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from protos import state_pb2, worker_pb2, worker_pb2_grpc
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.scheduler_output import SchedulerOutput
+from scheduler_service.core.sequence import SequenceStatus
+from scheduler_service.core.snapshot import load_snapshot, restore_scheduler, restore_step, snapshot_scheduler
+from scheduler_service.output_processor import OutputProcessor
+from scheduler_service.planner import Planner, sequence_sampling
+from scheduler_service.store import StepCommit, StoredEngineState
+from scheduler_service.takeover import takeover_from_store
+
+log = logging.getLogger(__name__)
+
+# Deadline of a Reset (full or fence-only) and of a Resume: both wait for a step still running on the worker.
+RESET_TIMEOUT_SECONDS = 30.0
+NOT_CACHED = "not cached on this worker"
+
+
+@dataclass
+class Resumed:
+    """How a takeover went: the worker's instance, what was continued, what is recomputed."""
+
+    instance_id: str
+    # Requests continued on the worker's cache, and recomputed.
+    continued: int
+    recomputed: int
+    # Steps of the old owner landed from the worker's kept results.
+    landed_steps: int
+    # The records of every request the loop now holds.
+    records: list[state_pb2.AdmittedRequest]
+    # The worker failed the Resume: every request is queued for recompute, the worker must be reset.
+    needs_reset: bool = False
+
+
+def _key(step: worker_pb2.ExecutedStep) -> tuple[int, int]:
+    return step.epoch, step.step_id
+
+
+def _pairs(pairs: object) -> list[tuple[int, int]]:
+    return [(p.src, p.dst) for p in pairs]  # type: ignore[attr-defined]
+
+
+class WorkerResume:
+    """Steps 1 to 4 of the module doc for one engine loop (its scheduler, processor and planner)."""
+
+    def __init__(self, worker_id: str, stub: worker_pb2_grpc.WorkerStub, scheduler: Scheduler,
+                 processor: OutputProcessor, planner: Planner,
+                 plan_step: Callable[[StepCommit], tuple[SchedulerOutput, worker_pb2.StepPlan | None]]) -> None:
+        self._worker_id = worker_id
+        self._stub = stub
+        self._scheduler = scheduler
+        self._processor = processor
+        self._planner = planner
+        # The loop's own planning (EngineLoop._plan): the step after a landed one is planned through it.
+        self._plan_step = plan_step
+
+    async def run(self, state: StoredEngineState, commit: StepCommit) -> Resumed | None:
+        """Continues the worker from `state`; None (nothing changed here) when it must be recomputed instead."""
+        try:
+            takeover = takeover_from_store(state)
+        except ValueError as exc:
+            log.warning("worker %s: its stored state cannot be continued (%s): recomputing its requests",
+                        self._worker_id, exc)
+            return None
+        epoch = self._planner.epoch
+        try:
+            fenced = await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch, keep_cache=True),
+                                            timeout=RESET_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("worker %s unreachable for a fence-only reset (%s)", self._worker_id, exc.code())
+            return None
+        if fenced.instance_id != state.instance_id:
+            log.info("worker %s restarted since its state was stored (instance %s, stored %s): recomputing",
+                     self._worker_id, fenced.instance_id, state.instance_id or "none")
+            return None
+        try:
+            load_snapshot(self._scheduler, takeover.snapshot)
+        except ValueError as exc:
+            log.warning("worker %s: its stored state is inconsistent (%s): recomputing", self._worker_id, exc)
+            return None
+        for request_id, request in takeover.continued.items():
+            group = self._scheduler.group(request_id)
+            assert group is not None  # load_snapshot put every continued request in the queues
+            self._processor.adopt(request, group)
+        for request in takeover.recomputed:
+            self._processor.restore(request)
+        records = [r.record for r in (*takeover.continued.values(), *takeover.recomputed)]
+        landed, replay, trusted = self._land(state, list(fenced.last_steps), commit)
+        refused = await self._resume_sequences(epoch, replay)
+        if refused is None:
+            groups = [*self._scheduler.running, *self._scheduler.swapped]
+            for group in groups:
+                self._processor.recompute(group)
+            return Resumed(fenced.instance_id, 0, len(takeover.recomputed) + len(groups), landed, records, True)
+        mismatched = [r for r in refused if r.reason != NOT_CACHED]
+        if mismatched or not trusted:
+            # The worker ran something the stored state does not know of: a cached block may hold other KV.
+            self._scheduler.reset_prefix_cache()
+        recompute = {r.seq_id for r in refused}
+        groups = [g for g in self._scheduler.running if any(s.seq_id in recompute for s in g.seqs)]
+        for group in groups:
+            self._processor.recompute(group)
+        for r in refused:
+            log.warning("worker %s: seq %d is recomputed: %s", self._worker_id, r.seq_id, r.reason)
+        self._planner.reset(epoch)
+        for group in self._scheduler.running:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                self._planner.adopt(seq.seq_id, self._scheduler.block_manager.logical_block_table(seq))
+        continued = len(takeover.continued) - len(groups)
+        return Resumed(fenced.instance_id, continued, len(takeover.recomputed) + len(groups), landed, records)
+
+    def _land(self, state: StoredEngineState, steps: list[worker_pb2.ExecutedStep],
+              commit: StepCommit) -> tuple[int, worker_pb2.ExecutedStep | None, bool]:
+        """Lands what the worker ran beyond the stored state (step 3). Returns the steps landed, the
+        block operations to replay (a step the worker never ran) and whether the worker ran nothing the
+        state does not account for."""
+        executed = {_key(s): s for s in steps}
+        newest = _key(steps[-1]) if steps else (0, 0)
+        known = state.last_sent
+        landed, replay = 0, None
+        record = state.step
+        if record is not None:
+            key = (record.epoch, record.step_id)
+            if key in executed:
+                out = restore_step(self._scheduler, [(t.seq_id, t.num_new_tokens) for t in record.scheduled],
+                                   _pairs(record.swap_in), _pairs(record.swap_out), _pairs(record.copy))
+                self._processor.process(out, executed[key].result, commit)
+                landed = 1
+            elif newest < key:
+                replay = worker_pb2.ExecutedStep(swap_in=record.swap_in, swap_out=record.swap_out, copy=record.copy)
+                return landed, replay, True
+            known = key
+        if newest <= known:
+            return landed, replay, True
+        # The worker ran the step after the stored ones: land it if this owner plans exactly that step.
+        if newest[0] == known[0] and newest[1] == known[1] + 1 and self._lands_next(steps[-1], commit):
+            return landed + 1, None, True
+        log.warning("worker %s ran step %s, which the stored state does not account for: its sequences are "
+                    "checked against the cache and the prefix cache is forgotten", self._worker_id, newest)
+        return landed, None, False
+
+    def _lands_next(self, step: worker_pb2.ExecutedStep, commit: StepCommit) -> bool:
+        scratch = restore_scheduler(self._scheduler.scheduler_config, self._scheduler.cache_config,
+                                    snapshot_scheduler(self._scheduler))
+        if not _same_step(scratch, scratch.schedule(), step):
+            return False
+        out, _ = self._plan_step(commit)
+        if not _same_step(self._scheduler, out, step):  # the same schedule on the same state: cannot differ
+            raise RuntimeError("planning the same state twice gave two different steps")
+        self._processor.process(out, step.result, commit)
+        return True
+
+    async def _resume_sequences(self, epoch: int, replay: worker_pb2.ExecutedStep | None
+                                ) -> list[worker_pb2.RefusedSequence] | None:
+        request = worker_pb2.ResumeSequencesRequest(epoch=epoch)
+        if replay is not None:
+            request.swap_in.extend(replay.swap_in)
+            request.swap_out.extend(replay.swap_out)
+            request.copy.extend(replay.copy)
+        bm = self._scheduler.block_manager
+        for group in self._scheduler.running:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                request.sequences.add(
+                    seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, output_token_ids=seq.output_token_ids,
+                    sampling=sequence_sampling(group, seq), block_table=bm.logical_block_table(seq),
+                    num_computed_tokens=seq.num_computed_tokens,
+                )
+        try:
+            response = await self._stub.Resume(request, timeout=RESET_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("worker %s failed to resume its sequences (%s)", self._worker_id, exc.code())
+            return None
+        return list(response.refused)
+
+
+def _same_step(scheduler: Scheduler, out: SchedulerOutput, step: worker_pb2.ExecutedStep) -> bool:
+    """Whether `out` (planned on `scheduler`) is the step the worker ran: sequences, counts, tables, operations."""
+    bm = scheduler.block_manager
+    mine = sorted((s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens, tuple(bm.logical_block_table(s.seq)))
+                  for s in out.scheduled)
+    theirs = sorted((e.seq_id, e.num_computed_tokens, e.num_new_tokens, tuple(e.block_table)) for e in step.sequences)
+    return mine == theirs and (out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy) == (
+        _pairs(step.swap_in), _pairs(step.swap_out), _pairs(step.copy))

@@ -1,0 +1,153 @@
+"""What of an engine loop's scheduler changed since its last commit, written into the next one.
+
+Redis holds the scheduler's whole state, so that a new owner of the worker rebuilds it exactly
+(scheduler_service/core/snapshot.py) and continues on the KV cache the worker still holds:
+
+    key                          written when                    holds
+    w:{id}:waiting/running/      the queue's order changed       request ids, in order
+      swapped
+    w:{id}:seqs                  a sequence's state changed      SequenceState per seq id
+    w:{id}:cached                a block's registration or       CachedBlock per block id
+                                 evictor stamp changed
+    w:{id}:engine                every commit                    valid, clock, step (StepRecord)
+    w:{id}:stats                 the cache's counts changed      free / total blocks, prefix lookups
+
+Tokens are in the sequences' token lists and the prompts and parameters in the request records
+(both written by the step's results). A commit made with tokens in flight (async scheduling) marks
+the state not valid: a new owner then recomputes, as it does when no state was stored.
+"""
+
+from __future__ import annotations
+
+from scheduler_service.core.prefix_caching_allocator import PrefixCachingBlockAllocator
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.scheduler_output import SchedulerOutput
+from scheduler_service.core.sequence import Sequence
+from scheduler_service.store import CacheStats, StepCommit
+from protos import state_pb2, worker_pb2
+from scheduler_service import keys
+
+VALID, CLOCK, STEP, LAST_SENT, INSTANCE = (
+    keys.ENGINE_VALID, keys.ENGINE_CLOCK, keys.ENGINE_STEP, keys.ENGINE_LAST_SENT, keys.ENGINE_INSTANCE)
+
+_TABLE = state_pb2.SequenceState.Table
+
+
+def step_record(plan: worker_pb2.StepPlan, out: SchedulerOutput) -> state_pb2.StepRecord:
+    """What a new owner needs of a step sent and not landed: its sequences' token counts and block operations."""
+    record = state_pb2.StepRecord(epoch=plan.epoch, step_id=plan.step_id)
+    for item in out.scheduled:
+        if not item.seq.is_finished:
+            record.scheduled.add(seq_id=item.seq.seq_id, num_new_tokens=item.num_new_tokens)
+    record.swap_in.extend(plan.swap_in)
+    record.swap_out.extend(plan.swap_out)
+    record.copy.extend(plan.copy)
+    return record
+
+
+class StateJournal:
+    """Writes into each commit the parts of the scheduler's state that changed since the last one."""
+
+    def __init__(self) -> None:
+        self._waiting: list[str] | None = None
+        self._running: list[str] | None = None
+        self._swapped: list[str] | None = None
+        self._stats: CacheStats | None = None
+        # seq id -> what was last written of it (compared before a SequenceState is built).
+        self._seqs: dict[int, tuple] = {}
+        # The next valid commit rewrites the whole state (the stored one is another owner's, or not valid).
+        self._rewrite = True
+        self._instance_id = ""
+
+    def restart(self, instance_id: str) -> None:
+        """The next commit rewrites everything: the loop (re)took a worker, whose instance id is this."""
+        self._rewrite = True
+        self._instance_id = instance_id
+
+    def write(self, scheduler: Scheduler, commit: StepCommit, unlanded: state_pb2.StepRecord | None,
+              last_sent: tuple[int, int]) -> None:
+        """Queues, cache counts and the restorable state into `commit`.
+
+        unlanded: the step sent and not landed, if any (a sync loop's commit runs beside it);
+        last_sent: (epoch, step id) of the last step sent.
+        """
+        self._write_queues(scheduler, commit)
+        groups = [*scheduler.waiting, *scheduler.running, *scheduler.swapped]
+        if any(seq.num_inflight_tokens for group in groups for seq in group.seqs):
+            # Tokens in flight are in no stored list: the state is not one a restore could continue.
+            commit.engine_fields[VALID] = b"0"
+            self._rewrite = True
+            return
+        bm = scheduler.block_manager
+        cache = bm.gpu_allocator if isinstance(bm.gpu_allocator, PrefixCachingBlockAllocator) else None
+        if self._rewrite:
+            commit.reset_engine_state = True
+            commit.engine_fields[INSTANCE] = self._instance_id.encode()
+            self._seqs = {}
+            changed_blocks = None if cache is None else {e.block_id for e in cache.cached_blocks()}
+            if cache is not None:
+                cache.take_changes()
+            self._rewrite = False
+        else:
+            changed_blocks = None if cache is None else cache.take_changes()
+        written: dict[int, tuple] = {}
+        for group in groups:
+            for seq in group.seqs:
+                key = self._seq_key(scheduler, seq)
+                written[seq.seq_id] = key
+                if self._seqs.get(seq.seq_id) != key:
+                    commit.seq_states[seq.seq_id] = _sequence_state(seq.seq_id, key).SerializeToString()
+        commit.dropped_seq_states.extend(s for s in self._seqs if s not in written)
+        self._seqs = written
+        if cache is not None and changed_blocks:
+            for block_id in sorted(changed_blocks):
+                entry = cache.cached_entry(block_id)
+                if entry is None:
+                    commit.uncached_blocks.append(block_id)
+                else:
+                    commit.cached_blocks[block_id] = state_pb2.CachedBlock(
+                        block_hash=entry.block_hash, num_hashed_tokens=entry.num_hashed_tokens,
+                        last_accessed=-1 if entry.last_accessed is None else entry.last_accessed,
+                    ).SerializeToString()
+        commit.engine_fields[VALID] = b"1"
+        commit.engine_fields[CLOCK] = str(0 if cache is None else cache.clock).encode()
+        commit.engine_fields[LAST_SENT] = f"{last_sent[0]}:{last_sent[1]}".encode()
+        if unlanded is not None:
+            commit.engine_fields[STEP] = unlanded.SerializeToString()
+        else:
+            commit.dropped_engine_fields.append(STEP)
+
+    @staticmethod
+    def _seq_key(scheduler: Scheduler, seq: Sequence) -> tuple:
+        bm = scheduler.block_manager
+        table = bm.block_tables.get(seq.seq_id)
+        cpu_table = bm.cpu_block_tables.get(seq.seq_id)
+        chain = None if bm.prefix_tracker is None else bm.prefix_tracker.chain_length(seq.seq_id)
+        kind, blocks = (_TABLE.DEVICE, table) if table is not None else (
+            (_TABLE.CPU, cpu_table) if cpu_table is not None else (_TABLE.NO_TABLE, ()))
+        return seq.status.name, seq.num_computed_tokens, kind, tuple(blocks), -1 if chain is None else chain
+
+    def _write_queues(self, scheduler: Scheduler, commit: StepCommit) -> None:
+        """Queue order and free blocks go into a commit only when they changed (an idle loop writes nothing)."""
+        bm = scheduler.block_manager
+        waiting = [g.request_id for g in scheduler.waiting]
+        running = [g.request_id for g in scheduler.running]
+        swapped = [g.request_id for g in scheduler.swapped]
+        # Only the requests that just started running leave the admission queue count: sending the whole
+        # running list would cost Redis a lookup per running request whenever the list changes.
+        before = set(self._running or ()) | set(self._swapped or ())
+        commit.newly_scheduled.extend(r for r in running + swapped if r not in before)
+        commit.waiting = waiting if waiting != self._waiting else None
+        commit.running = running if running != self._running else None
+        commit.swapped = swapped if swapped != self._swapped else None
+        self._waiting, self._running, self._swapped = waiting, running, swapped
+        prefix = bm.prefix_cache_stats
+        stats = CacheStats(bm.num_free_gpu_blocks, bm.num_gpu_blocks, prefix.queries, prefix.hits)
+        commit.cache_stats = stats if stats != self._stats else None
+        self._stats = stats
+
+
+def _sequence_state(seq_id: int, key: tuple) -> state_pb2.SequenceState:
+    status, computed, kind, blocks, chain = key
+    return state_pb2.SequenceState(seq_id=seq_id, status=status, num_computed_tokens=computed, table=kind,
+                                   block_table=blocks, num_hashed_blocks=chain)
