@@ -224,7 +224,13 @@ class EngineLoop:
         if state is None:
             return False
         resume = WorkerResume(self.worker_id, self._stub, self._scheduler, self._processor, self._planner, self._plan)
-        resumed = await resume.run(state, commit)
+        try:
+            resumed = await resume.run(state, commit)
+        except Exception:
+            # A bug, not a fault: the loop fails (logged with its traceback) and the replica's next loop for
+            # the worker recomputes instead of trying the same state again.
+            await self._store.invalidate_engine_state(self.worker_id)
+            raise
         if resumed is None:
             return False
         for record in resumed.records:

@@ -111,7 +111,8 @@ class WorkerResume:
         for request in takeover.recomputed:
             self._processor.restore(request)
         records = [r.record for r in (*takeover.continued.values(), *takeover.recomputed)]
-        landed, replay, trusted = self._land(state, list(fenced.last_steps), commit)
+        continued = {s.seq_id for g in takeover.snapshot.groups() for s in g.seqs}
+        landed, replay, trusted = self._land(state, list(fenced.last_steps), continued, commit)
         refused = await self._resume_sequences(epoch, replay)
         if refused is None:
             groups = [*self._scheduler.running, *self._scheduler.swapped]
@@ -132,14 +133,14 @@ class WorkerResume:
         for group in self._scheduler.running:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 self._planner.adopt(seq.seq_id, self._scheduler.block_manager.logical_block_table(seq))
-        continued = len(takeover.continued) - len(groups)
-        return Resumed(fenced.instance_id, continued, len(takeover.recomputed) + len(groups), landed, records)
+        num_continued = len(takeover.continued) - len(groups)
+        return Resumed(fenced.instance_id, num_continued, len(takeover.recomputed) + len(groups), landed, records)
 
-    def _land(self, state: StoredEngineState, steps: list[worker_pb2.ExecutedStep],
+    def _land(self, state: StoredEngineState, steps: list[worker_pb2.ExecutedStep], continued: set[int],
               commit: StepCommit) -> tuple[int, worker_pb2.ExecutedStep | None, bool]:
-        """Lands what the worker ran beyond the stored state (step 3). Returns the steps landed, the
-        block operations to replay (a step the worker never ran) and whether the worker ran nothing the
-        state does not account for."""
+        """Lands what the worker ran beyond the stored state (step 3) for the `continued` sequences (the
+        recomputed ones start over). Returns the steps landed, the block operations to replay (a step the
+        worker never ran) and whether the worker ran nothing the state does not account for."""
         executed = {_key(s): s for s in steps}
         newest = _key(steps[-1]) if steps else (0, 0)
         known = state.last_sent
@@ -148,9 +149,10 @@ class WorkerResume:
         if record is not None:
             key = (record.epoch, record.step_id)
             if key in executed:
-                out = restore_step(self._scheduler, [(t.seq_id, t.num_new_tokens) for t in record.scheduled],
-                                   _pairs(record.swap_in), _pairs(record.swap_out), _pairs(record.copy))
-                self._processor.process(out, executed[key].result, commit)
+                scheduled = [(t.seq_id, t.num_new_tokens) for t in record.scheduled if t.seq_id in continued]
+                out = restore_step(self._scheduler, scheduled, _pairs(record.swap_in), _pairs(record.swap_out),
+                                   _pairs(record.copy))
+                self._processor.process(out, _only(executed[key].result, continued), commit)
                 landed = 1
             elif newest < key:
                 replay = worker_pb2.ExecutedStep(swap_in=record.swap_in, swap_out=record.swap_out, copy=record.copy)
@@ -197,6 +199,14 @@ class WorkerResume:
             log.warning("worker %s failed to resume its sequences (%s)", self._worker_id, exc.code())
             return None
         return list(response.refused)
+
+
+def _only(result: worker_pb2.StepResult, seq_ids: set[int]) -> worker_pb2.StepResult:
+    """The step's result for these sequences only."""
+    kept = worker_pb2.StepResult(step_id=result.step_id, execute_seconds=result.execute_seconds)
+    kept.sampled.extend(s for s in result.sampled if s.seq_id in seq_ids)
+    kept.prompt_logprobs.extend(p for p in result.prompt_logprobs if p.seq_id in seq_ids)
+    return kept
 
 
 def _same_step(scheduler: Scheduler, out: SchedulerOutput, step: worker_pb2.ExecutedStep) -> bool:

@@ -321,6 +321,11 @@ class RedisStore:
             picked_up=[r for r in restored.values() if r.record.request_id not in in_queues],
         )
 
+    @_unavailable_on_redis_error
+    async def invalidate_engine_state(self, worker_id: str) -> None:
+        """Marks the worker's stored scheduler state as not to be continued (its next owner recomputes)."""
+        await self._r.hset(keys.engine(worker_id), keys.ENGINE_VALID, b"0")
+
     async def _restore(self, ids: list[str]) -> list[RestoredRequest]:
         """The live ones of these requests with their committed outputs, oldest first (two round trips)."""
         if not ids:

@@ -124,3 +124,50 @@ def test_prompt_logprobs_over_two_prefill_chunks_match_transformers(
         values, ids = expected[position].topk(2)
         assert [t.token_id for t in entry.top] == ids.tolist()
         assert max(abs(t.logprob - float(v)) for t, v in zip(entry.top, values)) < 1e-4
+
+
+def test_a_fence_only_reset_keeps_the_cache_and_resume_checks_each_view(worker: worker_pb2_grpc.WorkerStub) -> None:
+    """A new owner fences without a reset, gets the last steps' results, and resumes what matches the cache."""
+    prompt = list(range(5, 21))  # one full block
+    worker.Reset(worker_pb2.ResetRequest(epoch=100), timeout=10)
+    first = worker.ExecuteStep(worker_pb2.StepPlan(epoch=100, step_id=1, new_sequences=[_new_seq(77, prompt, [0, 1])]),
+                               timeout=30)
+    second = worker.ExecuteStep(worker_pb2.StepPlan(epoch=100, step_id=2, cached_sequences=[
+        worker_pb2.SequenceDelta(seq_id=77, num_new_tokens=1)]), timeout=30)
+    recomputed = worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_recomputed_tokens
+
+    fenced = worker.Reset(worker_pb2.ResetRequest(epoch=101, keep_cache=True), timeout=10)
+    assert [(s.epoch, s.step_id) for s in fenced.last_steps] == [(100, 1), (100, 2)]
+    assert [s.result.sampled[0].token_id for s in fenced.last_steps] == [first.sampled[0].token_id,
+                                                                         second.sampled[0].token_id]
+    newest = fenced.last_steps[-1].sequences[0]
+    assert (newest.seq_id, newest.num_computed_tokens, newest.num_new_tokens, list(newest.block_table)) == (77, 16, 1, [0, 1])
+    assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_cached_sequences == 1
+
+    outputs = [first.sampled[0].token_id, second.sampled[0].token_id]
+    view = worker_pb2.NewSequence(seq_id=77, prompt_token_ids=prompt, output_token_ids=outputs, block_table=[0, 1],
+                                  num_computed_tokens=17, sampling=common_pb2.SamplingParams(temperature=0.0))
+    with pytest.raises(grpc.RpcError) as info:
+        worker.Resume(worker_pb2.ResumeSequencesRequest(epoch=100, sequences=[view]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # A view of another sequence is refused (not cached); the matching one goes on as a delta.
+    stranger = worker_pb2.NewSequence(seq_id=78, prompt_token_ids=prompt, block_table=[3], num_computed_tokens=16,
+                                      sampling=common_pb2.SamplingParams(temperature=0.0))
+    resumed = worker.Resume(worker_pb2.ResumeSequencesRequest(epoch=101, sequences=[view, stranger]), timeout=10)
+    assert [(r.seq_id, r.reason) for r in resumed.refused] == [(78, "not cached on this worker")]
+    third = worker.ExecuteStep(worker_pb2.StepPlan(epoch=101, step_id=1, cached_sequences=[
+        worker_pb2.SequenceDelta(seq_id=77, num_new_tokens=1)]), timeout=30)
+    assert len(third.sampled) == 1
+    assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_recomputed_tokens == recomputed
+
+    # A view whose blocks disagree with the cache is refused; recomputing it counts every position again.
+    worker.Reset(worker_pb2.ResetRequest(epoch=102, keep_cache=True), timeout=10)
+    moved = worker_pb2.NewSequence()
+    moved.CopyFrom(view)
+    moved.block_table[:] = [0, 2]
+    resumed = worker.Resume(worker_pb2.ResumeSequencesRequest(epoch=102, sequences=[moved]), timeout=10)
+    assert [(r.seq_id, r.reason) for r in resumed.refused] == [(77, "block 1 of its table is 2 in the view, 1 on the worker")]
+    assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_cached_sequences == 0
+    again = _new_seq(77, prompt + outputs, [0, 2])
+    worker.ExecuteStep(worker_pb2.StepPlan(epoch=102, step_id=1, new_sequences=[again]), timeout=30)
+    assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_recomputed_tokens == recomputed + 18
