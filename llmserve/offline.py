@@ -8,26 +8,33 @@
     for out in outputs:
         print(out.prompt, "->", out.outputs[0].text)
 
-The services run locally, as separate processes, exactly as `llmserve up`
-starts them (Redis, one worker, one scheduler); the prompts are submitted
-together through gRPC `Generate`, so the engine batches them continuously, and
-the outputs come back in prompt order with a progress bar.
+By default the engine runs in this process (llmserve/engine.py: the scheduler
+core and a model runner, no Redis, no gRPC); with `services=True` the services
+run locally as separate processes, exactly as `llmserve up` starts them (Redis,
+one worker, one scheduler), and the prompts go through gRPC `Generate`. Either
+way the prompts are submitted together, so the engine batches them
+continuously, and the outputs come back in prompt order with a progress bar.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from types import TracebackType
 
 import grpc
 from tqdm import tqdm
 
+from llmserve.engine import InProcessEngine
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from scheduler_service.scheduling import SchedulingFlags
+from shared.errors import status_for
 from shared.tls import open_channel
 from shared.sampling_params import SamplingParams
 from shared.sampling_proto import sampling_to_proto
+from worker_service.config import WorkerConfig
 
 # Engine arguments by service: each becomes the service's --flag (underscores as dashes).
 _WORKER_ARGS = {"dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space",
@@ -68,6 +75,43 @@ _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGT
            common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
 
 
+class _Collector:
+    """A request's output, built from the GenerateResponse messages of its stream."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.outputs: dict[int, CompletionOutput] = {}
+        self.error = ""
+        self.done = False
+
+    def add(self, msg: generation_pb2.GenerateResponse) -> None:
+        for delta in msg.outputs:
+            out = self.outputs.setdefault(delta.index, CompletionOutput(delta.index))
+            out.text += delta.text
+            out.token_ids.extend(delta.token_ids)
+            out.logprobs.extend((lp.logprob, {t.token_id: t.logprob for t in lp.top}) for lp in delta.logprobs)
+            if delta.finish_reason:
+                out.finish_reason = _FINISH.get(delta.finish_reason)
+                out.stop_reason = delta.stop_reason or None
+        self.error = msg.error or self.error
+        # The last message of a stream carries the usage (and an error ends it too).
+        self.done |= msg.HasField("usage") or bool(msg.error)
+
+    def result(self) -> RequestOutput:
+        return RequestOutput(self.request_id, None, [], [self.outputs[i] for i in sorted(self.outputs)], self.error)
+
+
+# Worker flags whose WorkerConfig field says its unit.
+_WORKER_FIELDS = {"kv_cache_memory": "kv_cache_memory_gib", "swap_space": "swap_space_gib"}
+
+
+def _engine_configs(model: str, args: dict[str, object]) -> tuple[WorkerConfig, SchedulingFlags]:
+    """The in-process engine's worker and scheduling configurations from the engine arguments."""
+    worker = {_WORKER_FIELDS.get(k, k): v for k, v in args.items() if k in _WORKER_ARGS}
+    flags = {k: v for k, v in args.items() if k in {f.name for f in dataclasses.fields(SchedulingFlags)}}
+    return WorkerConfig(model=model, **worker), SchedulingFlags(**flags)  # type: ignore[arg-type]
+
+
 def _flags(args: dict[str, object], names: set[str]) -> list[str]:
     flags: list[str] = []
     for name, value in args.items():
@@ -80,14 +124,14 @@ def _flags(args: dict[str, object], names: set[str]) -> list[str]:
 
 
 class LLM:
-    """A local llmserve (Redis + worker + scheduler processes) for batch inference.
+    """A local llmserve for batch inference: in this process, or as local services (`services=True`).
 
     model: a checkpoint directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).
     engine_args: the worker's and scheduler's flags by their Python names, e.g. dtype="bfloat16",
     max_model_len=2048, enable_prefix_caching=True, max_num_seqs=64.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+    def __init__(self, model: str | None = None, services: bool = False, **engine_args: object) -> None:
         unknown = set(engine_args) - _WORKER_ARGS - _SCHEDULER_ARGS
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}; "
@@ -97,9 +141,14 @@ class LLM:
 
             model = str(prepare_default_model())
         self.model = model
-        spec = ClusterSpec(model=model, worker_args=_flags(engine_args, _WORKER_ARGS),
-                           scheduler_args=_flags(engine_args, _SCHEDULER_ARGS))
-        self._cluster = LocalCluster(spec).start()
+        self._cluster: LocalCluster | None = None
+        self._engine: InProcessEngine | None = None
+        if services:
+            spec = ClusterSpec(model=model, worker_args=_flags(engine_args, _WORKER_ARGS),
+                               scheduler_args=_flags(engine_args, _SCHEDULER_ARGS))
+            self._cluster = LocalCluster(spec).start()
+        else:
+            self._engine = InProcessEngine(*_engine_configs(model, engine_args))
         self._next_id = 0
 
     def generate(
@@ -146,9 +195,39 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(requests)} prompts")
         for req, p in zip(requests, params):
             req.sampling.CopyFrom(sampling_to_proto(p))
+        if self._engine is not None:
+            return self._run_in_process(self._engine, requests, use_tqdm)
         return asyncio.run(self._gather(requests, use_tqdm))
 
+    @staticmethod
+    def _run_in_process(engine: InProcessEngine, requests: list[generation_pb2.GenerateRequest],
+                        use_tqdm: bool) -> list[RequestOutput]:
+        collectors = [_Collector(req.request_id) for req in requests]
+        by_id = {c.request_id: c for c in collectors}
+        with tqdm(total=len(requests), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as bar:
+            for req, collector in zip(requests, collectors):
+                try:
+                    engine.add_request(req)
+                except Exception as exc:  # noqa: BLE001 - a bad request fails alone, as over gRPC
+                    collector.error, collector.done = f"{status_for(exc).name}: {exc}", True
+                    bar.update(1)
+            while engine.has_unfinished_requests():
+                for request_id, msg in engine.step():
+                    collector = by_id[request_id]
+                    collector.add(msg)
+                    if collector.done:
+                        bar.update(1)
+        outputs = []
+        for req, collector in zip(requests, collectors):
+            out = collector.result()
+            out.prompt = req.prompt or None
+            out.prompt_token_ids = list(req.prompt_token_ids) or engine.tokenize(
+                generation_pb2.TokenizeRequest(prompt=req.prompt, messages=req.messages))
+            outputs.append(out)
+        return outputs
+
     async def _gather(self, requests: list[generation_pb2.GenerateRequest], use_tqdm: bool) -> list[RequestOutput]:
+        assert self._cluster is not None  # the services' path
         async with open_channel(self._cluster.address, aio=True) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             # Text prompts and conversations: the token ids Generate computes for them (chat template included).
@@ -167,27 +246,19 @@ class LLM:
     @staticmethod
     async def _one(stub: generation_pb2_grpc.GenerationStub, req: generation_pb2.GenerateRequest,
                    bar: tqdm) -> RequestOutput:
-        outputs: dict[int, CompletionOutput] = {}
-        error = ""
+        collector = _Collector(req.request_id)
         try:
             async for msg in stub.Generate(req):
-                for delta in msg.outputs:
-                    out = outputs.setdefault(delta.index, CompletionOutput(delta.index))
-                    out.text += delta.text
-                    out.token_ids.extend(delta.token_ids)
-                    out.logprobs.extend((lp.logprob, {t.token_id: t.logprob for t in lp.top}) for lp in delta.logprobs)
-                    if delta.finish_reason:
-                        out.finish_reason = _FINISH.get(delta.finish_reason)
-                        out.stop_reason = delta.stop_reason or None
-                error = msg.error or error
+                collector.add(msg)
         except grpc.aio.AioRpcError as exc:
-            error = f"{exc.code().name}: {exc.details()}"
+            collector.error = f"{exc.code().name}: {exc.details()}"
         bar.update(1)
-        return RequestOutput(req.request_id, None, [], [outputs[i] for i in sorted(outputs)], error)
+        return collector.result()
 
     def shutdown(self) -> None:
-        """Stops the local services."""
-        self._cluster.stop()
+        """Stops the local services (nothing to stop in process)."""
+        if self._cluster is not None:
+            self._cluster.stop()
 
     def __enter__(self) -> LLM:
         return self

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_service.scheduling import SchedulingFlags
 from shared.redis_client import RedisOptions
 from shared.tls import ClientTLS, ServerTLS
 
 
-@dataclass
-class SchedulerServiceConfig:
+@dataclass(kw_only=True)
+class SchedulerServiceConfig(SchedulingFlags):
     """How a scheduler replica reaches its dependencies and schedules.
 
     tokenizer: local directory with the model's tokenizer (usually the model directory).
@@ -17,10 +18,7 @@ class SchedulerServiceConfig:
     lease_ttl_s: how long a worker's lease outlives its last renewal: a replica that dies is replaced
       on its workers within this time; renewals run every min(TTL / 3, 1 s).
     worker_connect_timeout_s: how long start-up waits for a first worker to register in Redis.
-    max_num_batched_tokens: token budget per step; None = max(max_model_len, 2048) as in vLLM
-      without chunked prefill (a prompt must fit in one step), 512 with it.
-    enable_chunked_prefill: decodes and prompt chunks share each step's token budget.
-    enable_prefix_caching: full KV blocks are shared between requests with the same prefix.
+    (the scheduling flags, max_num_seqs to enable_prefix_caching: see SchedulingFlags)
     profile_steps: append each engine-loop step's time split to this JSON-lines file (benchmarks).
     otlp_endpoint: send OpenTelemetry spans to this OTLP/gRPC collector.
     trace_file: append spans to this JSON-lines file (read by `llmserve trace show`).
@@ -46,11 +44,6 @@ class SchedulerServiceConfig:
 
     tokenizer: str
     redis_url: str
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int = 0
-    enable_chunked_prefill: bool = False
-    enable_prefix_caching: bool = False
     worker_connect_timeout_s: float = 300.0
     profile_steps: str = ""
     otlp_endpoint: str = ""
@@ -68,12 +61,7 @@ class SchedulerServiceConfig:
     redis: RedisOptions = field(default_factory=RedisOptions)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}")
+        super().__post_init__()
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}")
         if self.max_num_queued_requests < 0:

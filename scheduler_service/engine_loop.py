@@ -39,7 +39,6 @@ from opentelemetry.trace import Status, StatusCode
 from protos import worker_pb2, worker_pb2_grpc
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
-from scheduler_service.core.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.fleet import Fleet
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner
@@ -48,6 +47,7 @@ from scheduler_service.step_telemetry import StepTelemetry
 from scheduler_service.resume import RESET_TIMEOUT_SECONDS, WorkerResume
 from scheduler_service.sent_step import SentStep
 from scheduler_service.state_journal import StateJournal, step_record
+from scheduler_service.step_plan import build_step
 from scheduler_service.store import Pickup, RedisStore, StepCommit
 from shared.metrics import EngineMetrics
 from shared.tracing import PerfClock, metadata_for
@@ -155,32 +155,7 @@ class EngineLoop:
         started = time.perf_counter()
         out = self._scheduler.schedule()
         scheduled = time.perf_counter()
-        commit.num_preemptions += len(out.preempted)
-        commit.num_swaps += sum(1 for g in out.preempted if any(s.status is SequenceStatus.SWAPPED for s in g.seqs))
-        for group in out.swap_failed:
-            self._processor.fail(
-                group, commit,
-                "the request was preempted and the worker's CPU swap space is full; retry, or raise --swap-space",
-            )
-        for group in out.preempted:
-            for seq in group.seqs:
-                self._planner.forget(seq.seq_id)
-        for group in out.ignored:
-            self._processor.fail(group, commit, self._ignored_message(group))
-        # Sequences that finished since the last plan: the worker may drop them. Only now, after the
-        # failures above: a swap-failed group was running on the worker, and its sequences, added to
-        # `commit.dropped_seqs` by fail(), would otherwise never be forgotten (cached on the worker,
-        # kept in the planner, until the next reset).
-        for seq_id in commit.dropped_seqs:
-            self._planner.forget(seq_id)
-        # Dropped beams: their ids may come back as new sequences in this very plan.
-        for seq_ids in commit.reset_seqs.values():
-            for seq_id in seq_ids:
-                self._planner.forget(seq_id)
-        built = self._planner.build(out, self._scheduler.block_manager)
-        plan = built.plan
-        # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.
-        has_work = built.num_sequences or plan.swap_in or plan.swap_out or plan.copy or plan.finished_seq_ids
+        plan = build_step(out, self._scheduler, self._processor, self._planner, commit)
         if profile is not None:
             profile.schedule_s = scheduled - started
             profile.plan_s = time.perf_counter() - scheduled
@@ -189,17 +164,7 @@ class EngineLoop:
             profile.num_decode_tokens = out.num_batched_tokens - profile.num_prefill_tokens
             if self._profiles is not None:  # O(allocated blocks): only the profile file reports it
                 profile.kv_slots, profile.kv_tokens = self._scheduler.kv_occupancy()
-        return out, built.plan if has_work else None
-
-    def _ignored_message(self, group: SequenceGroup) -> str:
-        num_tokens = group.seqs[0].num_tokens
-        cfg = self._scheduler.scheduler_config
-        cache = self._scheduler.cache_config
-        budget = "" if cfg.enable_chunked_prefill else f", one step's token budget {cfg.max_num_batched_tokens}"
-        return (
-            f"the request needs {num_tokens} tokens of KV cache, more than this worker can ever hold "
-            f"(max_model_len {cfg.max_model_len}{budget}, KV cache {cache.num_gpu_blocks * cache.block_size} tokens)"
-        )
+        return out, plan
 
     async def _ingest(self, pickup: Pickup, commit: StepCommit) -> None:
         for record in pickup.admitted:

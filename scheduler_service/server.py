@@ -22,17 +22,16 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from protos import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from scheduler_service.admission import Admission, ModelLimits
 from scheduler_service.config import SchedulerServiceConfig
-from scheduler_service.core.config import CacheConfig, SchedulerConfig
-from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine_loop import EngineLoop
 from scheduler_service.fleet import Fleet
 from scheduler_service.health import SchedulerHealth
 from scheduler_service.leases import Leases
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.router import Router
+from scheduler_service.scheduling import scheduler_for
 from scheduler_service.servicer import GenerationServicer
 from scheduler_service.supervisor import Supervisor
 from scheduler_service.store import QueueLimits, RedisStore
@@ -77,22 +76,6 @@ async def wait_for_workers(registry: WorkerRegistry, timeout_s: float,
             await changes.wait(WORKER_POLL_SECONDS)
         else:
             await asyncio.sleep(WORKER_POLL_SECONDS)
-
-
-def _scheduler_for(config: SchedulerServiceConfig, desc: worker_pb2.WorkerDescription) -> Scheduler:
-    max_len = min(config.max_model_len or desc.max_model_len, desc.max_model_len)
-    # vLLM's defaults: without chunking a whole prompt must fit one step; with it, small steps keep decodes flowing.
-    default_budget = 512 if config.enable_chunked_prefill else max(max_len, 2048)
-    return Scheduler(
-        SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens or default_budget,
-            max_model_len=max_len, enable_chunked_prefill=config.enable_chunked_prefill,
-        ),
-        CacheConfig(
-            block_size=desc.block_size, num_gpu_blocks=desc.num_gpu_blocks, num_cpu_blocks=desc.num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching, sliding_window=desc.sliding_window or None,
-        ),
-    )
 
 
 async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asyncio.Event | None = None,
@@ -146,7 +129,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
             log.warning("worker %s serves %s, this replica was started for %s", entry.worker_id,
                         entry.description.model, descs[0].model)
         channel = open_channel(entry.worker_id, config.worker_tls, aio=True)
-        scheduler = _scheduler_for(config, entry.description)
+        scheduler = scheduler_for(config, entry.description)
         n = next(profiles)
         profile = Path(config.profile_steps if n == 0 else f"{config.profile_steps}.{n}") if config.profile_steps else None
         return EngineLoop(entry.worker_id, worker_pb2_grpc.WorkerStub(channel), store, scheduler,

@@ -46,6 +46,26 @@ def step_result(out: StepOutput) -> worker_pb2.StepResult:
     return result
 
 
+def describe_runner(r: ModelRunner, model_name: str, instance_id: str, epoch: int) -> worker_pb2.WorkerDescription:
+    """What a model runner serves and holds, as Describe answers it."""
+    return worker_pb2.WorkerDescription(
+        model=model_name,
+        dtype=str(r.dtype).removeprefix("torch."),
+        block_size=r.config.block_size,
+        num_gpu_blocks=r.cache.sizing.num_gpu_blocks,
+        num_cpu_blocks=r.cache.sizing.num_cpu_blocks,
+        max_model_len=r.max_model_len,
+        instance_id=instance_id,
+        device=str(r.device),
+        num_cached_sequences=len(r.seqs),
+        epoch=epoch,
+        vocab_size=r.shape.vocab_size,
+        num_used_blocks=r.seqs.num_used_blocks(),
+        sliding_window=r.shape.sliding_window or 0,
+        num_recomputed_tokens=r.seqs.num_recomputed_tokens,
+    )
+
+
 def executed_step(step: ExecutedStepData, runner: ModelRunner, with_tables: bool) -> worker_pb2.ExecutedStep:
     """The wire form of a step the worker ran (Reset with keep_cache); `with_tables`: the newest step."""
     plan = step.plan
@@ -112,23 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def description(self) -> worker_pb2.WorkerDescription:
         """What the worker is and holds (Describe, and its registration in Redis)."""
-        r = self._runner
-        return worker_pb2.WorkerDescription(
-            model=self._model_name,
-            dtype=str(r.dtype).removeprefix("torch."),
-            block_size=r.config.block_size,
-            num_gpu_blocks=r.cache.sizing.num_gpu_blocks,
-            num_cpu_blocks=r.cache.sizing.num_cpu_blocks,
-            max_model_len=r.max_model_len,
-            instance_id=self._instance_id,
-            device=str(r.device),
-            num_cached_sequences=len(r.seqs),
-            epoch=self._epoch,
-            vocab_size=r.shape.vocab_size,
-            num_used_blocks=r.seqs.num_used_blocks(),
-            sliding_window=r.shape.sliding_window or 0,
-            num_recomputed_tokens=r.seqs.num_recomputed_tokens,
-        )
+        return describe_runner(self._runner, self._model_name, self._instance_id, self._epoch)
 
     async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
         # A child of the engine loop's step span: its context comes in the call's metadata.

@@ -1,8 +1,10 @@
-"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...)) over local services."""
+"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...)), in process and over local services."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from transformers import AutoTokenizer
@@ -15,7 +17,9 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     text = ["The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4"]
     ids = [list(range(500, 540)), [7, 8, 9]]
-    with LLM(model=str(tiny_llama_dir), max_model_len=256, num_threads=1) as llm:
+    # In process: no Redis, no service, not one subprocess.
+    with mock.patch.object(subprocess, "Popen", side_effect=AssertionError("the in-process engine started a process")), \
+            LLM(model=str(tiny_llama_dir), max_model_len=256, num_threads=1) as llm:
         outputs = llm.generate(text + ids, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                                use_tqdm=False)
         # Per-prompt parameters, and several sequences per prompt.
@@ -42,3 +46,28 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"]
     assert answer[0].prompt is None and answer[0].prompt_token_ids == list(rendered)
+
+
+def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> None:
+    """The same prompts and parameters through the in-process engine and through Redis + gRPC services."""
+    prompts = ["The quick brown fox", list(range(700, 760)), "1 2 3", [9] * 40]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=11, max_tokens=10, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=6, stop=["3"]),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=9, presence_penalty=0.5)]
+    engine_args = dict(max_model_len=256, num_threads=1, max_num_seqs=3, enable_prefix_caching=True)
+
+    def run(services: bool) -> list[tuple]:
+        with LLM(model=str(tiny_llama_dir), services=services, **engine_args) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            bad = llm.generate(["x"], SamplingParams(max_tokens=1000), use_tqdm=False)
+        assert bad[0].error.startswith("INVALID_ARGUMENT: ") and "maximum context length is 256" in bad[0].error
+        return [(o.prompt_token_ids, [(c.token_ids, c.text, c.finish_reason, [lp for lp, _ in c.logprobs])
+                                      for c in o.outputs]) for o in outputs]
+
+    in_process, services = run(False), run(True)
+    assert [p for p, _ in in_process] == [p for p, _ in services]
+    for (_, mine), (_, theirs) in zip(in_process, services):
+        assert [(t, text, reason) for t, text, reason, _ in mine] == [(t, text, reason) for t, text, reason, _ in theirs]
+        for (*_, lp_mine), (*_, lp_theirs) in zip(mine, theirs):
+            assert lp_mine == pytest.approx(lp_theirs, abs=1e-5)

@@ -1,0 +1,53 @@
+"""The scheduling policy's flags and the scheduler they build for a worker, with their defaults.
+
+Shared by the scheduler service (SchedulerServiceConfig extends the flags) and the in-process engine
+of the offline API (llmserve/engine.py), so that both schedule alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos import worker_pb2
+from scheduler_service.core.config import CacheConfig, SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+
+
+@dataclass(kw_only=True)
+class SchedulingFlags:
+    """--max-num-seqs, --max-num-batched-tokens, --max-model-len, --enable-chunked-prefill, --enable-prefix-caching.
+
+    max_num_batched_tokens None: vLLM's default (512 with chunked prefill, else max(max_model_len, 2048));
+    max_model_len 0: the worker's.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 0
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}")
+
+
+def scheduler_for(flags: SchedulingFlags, desc: worker_pb2.WorkerDescription) -> Scheduler:
+    """A scheduler for one worker: its cache as it described it, the policy as the flags set it."""
+    max_len = min(flags.max_model_len or desc.max_model_len, desc.max_model_len)
+    # vLLM's defaults: without chunking a whole prompt must fit one step; with it, small steps keep decodes flowing.
+    default_budget = 512 if flags.enable_chunked_prefill else max(max_len, 2048)
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=flags.max_num_seqs, max_num_batched_tokens=flags.max_num_batched_tokens or default_budget,
+            max_model_len=max_len, enable_chunked_prefill=flags.enable_chunked_prefill,
+        ),
+        CacheConfig(
+            block_size=desc.block_size, num_gpu_blocks=desc.num_gpu_blocks, num_cpu_blocks=desc.num_cpu_blocks,
+            enable_prefix_caching=flags.enable_prefix_caching, sliding_window=desc.sliding_window or None,
+        ),
+    )
