@@ -93,7 +93,9 @@ class SequenceCache:
 
         A view matches when the worker caches the sequence, has computed at least the view's computed
         tokens, holds the same tokens there and the same blocks for them (or a block `copies` copied
-        into the view's, src -> dst). Returns (seq id, reason) of each view refused.
+        into the view's, src -> dst). A sequence the worker does not cache matches when another cached
+        sequence holds its computed tokens that way (a fork's child sent by a step never run). Returns
+        (seq id, reason) of each view refused.
         """
         refused: list[tuple[int, str]] = []
         kept: dict[int, CachedSequence] = {}
@@ -114,7 +116,15 @@ class SequenceCache:
     def _mismatch(self, view: NewSequenceData, copies: dict[int, int]) -> str:
         cached = self._seqs.get(view.seq_id)
         if cached is None:
+            # Sent in full by a step the worker never ran (a fork's child): another cached sequence may hold
+            # its computed tokens in the same blocks.
+            if view.num_computed_tokens and any(not self._differs(view, other, copies) for other in self._seqs.values()):
+                return ""
             return "not cached on this worker"
+        return self._differs(view, cached, copies)
+
+    def _differs(self, view: NewSequenceData, cached: CachedSequence, copies: dict[int, int]) -> str:
+        """Why `cached` does not hold the view's computed tokens in the view's blocks ("" when it does)."""
         computed = view.num_computed_tokens
         if computed > cached.num_computed_tokens:
             return f"{computed} tokens computed in the view, {cached.num_computed_tokens} on the worker"
