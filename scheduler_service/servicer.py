@@ -17,7 +17,7 @@ from scheduler_service.router import Router
 from scheduler_service.output_reader import check_resumable, follow
 from scheduler_service.stream_mux import StreamMux
 from scheduler_service.store import AdmitOutcome, QueueLimits, RedisStore, WorkerGoneError
-from shared.errors import NotFoundError, UnavailableError, abort_with, status_for
+from shared.errors import NotFoundError, UnavailableError, status_for
 from shared.tracing import context_from_metadata, to_traceparent
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             record = to_record(admitted, seq_ids, "", time.time())  # its worker: chosen by _queue
             record.traceparent = to_traceparent(span)
             outcome = await self._queue(record, admitted.digest)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
+        except Exception as exc:
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
-            await abort_with(context, exc)
-            return
+            raise  # the status: shared.grpc_server.EdgeInterceptor
 
         request_id = admitted.request_id
         # Only the call that admitted the request owns it: its stream breaking aborts the request, unless the
@@ -92,7 +91,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # The break is on this side (Redis away): the request goes on, and its client may resume it.
             owner = False
             span.set_status(Status(StatusCode.ERROR, str(exc)))
-            await abort_with(context, exc)
+            raise
         finally:
             if not finished and owner:
                 span.set_attribute("llmserve.cancelled", True)
@@ -137,9 +136,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for msg in follow(self._store, request.request_id, request.from_index, READ_BLOCK_MS,
                                   self._streams.read_from):
                 yield msg
-        except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
+        except Exception as exc:
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
-            await abort_with(context, exc)
+            raise
 
     @staticmethod
     def _finish(span: trace.Span, msg: generation_pb2.GenerateResponse, started: float) -> None:
@@ -167,11 +166,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         })
 
     async def Abort(self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        try:
-            if not await self._store.route_aborts([request.request_id]):
-                raise NotFoundError(f"no live request has id {request.request_id!r}")
-        except Exception as exc:  # noqa: BLE001
-            await abort_with(context, exc)
+        if not await self._store.route_aborts([request.request_id]):
+            raise NotFoundError(f"no live request has id {request.request_id!r}")
         return generation_pb2.AbortResponse()
 
     async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
@@ -187,10 +183,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
-        try:
-            ids, tokens = await asyncio.to_thread(self._admission.tokenize, request)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status, never kills the server
-            await abort_with(context, exc)
+        ids, tokens = await asyncio.to_thread(self._admission.tokenize, request)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def _abort_quietly(self, request_id: str) -> None:

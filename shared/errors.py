@@ -1,4 +1,4 @@
-"""Domain errors and their gRPC status codes, mapped in one place."""
+"""Domain errors and their gRPC status codes, mapped in one place (shared.grpc_server.EdgeInterceptor applies it)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (OutOfRangeError, grpc.StatusCode.OUT_OF_RANGE),
+    # Only the client's mistakes: a ValueError raised anywhere else is a broken invariant (INTERNAL).
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
 ]

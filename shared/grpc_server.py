@@ -1,4 +1,4 @@
-"""Common set-up of the services' gRPC servers: health, reflection, message limits, malformed requests."""
+"""Common set-up of the services' gRPC servers: health, reflection, message limits, errors as statuses."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from shared.errors import abort_with
 
 # Plans for large batches carry full token lists of new sequences; 64 MiB leaves room.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -49,12 +51,19 @@ def _malformed_message(request: _Malformed) -> str:
             "string fields must be valid UTF-8, send arbitrary bytes as token ids instead")
 
 
-class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """A request that fails to parse (e.g. a string field with invalid UTF-8) gets INVALID_ARGUMENT.
+class EdgeInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC's edge: exceptions become statuses (shared.errors, in one place), bad bytes INVALID_ARGUMENT.
 
-    Without this, grpc's Python server answers UNKNOWN ("Unexpected DecodeError").
-    Only RPCs with a single request message are covered (every RPC of this project).
+    A handler raises; this maps the exception to its status (status_for): the client's mistakes
+    (InvalidRequestError, AlreadyExistsError, ...) get their codes, and anything else is INTERNAL,
+    logged with its traceback. With `tolerate_malformed` (public servers), a request that fails to
+    parse (e.g. a string field with invalid UTF-8) gets INVALID_ARGUMENT; grpc's Python server would
+    answer UNKNOWN ("Unexpected DecodeError"). RPCs with a single request message only (every RPC of
+    this project).
     """
+
+    def __init__(self, tolerate_malformed: bool = False) -> None:
+        self._tolerate_malformed = tolerate_malformed
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -63,26 +72,37 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler
+        deserializer = _tolerant(handler.request_deserializer) if self._tolerate_malformed else handler.request_deserializer
         if handler.unary_unary is not None:
             behavior = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, _Malformed):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
-                result = behavior(request, context)
-                return await result if inspect.isawaitable(result) else result
+                try:
+                    result = behavior(request, context)
+                    return await result if inspect.isawaitable(result) else result
+                except grpc.aio.AbortError:
+                    raise  # the handler chose its status itself
+                except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server stays up
+                    await abort_with(context, exc)
 
-            return handler._replace(unary_unary=unary, request_deserializer=_tolerant(handler.request_deserializer))
+            return handler._replace(unary_unary=unary, request_deserializer=deserializer)
         if handler.unary_stream is not None:
             stream_behavior = handler.unary_stream
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, _Malformed):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
-                async for msg in stream_behavior(request, context):
-                    yield msg
+                try:
+                    async for msg in stream_behavior(request, context):
+                        yield msg
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await abort_with(context, exc)
 
-            return handler._replace(unary_stream=stream, request_deserializer=_tolerant(handler.request_deserializer))
+            return handler._replace(unary_stream=stream, request_deserializer=deserializer)
         return handler
 
 
@@ -92,12 +112,11 @@ def create_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = Fal
 
     public: the server faces clients, so a request that does not parse gets INVALID_ARGUMENT.
     interceptors: run first, in order (e.g. shared.auth.BearerTokenInterceptor: a refused call is
-      never parsed).
+      never parsed); the EdgeInterceptor, last, maps every handler's exceptions to statuses.
     """
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", max_receive_bytes)]
-    chain = [*interceptors, *([MalformedRequestInterceptor()] if public else [])]
-    return grpc.aio.server(options=options, interceptors=chain or None)
+    return grpc.aio.server(options=options, interceptors=[*interceptors, EdgeInterceptor(tolerate_malformed=public)])
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

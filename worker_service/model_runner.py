@@ -17,7 +17,7 @@ from worker_service.config import WorkerConfig
 from worker_service.input_builder import ModelInputs, build_inputs
 from worker_service.model_loader import load_config, model_shape, resolve_dtype
 from worker_service.models import build_model
-from worker_service.plan import StepPlanData, new_sequence_from_proto, pairs_from_proto
+from worker_service.plan import StepPlanData, check_block_ids, new_sequence_from_proto, pairs_from_proto
 from worker_service.profiler import profile_gpu_memory
 from worker_service.prompt_logprobs import PromptLogprobsData, compute_prompt_logprobs
 from worker_service.sampler import sample
@@ -143,15 +143,19 @@ class ModelRunner:
     def resume(self, request: worker_pb2.ResumeSequencesRequest) -> list[tuple[int, str]]:
         """A new owner's Resume: replays a planned step's block operations, keeps the sequences whose view
         matches the cache (SequenceCache.resume). Returns (seq id, reason) of the sequences refused."""
+        views = [new_sequence_from_proto(s) for s in request.sequences]
+        replay = StepPlanData(request.epoch, 0, pairs_from_proto(request.swap_in), pairs_from_proto(request.swap_out),
+                              pairs_from_proto(request.copy), views, [], [])
+        check_block_ids(replay, self.cache.sizing.num_gpu_blocks, self.cache.sizing.num_cpu_blocks)
         if self.tp is not None and self.tp.is_driver:
             self.tp.send(Command.RESUME, request.SerializeToString())
-        copies = pairs_from_proto(request.copy)
+        copies = replay.copy
         # The worker's order for a step's block operations.
-        self.cache.swap_out(pairs_from_proto(request.swap_out))
-        self.cache.swap_in(pairs_from_proto(request.swap_in))
+        self.cache.swap_out(replay.swap_out)
+        self.cache.swap_in(replay.swap_in)
         self.cache.copy(copies)
         self.last_steps.clear()
-        return self.seqs.resume([new_sequence_from_proto(s) for s in request.sequences], dict(copies))
+        return self.seqs.resume(views, dict(copies))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlanData, wire: worker_pb2.StepPlan | None = None) -> StepOutput:
@@ -161,6 +165,7 @@ class ModelRunner:
         ranks, which run the same step (a plan that fails validation fails it on every rank alike).
         """
         start = time.perf_counter()
+        check_block_ids(plan, self.cache.sizing.num_gpu_blocks, self.cache.sizing.num_cpu_blocks)
         if self.tp is not None and self.tp.is_driver:
             if wire is None:
                 raise RuntimeError("a tensor-parallel rank 0 needs the wire plan to forward to the other ranks")

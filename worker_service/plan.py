@@ -5,8 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos import worker_pb2
+from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 from shared.sampling_proto import sampling_from_proto
+
+
+class PlanError(InvalidRequestError):
+    """A plan that contradicts the worker's cached state or its cache (a scheduler bug or a lost reset):
+    the plan is the worker's request, so INVALID_ARGUMENT."""
 
 
 @dataclass
@@ -55,11 +61,15 @@ def pairs_from_proto(pairs: object) -> list[tuple[int, int]]:
 
 def new_sequence_from_proto(s: worker_pb2.NewSequence) -> NewSequenceData:
     """A sequence sent in full, as a domain object."""
+    try:
+        sampling = sampling_from_proto(s.sampling)
+    except ValueError as exc:
+        raise PlanError(f"sequence {s.seq_id}: {exc}") from exc
     return NewSequenceData(
         seq_id=s.seq_id,
         prompt_token_ids=list(s.prompt_token_ids),
         output_token_ids=list(s.output_token_ids),
-        sampling=sampling_from_proto(s.sampling),
+        sampling=sampling,
         block_table=list(s.block_table),
         num_computed_tokens=s.num_computed_tokens,
         num_new_tokens=s.num_new_tokens,
@@ -87,3 +97,20 @@ def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlanData:
         ],
         finished_seq_ids=list(msg.finished_seq_ids),
     )
+
+
+def check_block_ids(plan: StepPlanData, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    """Every block id of the plan names a block of the cache: checked once per step, before anything moves."""
+    device = range(num_gpu_blocks)
+    host = range(num_cpu_blocks)
+    for what, pairs, src, dst in (("swap_in", plan.swap_in, host, device), ("swap_out", plan.swap_out, device, host),
+                                  ("copy", plan.copy, device, device)):
+        for a, b in pairs:
+            if a not in src or b not in dst:
+                raise PlanError(f"{what} pair ({a}, {b}) is out of range ({len(src)} -> {len(dst)} blocks)")
+    tables = [(s.seq_id, s.block_table) for s in plan.new_sequences]
+    tables += [(d.seq_id, [*d.new_block_ids, *d.replaced_blocks.values()]) for d in plan.cached_sequences]
+    for seq_id, blocks in tables:
+        bad = [b for b in blocks if b not in device]
+        if bad:
+            raise PlanError(f"sequence {seq_id}: block ids {bad[:5]} are out of range (the cache has {num_gpu_blocks})")

@@ -10,11 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.sampling_params import SamplingParams
-from worker_service.plan import NewSequenceData, SequenceDeltaData
+from worker_service.plan import NewSequenceData, PlanError, SequenceDeltaData
 
-
-class PlanError(ValueError):
-    """A plan that contradicts the worker's cached state (a scheduler bug or a lost reset)."""
+__all__ = ["CachedSequence", "PlanError", "SequenceCache"]
 
 
 @dataclass

@@ -12,7 +12,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from protos import worker_pb2, worker_pb2_grpc
-from shared.errors import StaleEpochError, abort_with, status_for
+from shared.errors import StaleEpochError, status_for
 from shared.metrics import WorkerMetrics
 from shared.tracing import context_from_metadata
 from worker_service.model_runner import ExecutedStepData, ModelRunner, StepOutput
@@ -144,11 +144,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 plan = plan_from_proto(request)
                 # The wire plan too: a tensor-parallel rank 0 forwards it to the other ranks.
                 out = await self._model_thread.call(self._execute, plan, request)
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server stays up
+        except Exception as exc:
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             span.end()
-            await abort_with(context, exc)
-            raise  # unreachable: abort raises
+            raise  # the status: shared.grpc_server.EdgeInterceptor
         self._observe(request, out, span)
         return step_result(out)
 
@@ -177,14 +176,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             m.blocks_used.set(used)
 
     async def Reset(self, request: worker_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ResetResponse:
-        try:
-            async with self._lock:
-                self._fence(request.epoch)
-                # On the model thread: after a step still running there (its caller gone), never beside it.
-                steps = await self._model_thread.call(self._reset, request.keep_cache)
-        except Exception as exc:  # noqa: BLE001
-            await abort_with(context, exc)
-            raise
+        async with self._lock:
+            self._fence(request.epoch)
+            # On the model thread: after a step still running there (its caller gone), never beside it.
+            steps = await self._model_thread.call(self._reset, request.keep_cache)
         log.info("%s by epoch %d", "fenced (cache kept)" if request.keep_cache else "reset", request.epoch)
         return worker_pb2.ResetResponse(instance_id=self._instance_id, last_steps=steps)
 
@@ -197,14 +192,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Resume(self, request: worker_pb2.ResumeSequencesRequest,
                      context: grpc.aio.ServicerContext) -> worker_pb2.ResumeSequencesResponse:
-        try:
-            async with self._lock:
-                if request.epoch != self._epoch:
-                    raise StaleEpochError(f"Resume of epoch {request.epoch}, the worker is fenced at {self._epoch}")
-                refused = await self._model_thread.call(self._runner.resume, request)
-        except Exception as exc:  # noqa: BLE001
-            await abort_with(context, exc)
-            raise
+        async with self._lock:
+            if request.epoch != self._epoch:
+                raise StaleEpochError(f"Resume of epoch {request.epoch}, the worker is fenced at {self._epoch}")
+            refused = await self._model_thread.call(self._runner.resume, request)
         log.info("resumed %d sequence(s) for epoch %d, refused %d", len(request.sequences) - len(refused),
                  request.epoch, len(refused))
         response = worker_pb2.ResumeSequencesResponse()
