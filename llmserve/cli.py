@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from llmserve import security_flags as sec
+from shared import defaults
 from shared.startup_timer import StartupReport, StartupTimer
 
 ENV_PREFIX = "LLMSERVE_"
@@ -50,12 +51,12 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights and KV-cache dtype; auto = float32 on a CPU")
     g.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda, cuda:1)")
-    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32], help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of memory for the KV cache on a CPU")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    g.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, choices=[8, 16, 32], help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", type=float, default=defaults.KV_CACHE_MEMORY_GIB, help="GiB of memory for the KV cache on a CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=defaults.GPU_MEMORY_UTILIZATION,
                    help="fraction of GPU memory for the model and its KV cache, sized by a profiling step")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV-cache blocks")
-    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out blocks")
+    g.add_argument("--swap-space", type=float, default=defaults.SWAP_SPACE_GIB, help="GiB of host memory for swapped-out blocks")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded random sampling")
     g.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -66,7 +67,7 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
 
 def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: max(max_model_len, 2048); 512 with chunked prefill)")
     g.add_argument("--enable-chunked-prefill", action="store_true",
@@ -82,7 +83,7 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-tokens", type=int, default=0,
                    help="per worker, the most prompt tokens of requests admitted but not yet scheduled "
                         "(0 = unbounded); an empty queue always takes one request")
-    g.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
+    g.add_argument("--step-timeout", type=float, default=defaults.STEP_TIMEOUT_S, metavar="SECONDS",
                    help="deadline of one worker step; a step past it is handled as a worker failure")
     g.add_argument("--async-scheduling", action="store_true",
                    help="plan and send the next step while the worker runs the current one, hiding the "
@@ -102,7 +103,7 @@ def _ready_fd_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _liveness_flag(p: argparse.ArgumentParser, stalled: str) -> None:
-    p.add_argument("--liveness-timeout", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--liveness-timeout", type=float, default=defaults.LIVENESS_TIMEOUT_S, metavar="SECONDS",
                    help=f"grpc.health.v1 service 'liveness' (the Kubernetes liveness probe) turns NOT_SERVING when "
                         f"{stalled} for this long; keep it well above --step-timeout")
 
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to bind")
     p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
     p.add_argument("--redis-url", required=True, help="Redis holding the scheduling state (redis://host:port/db)")
-    p.add_argument("--lease-ttl", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--lease-ttl", type=float, default=defaults.LEASE_TTL_S, metavar="SECONDS",
                    help="a worker's engine loop moves to another replica this long after its owner stops renewing")
     _liveness_flag(p, "an engine loop of this replica holds requests but has completed no step")
     _scheduler_flags(p), _common_flags(p), _observability_flags(p), _ready_fd_flag(p)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_service.scheduling import SchedulingFlags
+from shared import defaults
 from shared.redis_client import RedisOptions
 from shared.tls import ClientTLS, ServerTLS
 
@@ -51,10 +52,10 @@ class SchedulerServiceConfig(SchedulingFlags):
     metrics_port: int = 0
     max_num_queued_requests: int = 0
     max_queued_tokens: int = 0
-    step_timeout_s: float = 60.0
+    step_timeout_s: float = defaults.STEP_TIMEOUT_S
     async_scheduling: bool = False
-    liveness_timeout_s: float = 300.0
-    lease_ttl_s: float = 10.0
+    liveness_timeout_s: float = defaults.LIVENESS_TIMEOUT_S
+    lease_ttl_s: float = defaults.LEASE_TTL_S
     tls: ServerTLS | None = None
     auth_token: str = field(default="", repr=False)
     worker_tls: ClientTLS | None = None

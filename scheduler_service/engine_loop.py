@@ -49,6 +49,7 @@ from scheduler_service.sent_step import SentStep
 from scheduler_service.state_journal import StateJournal, step_record
 from scheduler_service.step_plan import build_step
 from scheduler_service.store import Pickup, RedisStore, StepCommit
+from shared import defaults
 from shared.metrics import EngineMetrics
 from shared.tracing import PerfClock, metadata_for
 from shared.worker_registry import WorkerEntry
@@ -64,9 +65,7 @@ async def _timed(awaitable: Awaitable[_T]) -> tuple[_T, float, float]:
     result = await awaitable
     return result, started, time.perf_counter() - started
 
-# Every worker RPC has a deadline. A step that takes longer than the step timeout (--step-timeout) is
-# treated as a failed worker: its running requests are recomputed after a Reset.
-STEP_TIMEOUT_SECONDS = 60.0
+# How long an idle loop blocks on its worker's queue before it looks round (a lost lease, a drain).
 IDLE_WAIT_SECONDS = 1.0
 # A worker that leaves or drains gets requests handed over only when one came back from a target that
 # went away meanwhile (or a router's view was a tick old): the pause before handing them on again lets
@@ -88,7 +87,8 @@ class EngineLoop:
         profile_path: Path | None = None,
         tracer: trace.Tracer | None = None,
         metrics: EngineMetrics | None = None,
-        step_timeout_s: float = STEP_TIMEOUT_SECONDS,
+        # Every worker RPC has a deadline: a step past it counts as a failed worker (reset, recompute).
+        step_timeout_s: float = defaults.STEP_TIMEOUT_S,
         channel: grpc.aio.Channel | None = None,
         registration: WorkerEntry | None = None,
         on_owned: Callable[[str, int], None] | None = None,

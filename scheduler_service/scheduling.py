@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from protos import worker_pb2
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
+from shared import defaults
 
 
 @dataclass(kw_only=True)
@@ -21,7 +22,7 @@ class SchedulingFlags:
     max_model_len 0: the worker's.
     """
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
     max_model_len: int = 0
     enable_chunked_prefill: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from shared import defaults
 from shared.tls import ServerTLS
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -39,11 +40,11 @@ class WorkerConfig:
     model: str
     dtype: str = "auto"
     device: str = "cpu"
-    block_size: int = 16
-    kv_cache_memory_gib: float = 1.0
-    gpu_memory_utilization: float = 0.9
+    block_size: int = defaults.BLOCK_SIZE
+    kv_cache_memory_gib: float = defaults.KV_CACHE_MEMORY_GIB
+    gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION
     num_gpu_blocks_override: int | None = None
-    swap_space_gib: float = 0.0
+    swap_space_gib: float = defaults.SWAP_SPACE_GIB
     max_model_len: int = 0
     seed: int = 0
     num_threads: int = 0
@@ -52,7 +53,7 @@ class WorkerConfig:
     metrics_port: int = 0
     tls: ServerTLS | None = None
     tensor_parallel_size: int = 1
-    liveness_timeout_s: float = 300.0
+    liveness_timeout_s: float = defaults.LIVENESS_TIMEOUT_S
 
     def __post_init__(self) -> None:
         is_gguf = self.model.lower().endswith(".gguf") and os.path.isfile(self.model)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared import defaults
+
 # Largest block size the paged-attention kernels are expected to support.
 _MAX_BLOCK_SIZE = 256
 
@@ -36,7 +38,7 @@ class SchedulerConfig:
     they can never run and are ignored.
     """
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = False
@@ -67,7 +69,7 @@ class CacheConfig:
     """
 
     num_gpu_blocks: int
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     watermark: float = 0.01
     enable_prefix_caching: bool = False
     num_cpu_blocks: int = 0

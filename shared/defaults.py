@@ -1,0 +1,18 @@
+"""Every default a user can set by a flag, in one place: the CLI, the configurations and the core read it here.
+
+Plain values with no imports, so that parsing the command line stays cheap.
+"""
+
+from __future__ import annotations
+
+# KV cache (worker and scheduler core).
+BLOCK_SIZE = 16
+KV_CACHE_MEMORY_GIB = 1.0
+GPU_MEMORY_UTILIZATION = 0.9
+SWAP_SPACE_GIB = 0.0
+# Scheduling.
+MAX_NUM_SEQS = 256
+# Deadlines and leases, in seconds.
+STEP_TIMEOUT_S = 60.0
+LIVENESS_TIMEOUT_S = 300.0
+LEASE_TTL_S = 10.0
