@@ -45,8 +45,8 @@ from the fault on. Test knobs: heartbeat TTL 3 s, lease TTL 4 s (production defa
   the waiting ones move to the other worker, and the worker deregisters and exits once the owner
   marks it drained (well before its 30 s drain timeout). No client pauses.
 - **scheduler replica SIGKILL**: clients on it resume on the other replica (Resume from their last
-  index); its lease expires and the survivor takes it at that moment, rebuilds the loop from Redis and
-  recomputes the running requests.
+  index); its lease expires and the survivor takes it at that moment, rebuilds the loop's scheduler
+  from Redis and continues the running requests on the KV cache the worker kept (nothing recomputed).
 - **Redis restart**: SIGTERM (Redis flushes its append-only file) and a new process on the same port
   and data directory; streams break with UNAVAILABLE and resume, engine loops whose commit failed stop
   and are restarted from Redis by their supervisor. A crash instead of a clean stop can lose up to 1 s
