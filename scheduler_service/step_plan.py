@@ -25,21 +25,12 @@ def build_step(out: SchedulerOutput, scheduler: Scheduler, processor: OutputProc
     commit.num_swaps += sum(1 for g in out.preempted if any(s.status is SequenceStatus.SWAPPED for s in g.seqs))
     for group in out.swap_failed:
         processor.fail(group, commit, SWAP_FULL)
-    for group in out.preempted:
-        for seq in group.seqs:
-            planner.forget(seq.seq_id)
     for group in out.ignored:
         processor.fail(group, commit, ignored_message(scheduler, group))
-    # Sequences that finished since the last plan: the worker may drop them. Only now, after the
-    # failures above: a swap-failed group was running on the worker, and its sequences, added to
-    # `commit.dropped_seqs` by fail(), would otherwise never be forgotten (cached on the worker,
-    # kept in the planner, until the next reset).
-    for seq_id in commit.dropped_seqs:
+    # Finished, aborted, preempted, swapped out, dropped beams (whose ids may come back as new sequences in
+    # this very plan): the worker drops them first.
+    for seq_id in out.released_seq_ids:
         planner.forget(seq_id)
-    # Dropped beams: their ids may come back as new sequences in this very plan.
-    for seq_ids in commit.reset_seqs.values():
-        for seq_id in seq_ids:
-            planner.forget(seq_id)
     built = planner.build(out, scheduler.block_manager)
     plan = built.plan
     # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.

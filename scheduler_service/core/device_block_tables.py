@@ -37,6 +37,8 @@ class DeviceBlockTables:
         self.block_tables: dict[int, list[int]] = {}
         self._layout = layout
         self._prefix = prefix
+        # Sequences whose table left the device since take_released(): the worker may forget them.
+        self._released: list[int] = []
 
     # -- queries ---------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class DeviceBlockTables:
         self._forget_hashes(seq.seq_id)
         if table is None:
             return
+        self._released.append(seq.seq_id)
         # One tick for the whole table: its blocks tie in LRU order, so the
         # evictor takes the deepest first.
         self.tick()
@@ -193,7 +196,13 @@ class DeviceBlockTables:
         """
         table = self.block_tables.pop(seq_id)
         self._forget_hashes(seq_id)
+        self._released.append(seq_id)
         return table
+
+    def take_released(self) -> list[int]:
+        """Sequences whose device table was freed or taken (swap-out) since the last call, in that order."""
+        released, self._released = self._released, []
+        return released
 
     def put_table(self, seq_id: int, table: list[int]) -> None:
         """Install a table whose blocks the caller already referenced (admission, swap-in)."""

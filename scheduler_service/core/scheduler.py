@@ -101,6 +101,7 @@ class Scheduler(RequestQueues):
             if not self.swapped:
                 self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        out.released_seq_ids = self.block_manager.take_released()
         return out
 
     def update_after_step(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:

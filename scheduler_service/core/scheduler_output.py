@@ -74,6 +74,9 @@ class SchedulerOutput:
     The worker applies them before the forward pass in this order: swap_out,
         swap_in, copy. A step never has both swap_out and swap_in pairs.
     num_batched_tokens: sum of num_new_tokens over scheduled.
+    released_seq_ids: sequences whose KV left the device since the last
+        schedule() (finished, aborted, preempted, swapped out, dropped
+        beams): the worker forgets them before this step.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -84,6 +87,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
+    released_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
