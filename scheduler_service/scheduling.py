@@ -37,9 +37,14 @@ class SchedulingFlags:
             raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}")
 
 
+def max_model_len(flags: SchedulingFlags, worker_max_len: int) -> int:
+    """The longest sequence served: --max-model-len, never past what the worker (or every worker) takes."""
+    return min(flags.max_model_len or worker_max_len, worker_max_len)
+
+
 def scheduler_for(flags: SchedulingFlags, desc: worker_pb2.WorkerDescription) -> Scheduler:
     """A scheduler for one worker: its cache as it described it, the policy as the flags set it."""
-    max_len = min(flags.max_model_len or desc.max_model_len, desc.max_model_len)
+    max_len = max_model_len(flags, desc.max_model_len)
     # vLLM's defaults: without chunking a whole prompt must fit one step; with it, small steps keep decodes flowing.
     default_budget = 512 if flags.enable_chunked_prefill else max(max_len, 2048)
     return Scheduler(

@@ -31,7 +31,7 @@ from scheduler_service.health import SchedulerHealth
 from scheduler_service.leases import Leases
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.router import Router
-from scheduler_service.scheduling import scheduler_for
+from scheduler_service.scheduling import max_model_len, scheduler_for
 from scheduler_service.servicer import GenerationServicer
 from scheduler_service.supervisor import Supervisor
 from scheduler_service.store import QueueLimits, RedisStore
@@ -108,8 +108,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
         raise
     server_started = timer.elapsed()
     descs = [e.description for e in entries]
-    worker_max_len = min(d.max_model_len for d in descs)
-    max_len = min(config.max_model_len or worker_max_len, worker_max_len)
+    max_len = max_model_len(config, min(d.max_model_len for d in descs))
     admission = Admission(tokenizer, ModelLimits(max_model_len=max_len, vocab_size=min(d.vocab_size for d in descs),
                                                  max_num_seqs=config.max_num_seqs))
     model_name = Path(descs[0].model).name or descs[0].model
