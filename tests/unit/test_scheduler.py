@@ -308,6 +308,25 @@ def test_preemption_victim_is_last_arrived_and_recompute_replays_outputs() -> No
     assert b.seqs[0].num_computed_tokens == 25
 
 
+def test_schedule_names_each_sequence_whose_kv_left_the_device_once() -> None:
+    """released_seq_ids: what the worker must forget before the step (preempted, finished, aborted)."""
+    sched = make_scheduler(num_gpu_blocks=8)
+    a, b = make_group("a", 0, 8), make_group("b", 1, 24)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert step(sched).released_seq_ids == []
+    out = step(sched)  # a grows: b is preempted (recompute) in this very step
+    assert ids(out.preempted) == ["b"] and out.released_seq_ids == [1]
+    assert step(sched).released_seq_ids == []  # b waits, holding nothing: nothing more to forget
+    sched.finish_sequence(a, a.seqs[0], SequenceStatus.FINISHED_STOPPED)
+    out = step(sched)  # b comes back (sent in full), a is forgotten
+    assert out.released_seq_ids == [0] and plan(out) == [("b", 25)]
+    sched.abort_request("b")
+    sched.abort_request("b")  # twice: still once
+    assert sched.schedule().released_seq_ids == [1]
+    assert sched.schedule().released_seq_ids == []
+
+
 # -- abort, finish, update -------------------------------------------------------
 
 

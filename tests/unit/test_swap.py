@@ -63,6 +63,7 @@ def test_forked_group_is_swapped_out_then_back_in() -> None:
     assert ids(out.preempted) == ["b"] and out.swap_failed == [] and out.blocks_to_swap_in == []
     # Distinct device blocks once each, in table order; block 1 (shared) moved once.
     assert out.blocks_to_swap_out == [(1, 0), (2, 1), (6, 2), (4, 3), (5, 4)]
+    assert out.released_seq_ids == [1, 2]  # the worker forgets them: they come back sent in full
     assert bm.cpu_block_tables == {1: [0, 1, 2], 2: [0, 3, 4]}
     assert [bm.cpu_allocator.get_ref_count(c) for c in range(6)] == [2, 1, 1, 1, 1, 0]
     assert all(s.status is SequenceStatus.SWAPPED and not s.is_finished for s in b.seqs)
