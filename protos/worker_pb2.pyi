@@ -205,12 +205,14 @@ class ResumeSequencesRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ...) -> None: ...
 
 class RefusedSequence(_message.Message):
-    __slots__ = ("seq_id", "reason")
+    __slots__ = ("seq_id", "reason", "not_cached")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    NOT_CACHED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     reason: str
-    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    not_cached: bool
+    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[str] = ..., not_cached: _Optional[bool] = ...) -> None: ...
 
 class ResumeSequencesResponse(_message.Message):
     __slots__ = ("refused",)

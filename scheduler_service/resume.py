@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # Deadline of a Reset (full or fence-only) and of a Resume: both wait for a step still running on the worker.
 RESET_TIMEOUT_SECONDS = 30.0
-NOT_CACHED = "not cached on this worker"
 
 
 @dataclass
@@ -119,7 +118,7 @@ class WorkerResume:
             for group in groups:
                 self._processor.recompute(group)
             return Resumed(fenced.instance_id, 0, len(takeover.recomputed) + len(groups), landed, records, True)
-        mismatched = [r for r in refused if r.reason != NOT_CACHED]
+        mismatched = [r for r in refused if not r.not_cached]
         if mismatched or not trusted:
             # The worker ran something the stored state does not know of: a cached block may hold other KV.
             self._scheduler.reset_prefix_cache()

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from shared.sampling_params import SamplingParams
 from worker_service.plan import NewSequenceData, PlanError, SequenceDeltaData
 
-__all__ = ["CachedSequence", "PlanError", "SequenceCache"]
+__all__ = ["NOT_CACHED", "CachedSequence", "PlanError", "SequenceCache"]
+
+# Resume's reason for a sequence the worker does not hold at all.
+NOT_CACHED = "not cached on this worker"
 
 
 @dataclass
@@ -118,7 +121,7 @@ class SequenceCache:
             # its computed tokens in the same blocks.
             if view.num_computed_tokens and any(not self._differs(view, other, copies) for other in self._seqs.values()):
                 return ""
-            return "not cached on this worker"
+            return NOT_CACHED
         return self._differs(view, cached, copies)
 
     def _differs(self, view: NewSequenceData, cached: CachedSequence, copies: dict[int, int]) -> str:

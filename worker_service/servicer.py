@@ -16,6 +16,7 @@ from shared.errors import StaleEpochError, status_for
 from shared.metrics import WorkerMetrics
 from shared.tracing import context_from_metadata
 from worker_service.model_runner import ExecutedStepData, ModelRunner, StepOutput
+from worker_service.sequence_cache import NOT_CACHED
 from worker_service.model_thread import ModelThread
 from shared.liveness import Activity
 from worker_service.plan import StepPlanData, plan_from_proto
@@ -200,5 +201,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  request.epoch, len(refused))
         response = worker_pb2.ResumeSequencesResponse()
         for seq_id, reason in refused:
-            response.refused.add(seq_id=seq_id, reason=reason)
+            response.refused.add(seq_id=seq_id, reason=reason, not_cached=reason == NOT_CACHED)
         return response

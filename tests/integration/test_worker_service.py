@@ -154,7 +154,7 @@ def test_a_fence_only_reset_keeps_the_cache_and_resume_checks_each_view(worker: 
     stranger = worker_pb2.NewSequence(seq_id=78, prompt_token_ids=prompt, block_table=[3], num_computed_tokens=16,
                                       sampling=common_pb2.SamplingParams(temperature=0.0))
     resumed = worker.Resume(worker_pb2.ResumeSequencesRequest(epoch=101, sequences=[view, stranger]), timeout=10)
-    assert [(r.seq_id, r.reason) for r in resumed.refused] == [(78, "not cached on this worker")]
+    assert [(r.seq_id, r.reason, r.not_cached) for r in resumed.refused] == [(78, "not cached on this worker", True)]
     third = worker.ExecuteStep(worker_pb2.StepPlan(epoch=101, step_id=1, cached_sequences=[
         worker_pb2.SequenceDelta(seq_id=77, num_new_tokens=1)]), timeout=30)
     assert len(third.sampled) == 1
@@ -166,7 +166,8 @@ def test_a_fence_only_reset_keeps_the_cache_and_resume_checks_each_view(worker: 
     moved.CopyFrom(view)
     moved.block_table[:] = [0, 2]
     resumed = worker.Resume(worker_pb2.ResumeSequencesRequest(epoch=102, sequences=[moved]), timeout=10)
-    assert [(r.seq_id, r.reason) for r in resumed.refused] == [(77, "block 1 of its table is 2 in the view, 1 on the worker")]
+    assert [(r.seq_id, r.reason, r.not_cached) for r in resumed.refused] == [
+        (77, "block 1 of its table is 2 in the view, 1 on the worker", False)]
     assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_cached_sequences == 0
     again = _new_seq(77, prompt + outputs, [0, 2])
     worker.ExecuteStep(worker_pb2.StepPlan(epoch=102, step_id=1, new_sequences=[again]), timeout=30)
