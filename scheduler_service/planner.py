@@ -11,7 +11,6 @@ finds every replacement.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from protos import common_pb2, worker_pb2
@@ -23,21 +22,6 @@ from shared.sampling_proto import sampling_to_proto
 
 class BlockTables(Protocol):
     def logical_block_table(self, seq: Sequence) -> list[int]: ...
-
-
-@dataclass
-class BuiltPlan:
-    """The plan and the block-table growth it announces (committed to Redis with the step)."""
-
-    plan: worker_pb2.StepPlan
-    # seq_id -> block ids added to the table since the last plan (the whole table for new ones).
-    new_blocks: dict[int, list[int]]
-    # seq_id -> {table index: new block id} replaced by copy-on-write since the last plan.
-    replaced_blocks: dict[int, dict[int, int]]
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.plan.new_sequences) + len(self.plan.cached_sequences)
 
 
 def sequence_sampling(group: SequenceGroup, seq: Sequence) -> common_pb2.SamplingParams:
@@ -79,7 +63,7 @@ class Planner:
         self._sent_blocks.clear()
         self._to_forget.clear()
 
-    def build(self, out: SchedulerOutput, tables: BlockTables) -> BuiltPlan:
+    def build(self, out: SchedulerOutput, tables: BlockTables) -> worker_pb2.StepPlan:
         """One plan; `tables` gives each scheduled sequence's logical block table (read, never kept)."""
         self._step_id += 1
         plan = worker_pb2.StepPlan(epoch=self.epoch, step_id=self._step_id, finished_seq_ids=self._to_forget)
@@ -90,8 +74,6 @@ class Planner:
             plan.swap_out.add(src=src, dst=dst)
         for src, dst in out.blocks_to_copy:
             plan.copy.add(src=src, dst=dst)
-        new_blocks: dict[int, list[int]] = {}
-        replaced: dict[int, dict[int, int]] = {}
         for item in out.scheduled:
             seq = item.seq
             table = tables.logical_block_table(seq)
@@ -109,20 +91,15 @@ class Planner:
                     num_computed_tokens=seq.num_computed_tokens,
                     num_new_tokens=item.num_new_tokens,
                 )
-                added = list(table)
             else:
                 num_sent, last_sent = sent
-                added = table[num_sent:]
                 delta = plan.cached_sequences.add(
-                    seq_id=seq.seq_id, new_block_ids=added, num_new_tokens=item.num_new_tokens
+                    seq_id=seq.seq_id, new_block_ids=table[num_sent:], num_new_tokens=item.num_new_tokens
                 )
                 if item.group.sampling_params.use_beam_search and seq.output_token_ids:
                     # The beam may go on with another candidate than the worker's own sample.
                     delta.last_token_id = seq.last_token_id
                 if num_sent and table[num_sent - 1] != last_sent:
                     delta.replaced_blocks[num_sent - 1] = table[num_sent - 1]
-                    replaced[seq.seq_id] = dict(delta.replaced_blocks)
-            if added:
-                new_blocks[seq.seq_id] = added
             self._sent_blocks[seq.seq_id] = (len(table), table[-1] if table else -1)
-        return BuiltPlan(plan, new_blocks, replaced)
+        return plan

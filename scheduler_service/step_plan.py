@@ -31,10 +31,10 @@ def build_step(out: SchedulerOutput, scheduler: Scheduler, processor: OutputProc
     # this very plan): the worker drops them first.
     for seq_id in out.released_seq_ids:
         planner.forget(seq_id)
-    built = planner.build(out, scheduler.block_manager)
-    plan = built.plan
+    plan = planner.build(out, scheduler.block_manager)
     # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.
-    has_work = built.num_sequences or plan.swap_in or plan.swap_out or plan.copy or plan.finished_seq_ids
+    has_work = (plan.new_sequences or plan.cached_sequences or plan.swap_in or plan.swap_out or plan.copy
+                or plan.finished_seq_ids)
     return plan if has_work else None
 
 

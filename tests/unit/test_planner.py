@@ -9,7 +9,7 @@ from scheduler_service.core.config import CacheConfig, SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from scheduler_service.planner import BuiltPlan, Planner
+from scheduler_service.planner import Planner
 from shared.sampling_params import SamplingParams
 from shared.sampling_proto import sampling_to_proto
 
@@ -37,16 +37,31 @@ class FixedTables:
         return self._tables[seq.seq_id]
 
 
-def build(planner: Planner, sched: Scheduler, out: SchedulerOutput) -> BuiltPlan:
+def build(planner: Planner, sched: Scheduler, out: SchedulerOutput) -> worker_pb2.StepPlan:
     return planner.build(out, sched.block_manager)
 
 
-def deltas(built: BuiltPlan) -> dict[int, tuple[list[int], int]]:
-    return {d.seq_id: (list(d.new_block_ids), d.num_new_tokens) for d in built.plan.cached_sequences}
+def deltas(plan: worker_pb2.StepPlan) -> dict[int, tuple[list[int], int]]:
+    return {d.seq_id: (list(d.new_block_ids), d.num_new_tokens) for d in plan.cached_sequences}
 
 
-def new_ids(built: BuiltPlan) -> list[int]:
-    return [s.seq_id for s in built.plan.new_sequences]
+def new_ids(plan: worker_pb2.StepPlan) -> list[int]:
+    return [s.seq_id for s in plan.new_sequences]
+
+
+def added(plan: worker_pb2.StepPlan) -> dict[int, list[int]]:
+    """seq id -> block ids the plan adds to the worker's table (the whole table of a sequence sent in full)."""
+    tables = {s.seq_id: list(s.block_table) for s in plan.new_sequences}
+    tables.update({d.seq_id: list(d.new_block_ids) for d in plan.cached_sequences})
+    return {seq_id: blocks for seq_id, blocks in tables.items() if blocks}
+
+
+def replaced(plan: worker_pb2.StepPlan) -> dict[int, dict[int, int]]:
+    return {d.seq_id: dict(d.replaced_blocks) for d in plan.cached_sequences if d.replaced_blocks}
+
+
+def num_sequences(plan: worker_pb2.StepPlan) -> int:
+    return len(plan.new_sequences) + len(plan.cached_sequences)
 
 
 PARAMS_A = SamplingParams(
@@ -62,7 +77,7 @@ def test_first_plan_sends_every_sequence_in_full() -> None:
     sched.add_request(make_group("b", 2, PROMPT_B))
     planner = Planner(epoch=7)
     built = build(planner, sched, sched.schedule())
-    plan = built.plan
+    plan = built
     assert (plan.epoch, plan.step_id) == (7, 1)
     assert list(plan.finished_seq_ids) == []
     assert len(plan.cached_sequences) == 0
@@ -88,8 +103,8 @@ def test_first_plan_sends_every_sequence_in_full() -> None:
     assert a.sampling.ignore_eos is True
     assert not b.sampling.HasField("seed")
     assert b.sampling.max_tokens == 16
-    assert built.new_blocks == {1: [0, 1], 2: [2]}
-    assert built.num_sequences == 2
+    assert added(built) == {1: [0, 1], 2: [2]}
+    assert num_sequences(built) == 2
 
 
 def test_decodes_go_as_deltas_with_new_blocks_only_when_the_table_grows() -> None:
@@ -105,29 +120,29 @@ def test_decodes_go_as_deltas_with_new_blocks_only_when_the_table_grows() -> Non
 
     out = sched.schedule()
     built = build(planner, sched, out)
-    assert built.plan.step_id == 2 and built.plan.epoch == 3
+    assert built.step_id == 2 and built.epoch == 3
     assert new_ids(built) == []
     assert deltas(built) == {1: ([], 1), 2: ([], 1)}
-    assert built.new_blocks == {}
-    assert built.num_sequences == 2
+    assert added(built) == {}
+    assert num_sequences(built) == 2
     sched.update_after_step(out, {1: 101, 2: 201})  # a: 8 tokens, b: 5 tokens -> b needs a second block
 
     out = sched.schedule()
     built = build(planner, sched, out)
-    assert built.plan.step_id == 3
+    assert built.step_id == 3
     assert deltas(built) == {1: ([], 1), 2: ([3], 1)}
-    assert built.new_blocks == {2: [3]}
+    assert added(built) == {2: [3]}
     assert sched.get_block_table(gb.seqs[0]) == [2, 3]
     sched.update_after_step(out, {1: 102, 2: 202})  # a: 9 tokens -> a needs a third block
 
     out = sched.schedule()
     built = build(planner, sched, out)
-    assert built.plan.step_id == 4
+    assert built.step_id == 4
     assert deltas(built) == {1: ([4], 1), 2: ([], 1)}
-    assert built.new_blocks == {1: [4]}
+    assert added(built) == {1: [4]}
     assert sched.get_block_table(ga.seqs[0]) == [0, 1, 4]
     # Deltas never repeat what a NewSequence carries.
-    for d in built.plan.cached_sequences:
+    for d in built.cached_sequences:
         assert len(d.replaced_blocks) == 0
 
 
@@ -142,9 +157,9 @@ def test_a_newcomer_is_sent_in_full_next_to_deltas() -> None:
     built = build(planner, sched, sched.schedule())
     assert deltas(built) == {1: ([], 1)}
     assert new_ids(built) == [2]
-    (b,) = built.plan.new_sequences
+    (b,) = built.new_sequences
     assert list(b.block_table) == [2] and (b.num_computed_tokens, b.num_new_tokens) == (0, 3)
-    assert built.new_blocks == {2: [2]}
+    assert added(built) == {2: [2]}
 
 
 def test_forget_lists_the_seq_in_the_next_plan_exactly_once() -> None:
@@ -163,13 +178,13 @@ def test_forget_lists_the_seq_in_the_next_plan_exactly_once() -> None:
     planner.forget(99)  # never sent: nothing to tell the worker
     out = sched.schedule()
     built = build(planner, sched, out)
-    assert list(built.plan.finished_seq_ids) == [2]
+    assert list(built.finished_seq_ids) == [2]
     assert deltas(built) == {1: ([], 1)}
     sched.update_after_step(out, {1: 101})
 
     planner.forget(2)  # already forgotten
     built = build(planner, sched, sched.schedule())
-    assert list(built.plan.finished_seq_ids) == []
+    assert list(built.finished_seq_ids) == []
 
 
 def test_forgotten_plan_with_nothing_scheduled_still_carries_finished_ids() -> None:
@@ -183,8 +198,8 @@ def test_forgotten_plan_with_nothing_scheduled_still_carries_finished_ids() -> N
     sched.finish_sequence(ga, ga.seqs[0], SequenceStatus.FINISHED_LENGTH)
     planner.forget(1)
     built = build(planner, sched, sched.schedule())
-    assert list(built.plan.finished_seq_ids) == [1]
-    assert built.num_sequences == 0 and built.new_blocks == {}
+    assert list(built.finished_seq_ids) == [1]
+    assert num_sequences(built) == 0 and added(built) == {}
 
 
 def test_recompute_preemption_resends_the_sequence_in_full_with_its_outputs() -> None:
@@ -196,7 +211,7 @@ def test_recompute_preemption_resends_the_sequence_in_full_with_its_outputs() ->
 
     out = sched.schedule()
     built = build(planner, sched, out)
-    assert built.new_blocks == {1: [0, 1], 2: [2, 3]}
+    assert added(built) == {1: [0, 1], 2: [2, 3]}
     sched.update_after_step(out, {1: 100, 2: 200})
 
     # a needs a third block; the cache is full, so b (latest arrival) is preempted by recompute.
@@ -206,29 +221,29 @@ def test_recompute_preemption_resends_the_sequence_in_full_with_its_outputs() ->
         for seq in group.seqs:
             planner.forget(seq.seq_id)  # as the engine loop does
     built = build(planner, sched, out)
-    assert list(built.plan.finished_seq_ids) == [2]
+    assert list(built.finished_seq_ids) == [2]
     assert new_ids(built) == []
     assert deltas(built) == {1: ([2], 1)}
-    assert built.new_blocks == {1: [2]}
+    assert added(built) == {1: [2]}
     sched.update_after_step(out, {1: 101})
 
     sched.finish_sequence(ga, ga.seqs[0], SequenceStatus.FINISHED_STOPPED)
     planner.forget(1)
     out = sched.schedule()
     built = build(planner, sched, out)
-    assert list(built.plan.finished_seq_ids) == [1]
+    assert list(built.finished_seq_ids) == [1]
     assert new_ids(built) == [2]
-    assert len(built.plan.cached_sequences) == 0
-    (b,) = built.plan.new_sequences
+    assert len(built.cached_sequences) == 0
+    (b,) = built.new_sequences
     assert list(b.prompt_token_ids) == list(range(31, 39))
     assert list(b.output_token_ids) == [200]
     assert list(b.block_table) == [0, 1, 2]
     assert (b.num_computed_tokens, b.num_new_tokens) == (0, 9)
-    assert built.new_blocks == {2: [0, 1, 2]}
+    assert added(built) == {2: [0, 1, 2]}
     sched.update_after_step(out, {2: 201})
 
     built = build(planner, sched, sched.schedule())
-    assert list(built.plan.finished_seq_ids) == []
+    assert list(built.finished_seq_ids) == []
     assert deltas(built) == {2: ([], 1)}
 
 
@@ -238,9 +253,9 @@ def test_step_id_increments_and_epoch_is_carried() -> None:
     step_ids = []
     for _ in range(3):
         built = build(planner, sched, sched.schedule())  # empty steps still count
-        assert built.plan.epoch == 42
-        assert built.num_sequences == 0
-        step_ids.append(built.plan.step_id)
+        assert built.epoch == 42
+        assert num_sequences(built) == 0
+        step_ids.append(built.step_id)
     assert step_ids == [1, 2, 3]
 
 
@@ -259,19 +274,19 @@ def test_reset_forgets_everything_and_adopts_the_new_epoch() -> None:
     planner.reset(9)
     assert planner.epoch == 9
     built = build(planner, sched, sched.schedule())
-    assert built.plan.epoch == 9
-    assert built.plan.step_id > first.plan.step_id
-    assert list(built.plan.finished_seq_ids) == []
+    assert built.epoch == 9
+    assert built.step_id > first.step_id
+    assert list(built.finished_seq_ids) == []
     assert new_ids(built) == [1]
-    (a,) = built.plan.new_sequences
+    (a,) = built.new_sequences
     assert list(a.prompt_token_ids) == PROMPT_A
     assert list(a.output_token_ids) == [100]
     assert list(a.block_table) == [0, 1]
     assert (a.num_computed_tokens, a.num_new_tokens) == (6, 1)
-    assert built.new_blocks == {1: [0, 1]}
+    assert added(built) == {1: [0, 1]}
 
 
-def _forked_group() -> tuple[Scheduler, SequenceGroup, Planner, BuiltPlan]:
+def _forked_group() -> tuple[Scheduler, SequenceGroup, Planner, worker_pb2.StepPlan]:
     """Two sequences of one group: the parent prefills all but the last prompt token, then the child
     forks from it and copies the shared (not yet full) block on write; the parent writes in place."""
     sched = make_scheduler()
@@ -280,7 +295,7 @@ def _forked_group() -> tuple[Scheduler, SequenceGroup, Planner, BuiltPlan]:
     planner = Planner(epoch=1)
     out = sched.schedule()
     first = build(planner, sched, out)
-    assert first.new_blocks == {1: [0]}
+    assert added(first) == {1: [0]}
     sched.update_after_step(out, {})
     out = sched.schedule()
     assert out.blocks_to_copy == [(0, 1)]
@@ -291,12 +306,12 @@ def _forked_group() -> tuple[Scheduler, SequenceGroup, Planner, BuiltPlan]:
 
 def test_copy_on_write_pairs_are_forwarded() -> None:
     _, _, _, built = _forked_group()
-    assert [(p.src, p.dst) for p in built.plan.copy] == [(0, 1)]
+    assert [(p.src, p.dst) for p in built.copy] == [(0, 1)]
     # The parent goes as a delta; the child is new to the worker and goes in full.
     assert deltas(built) == {1: ([], 1)}
-    (child,) = built.plan.new_sequences
+    (child,) = built.new_sequences
     assert (child.seq_id, list(child.block_table), child.num_computed_tokens, child.num_new_tokens) == (2, [1], 2, 1)
-    assert built.new_blocks == {2: [1]} and built.replaced_blocks == {}
+    assert added(built) == {2: [1]} and replaced(built) == {}
 
 
 def test_copy_on_write_replacement_is_announced_in_the_delta() -> None:
@@ -310,15 +325,15 @@ def test_copy_on_write_replacement_is_announced_in_the_delta() -> None:
     seq.append_token(7)
     out = SchedulerOutput(scheduled=[ScheduledSequence(group, seq, 1)], blocks_to_copy=[(0, 4)])
     built = planner.build(out, FixedTables({1: [4]}))
-    (delta,) = built.plan.cached_sequences
+    (delta,) = built.cached_sequences
     assert dict(delta.replaced_blocks) == {0: 4}
-    assert built.replaced_blocks == {1: {0: 4}}
+    assert replaced(built) == {1: {0: 4}}
 
 
 def test_swap_pairs_are_forwarded_in_order() -> None:
     out = SchedulerOutput(blocks_to_swap_in=[(1, 2), (3, 4)], blocks_to_swap_out=[(5, 6)], blocks_to_copy=[(7, 8)])
     built = Planner(epoch=1).build(out, FixedTables({}))
-    assert list(built.plan.swap_in) == [worker_pb2.BlockPair(src=1, dst=2), worker_pb2.BlockPair(src=3, dst=4)]
-    assert list(built.plan.swap_out) == [worker_pb2.BlockPair(src=5, dst=6)]
-    assert list(built.plan.copy) == [worker_pb2.BlockPair(src=7, dst=8)]
-    assert built.num_sequences == 0 and built.new_blocks == {}
+    assert list(built.swap_in) == [worker_pb2.BlockPair(src=1, dst=2), worker_pb2.BlockPair(src=3, dst=4)]
+    assert list(built.swap_out) == [worker_pb2.BlockPair(src=5, dst=6)]
+    assert list(built.copy) == [worker_pb2.BlockPair(src=7, dst=8)]
+    assert num_sequences(built) == 0 and added(built) == {}
