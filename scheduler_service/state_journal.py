@@ -19,16 +19,13 @@ the state not valid: a new owner then recomputes, as it does when no state was s
 
 from __future__ import annotations
 
+from protos import state_pb2, worker_pb2
+from scheduler_service import keys
 from scheduler_service.core.prefix_caching_allocator import PrefixCachingBlockAllocator
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence
 from scheduler_service.store import CacheStats, StepCommit
-from protos import state_pb2, worker_pb2
-from scheduler_service import keys
-
-VALID, CLOCK, STEP, LAST_SENT, INSTANCE = (
-    keys.ENGINE_VALID, keys.ENGINE_CLOCK, keys.ENGINE_STEP, keys.ENGINE_LAST_SENT, keys.ENGINE_INSTANCE)
 
 _TABLE = state_pb2.SequenceState.Table
 
@@ -72,17 +69,21 @@ class StateJournal:
         last_sent: (epoch, step id) of the last step sent.
         """
         self._write_queues(scheduler, commit)
-        groups = [*scheduler.waiting, *scheduler.running, *scheduler.swapped]
-        if any(seq.num_inflight_tokens for group in groups for seq in group.seqs):
-            # Tokens in flight are in no stored list: the state is not one a restore could continue.
-            commit.engine_fields[VALID] = b"0"
-            self._rewrite = True
-            return
+        # One pass over the sequences, the per-step cost: what each would be written as.
+        keyed: dict[int, tuple] = {}
+        for group in (*scheduler.waiting, *scheduler.running, *scheduler.swapped):
+            for seq in group.seqs:
+                if seq.num_inflight_tokens:
+                    # Tokens in flight are in no stored list: the state is not one a restore could continue.
+                    commit.engine_fields[keys.ENGINE_VALID] = b"0"
+                    self._rewrite = True
+                    return
+                keyed[seq.seq_id] = self._seq_key(scheduler, seq)
         bm = scheduler.block_manager
         cache = bm.gpu_allocator if isinstance(bm.gpu_allocator, PrefixCachingBlockAllocator) else None
         if self._rewrite:
             commit.reset_engine_state = True
-            commit.engine_fields[INSTANCE] = self._instance_id.encode()
+            commit.engine_fields[keys.ENGINE_INSTANCE] = self._instance_id.encode()
             self._seqs = {}
             changed_blocks = None if cache is None else {e.block_id for e in cache.cached_blocks()}
             if cache is not None:
@@ -90,15 +91,11 @@ class StateJournal:
             self._rewrite = False
         else:
             changed_blocks = None if cache is None else cache.take_changes()
-        written: dict[int, tuple] = {}
-        for group in groups:
-            for seq in group.seqs:
-                key = self._seq_key(scheduler, seq)
-                written[seq.seq_id] = key
-                if self._seqs.get(seq.seq_id) != key:
-                    commit.seq_states[seq.seq_id] = _sequence_state(seq.seq_id, key).SerializeToString()
-        commit.dropped_seq_states.extend(s for s in self._seqs if s not in written)
-        self._seqs = written
+        for seq_id, key in keyed.items():
+            if self._seqs.get(seq_id) != key:
+                commit.seq_states[seq_id] = _sequence_state(seq_id, key).SerializeToString()
+        commit.dropped_seq_states.extend(s for s in self._seqs if s not in keyed)
+        self._seqs = keyed
         if cache is not None and changed_blocks:
             for block_id in sorted(changed_blocks):
                 entry = cache.cached_entry(block_id)
@@ -109,13 +106,13 @@ class StateJournal:
                         block_hash=entry.block_hash, num_hashed_tokens=entry.num_hashed_tokens,
                         last_accessed=-1 if entry.last_accessed is None else entry.last_accessed,
                     ).SerializeToString()
-        commit.engine_fields[VALID] = b"1"
-        commit.engine_fields[CLOCK] = str(0 if cache is None else cache.clock).encode()
-        commit.engine_fields[LAST_SENT] = f"{last_sent[0]}:{last_sent[1]}".encode()
+        commit.engine_fields[keys.ENGINE_VALID] = b"1"
+        commit.engine_fields[keys.ENGINE_CLOCK] = str(0 if cache is None else cache.clock).encode()
+        commit.engine_fields[keys.ENGINE_LAST_SENT] = f"{last_sent[0]}:{last_sent[1]}".encode()
         if unlanded is not None:
-            commit.engine_fields[STEP] = unlanded.SerializeToString()
+            commit.engine_fields[keys.ENGINE_STEP] = unlanded.SerializeToString()
         else:
-            commit.dropped_engine_fields.append(STEP)
+            commit.dropped_engine_fields.append(keys.ENGINE_STEP)
 
     @staticmethod
     def _seq_key(scheduler: Scheduler, seq: Sequence) -> tuple:

@@ -108,9 +108,17 @@ def check_block_ids(plan: StepPlanData, num_gpu_blocks: int, num_cpu_blocks: int
         for a, b in pairs:
             if a not in src or b not in dst:
                 raise PlanError(f"{what} pair ({a}, {b}) is out of range ({len(src)} -> {len(dst)} blocks)")
-    tables = [(s.seq_id, s.block_table) for s in plan.new_sequences]
-    tables += [(d.seq_id, [*d.new_block_ids, *d.replaced_blocks.values()]) for d in plan.cached_sequences]
-    for seq_id, blocks in tables:
-        bad = [b for b in blocks if b not in device]
-        if bad:
-            raise PlanError(f"sequence {seq_id}: block ids {bad[:5]} are out of range (the cache has {num_gpu_blocks})")
+    for s in plan.new_sequences:
+        _check_table(s.seq_id, s.block_table, device)
+    # A decode's delta usually adds no block: only those that do are looked at.
+    for d in plan.cached_sequences:
+        if d.new_block_ids:
+            _check_table(d.seq_id, d.new_block_ids, device)
+        if d.replaced_blocks:
+            _check_table(d.seq_id, list(d.replaced_blocks.values()), device)
+
+
+def _check_table(seq_id: int, blocks: list[int], device: range) -> None:
+    bad = [b for b in blocks if b not in device]
+    if bad:
+        raise PlanError(f"sequence {seq_id}: block ids {bad[:5]} are out of range (the cache has {len(device)})")

@@ -149,13 +149,14 @@ class PrefixCachingBlockAllocator(BlockAllocator):
 
     def cached_blocks(self) -> list[CachedBlockEntry]:
         """Every registered block, by block id, with its evictor stamp when unreferenced."""
-        return [entry for entry in map(self.cached_entry, sorted(self._cached)) if entry is not None]
+        return [self._entry(b, c) for b, c in sorted(self._cached.items())]
 
     def cached_entry(self, block_id: int) -> CachedBlockEntry | None:
         """The block's registration with its evictor stamp; None when it is not cached."""
         cached = self._cached.get(block_id)
-        if cached is None:
-            return None
+        return None if cached is None else self._entry(block_id, cached)
+
+    def _entry(self, block_id: int, cached: _CachedBlock) -> CachedBlockEntry:
         return CachedBlockEntry(block_id, cached.block_hash, cached.num_hashed_tokens, self.evictor.last_accessed(block_id))
 
     def take_changes(self) -> set[int]:
