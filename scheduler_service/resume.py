@@ -128,10 +128,9 @@ class WorkerResume:
             self._processor.recompute(group)
         for r in refused:
             log.warning("worker %s: seq %d is recomputed: %s", self._worker_id, r.seq_id, r.reason)
-        self._planner.reset(epoch)
         for group in self._scheduler.running:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
-                self._planner.adopt(seq.seq_id, self._scheduler.block_manager.logical_block_table(seq))
+                self._scheduler.block_manager.mark_held(seq)
         num_continued = len(takeover.continued) - len(groups)
         return Resumed(fenced.instance_id, num_continued, len(takeover.recomputed) + len(groups), landed, records)
 

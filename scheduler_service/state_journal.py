@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from protos import state_pb2, worker_pb2
 from scheduler_service import keys
-from scheduler_service.core.prefix_caching_allocator import PrefixCachingBlockAllocator
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence
@@ -79,35 +78,32 @@ class StateJournal:
                     self._rewrite = True
                     return
                 keyed[seq.seq_id] = self._seq_key(scheduler, seq)
-        bm = scheduler.block_manager
-        cache = bm.gpu_allocator if isinstance(bm.gpu_allocator, PrefixCachingBlockAllocator) else None
+        pool = scheduler.block_manager.block_pool
         if self._rewrite:
             commit.reset_engine_state = True
             commit.engine_fields[keys.ENGINE_INSTANCE] = self._instance_id.encode()
             self._seqs = {}
-            changed_blocks = None if cache is None else {e.block_id for e in cache.cached_blocks()}
-            if cache is not None:
-                cache.take_changes()
+            changed_blocks = {e.block_id for e in pool.cached_blocks()}
+            pool.take_changes()
             self._rewrite = False
         else:
-            changed_blocks = None if cache is None else cache.take_changes()
+            changed_blocks = pool.take_changes()
         for seq_id, key in keyed.items():
             if self._seqs.get(seq_id) != key:
                 commit.seq_states[seq_id] = _sequence_state(seq_id, key).SerializeToString()
         commit.dropped_seq_states.extend(s for s in self._seqs if s not in keyed)
         self._seqs = keyed
-        if cache is not None and changed_blocks:
-            for block_id in sorted(changed_blocks):
-                entry = cache.cached_entry(block_id)
-                if entry is None:
-                    commit.uncached_blocks.append(block_id)
-                else:
-                    commit.cached_blocks[block_id] = state_pb2.CachedBlock(
-                        block_hash=entry.block_hash, num_hashed_tokens=entry.num_hashed_tokens,
-                        last_accessed=-1 if entry.last_accessed is None else entry.last_accessed,
-                    ).SerializeToString()
+        for block_id in sorted(changed_blocks):
+            entry = pool.cached_entry(block_id)
+            if entry is None:
+                commit.uncached_blocks.append(block_id)
+            else:
+                commit.cached_blocks[block_id] = state_pb2.CachedBlock(
+                    block_hash=entry.block_hash, num_hashed_tokens=entry.num_hashed_tokens,
+                    last_accessed=-1 if entry.last_accessed is None else entry.last_accessed,
+                ).SerializeToString()
         commit.engine_fields[keys.ENGINE_VALID] = b"1"
-        commit.engine_fields[keys.ENGINE_CLOCK] = str(0 if cache is None else cache.clock).encode()
+        commit.engine_fields[keys.ENGINE_CLOCK] = str(pool.clock).encode()
         commit.engine_fields[keys.ENGINE_LAST_SENT] = f"{last_sent[0]}:{last_sent[1]}".encode()
         if unlanded is not None:
             commit.engine_fields[keys.ENGINE_STEP] = unlanded.SerializeToString()
@@ -118,8 +114,8 @@ class StateJournal:
     def _seq_key(scheduler: Scheduler, seq: Sequence) -> tuple:
         bm = scheduler.block_manager
         table = bm.block_tables.get(seq.seq_id)
-        cpu_table = bm.cpu_block_tables.get(seq.seq_id)
-        chain = None if bm.prefix_tracker is None else bm.prefix_tracker.chain_length(seq.seq_id)
+        cpu_table = bm.swapper.cpu_tables.get(seq.seq_id)
+        chain = bm.chain_length(seq.seq_id)
         kind, blocks = (_TABLE.DEVICE, table) if table is not None else (
             (_TABLE.CPU, cpu_table) if cpu_table is not None else (_TABLE.NO_TABLE, ()))
         return seq.status.name, seq.num_computed_tokens, kind, tuple(blocks), -1 if chain is None else chain

@@ -27,11 +27,7 @@ def build_step(out: SchedulerOutput, scheduler: Scheduler, processor: OutputProc
         processor.fail(group, commit, SWAP_FULL)
     for group in out.ignored:
         processor.fail(group, commit, ignored_message(scheduler, group))
-    # Finished, aborted, preempted, swapped out, dropped beams (whose ids may come back as new sequences in
-    # this very plan): the worker drops them first.
-    for seq_id in out.released_seq_ids:
-        planner.forget(seq_id)
-    plan = planner.build(out, scheduler.block_manager)
+    plan = planner.build(out)
     # A plan with only finished_seq_ids still goes out, so an idle worker drops finished sequences.
     has_work = (plan.new_sequences or plan.cached_sequences or plan.swap_in or plan.swap_out or plan.copy
                 or plan.finished_seq_ids)

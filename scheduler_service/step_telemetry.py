@@ -122,7 +122,7 @@ class StepTelemetry:
             m.waiting.set(len(sched.waiting))
             m.swapped.set(len(sched.swapped))
             m.cache_usage.set(1.0 - bm.num_free_gpu_blocks / bm.num_gpu_blocks if bm.num_gpu_blocks else 0.0)
-            m.cpu_cache_usage.set(bm.get_num_used_cpu_blocks() / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0)
+            m.cpu_cache_usage.set((bm.num_cpu_blocks - bm.num_free_cpu_blocks) / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0)
         for request_id, t in self._processor.take_finished():
             if m is not None:
                 m.finished(t)

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from protos import state_pb2
-from scheduler_service.core.prefix_caching_allocator import CachedBlockEntry
+from scheduler_service.core.block_pool import CachedBlockEntry
 from scheduler_service.core.sequence import SequenceStatus
 from scheduler_service.core.snapshot import GroupSnapshot, SchedulerSnapshot, SeqSnapshot
 from scheduler_service.store import RestoredRequest, StoredEngineState

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from scheduler_service.core.block_admission import AdmissionPlan
-from scheduler_service.core.block_manager import AllocStatus
+from scheduler_service.core.block_manager import AdmissionPlan, AllocStatus
 from scheduler_service.core.group_fork import add_decodes, fork_if_ready
 from scheduler_service.core.preemption import Preemption, preempt_group
 from scheduler_service.core.request_queues import RequestQueues
@@ -102,6 +101,8 @@ class Scheduler(RequestQueues):
                 self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         out.released_seq_ids = self.block_manager.take_released()
+        for s in out.scheduled:
+            s.table = self.block_manager.take_table_update(s.seq)
         return out
 
     def update_after_step(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:

@@ -8,6 +8,21 @@ from scheduler_service.core.sequence import Sequence, SequenceGroup
 
 
 @dataclass
+class TableUpdate:
+    """What the worker learns of a sequence's logical block table in one step (BlockManager.take_table_update).
+
+    in_full: block_ids is the whole table (the worker has never seen it: a new, recomputed, forked or swapped-in
+        sequence; the plan sends the sequence in full). Otherwise block_ids are the entries appended from logical
+        index `start` on, and replaced the entries before `start` that copy-on-write gave a new block.
+    """
+
+    block_ids: list[int]
+    in_full: bool = False
+    start: int = 0
+    replaced: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
 class ScheduledSequence:
     """One sequence in a step: compute num_new_tokens tokens of it.
 
@@ -15,6 +30,8 @@ class ScheduledSequence:
     num_new_tokens) of seq.all_token_ids. num_computed_tokens and
     num_tokens are snapshots taken when the step was planned, so is_prefill
     and samples keep their meaning after update_after_step mutates seq.
+    table: what the worker learns of the sequence's block table, set by
+    schedule() once every slot of the step is reserved.
     """
 
     group: SequenceGroup
@@ -22,6 +39,7 @@ class ScheduledSequence:
     num_new_tokens: int
     num_computed_tokens: int = field(init=False)
     num_tokens: int = field(init=False)
+    table: TableUpdate | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.seq.num_computed_tokens

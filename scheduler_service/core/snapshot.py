@@ -25,12 +25,10 @@ flight (async scheduling) the state is not one a restore could continue.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
-from scheduler_service.core.prefix_caching_allocator import CachedBlockEntry, PrefixCachingBlockAllocator
-from scheduler_service.core.prefix_hash import hash_full_blocks
+from scheduler_service.core.block_pool import CachedBlockEntry
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -85,18 +83,16 @@ class SchedulerSnapshot:
 def snapshot_scheduler(scheduler: Scheduler) -> SchedulerSnapshot:
     """The scheduler's state as values (see the module doc for what is left to derive)."""
     bm = scheduler.block_manager
-    prefix = bm.prefix_tracker
-    cache = bm.gpu_allocator if isinstance(bm.gpu_allocator, PrefixCachingBlockAllocator) else None
 
     def seq_snapshot(seq: Sequence) -> SeqSnapshot:
         if seq.num_inflight_tokens:
             raise ValueError(f"seq {seq.seq_id} has a token in flight: its state cannot be restored as it is.")
         table = bm.block_tables.get(seq.seq_id)
-        cpu_table = bm.cpu_block_tables.get(seq.seq_id)
+        cpu_table = bm.swapper.cpu_tables.get(seq.seq_id)
         return SeqSnapshot(
             seq.seq_id, seq.status, tuple(seq.output_token_ids), seq.num_computed_tokens,
             None if table is None else tuple(table), None if cpu_table is None else tuple(cpu_table),
-            None if prefix is None else prefix.chain_length(seq.seq_id),
+            bm.chain_length(seq.seq_id),
         )
 
     def group_snapshot(group: SequenceGroup) -> GroupSnapshot:
@@ -110,8 +106,8 @@ def snapshot_scheduler(scheduler: Scheduler) -> SchedulerSnapshot:
         waiting=tuple(group_snapshot(g) for g in scheduler.waiting),
         running=tuple(group_snapshot(g) for g in scheduler.running),
         swapped=tuple(group_snapshot(g) for g in scheduler.swapped),
-        cached_blocks=() if cache is None else tuple(cache.cached_blocks()),
-        clock=0 if cache is None else cache.clock,
+        cached_blocks=tuple(bm.block_pool.cached_blocks()),
+        clock=bm.block_pool.clock,
         prefix_cache_queries=stats.queries,
         prefix_cache_hits=stats.hits,
     )
@@ -142,10 +138,9 @@ def load_snapshot(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
 
 
 def _fill(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
-    bm = scheduler.block_manager
     queues: list[list[SequenceGroup]] = [[], [], []]
-    device_refs: Counter[int] = Counter()
-    cpu_refs: Counter[int] = Counter()
+    tables: list[tuple[Sequence, list[int]]] = []
+    cpu_tables: dict[int, list[int]] = {}
     chains: list[tuple[Sequence, int]] = []
     for queue, groups in zip(queues, (snapshot.waiting, snapshot.running, snapshot.swapped)):
         for g in groups:
@@ -156,33 +151,15 @@ def _fill(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
             queue.append(SequenceGroup(g.request_id, seqs, g.sampling_params, g.arrival_time))
             for seq, s in zip(seqs, g.seqs):
                 if s.block_table is not None:
-                    _check_table(s.seq_id, s.block_table, bm.num_gpu_blocks, "device")
-                    bm.block_tables[s.seq_id] = list(s.block_table)
-                    device_refs.update(s.block_table)
+                    tables.append((seq, list(s.block_table)))
                 if s.cpu_block_table is not None:
-                    _check_table(s.seq_id, s.cpu_block_table, bm.num_cpu_blocks, "CPU")
-                    bm.cpu_block_tables[s.seq_id] = list(s.cpu_block_table)
-                    cpu_refs.update(s.cpu_block_table)
+                    cpu_tables[s.seq_id] = list(s.cpu_block_table)
                 if s.num_hashed_blocks is not None:
-                    if bm.prefix_tracker is None or s.block_table is None or s.num_hashed_blocks > len(s.block_table):
-                        raise ValueError(f"seq {s.seq_id}: a prefix-hash chain of {s.num_hashed_blocks} blocks "
-                                         "does not fit its table.")
                     chains.append((seq, s.num_hashed_blocks))
     waiting, running, swapped = queues
     scheduler.restore_queues(waiting, running, swapped)
-    cache = bm.gpu_allocator
-    if isinstance(cache, PrefixCachingBlockAllocator):
-        cache.restore(dict(device_refs), snapshot.cached_blocks, snapshot.clock)
-    elif snapshot.cached_blocks:
-        raise ValueError("the snapshot has prefix-cached blocks, the configuration no prefix caching.")
-    else:
-        cache.restore(dict(device_refs))
-    if bm.cpu_allocator is not None:  # without one, a CPU table failed the range check above
-        bm.cpu_allocator.restore(dict(cpu_refs))
-    if bm.prefix_tracker is not None:
-        block_size = bm.block_size
-        for seq, length in chains:
-            bm.prefix_tracker.restore_chain(seq.seq_id, hash_full_blocks(seq.all_token_ids, block_size, length))
+    bm = scheduler.block_manager
+    bm.restore(tables, cpu_tables, snapshot.cached_blocks, snapshot.clock, chains)
     bm.prefix_cache_stats.queries = snapshot.prefix_cache_queries
     bm.prefix_cache_stats.hits = snapshot.prefix_cache_hits
 
@@ -208,9 +185,3 @@ def restore_step(
         out.scheduled.append(ScheduledSequence(group, seq, num_new_tokens))
     out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
     return out
-
-
-def _check_table(seq_id: int, table: tuple[int, ...], num_blocks: int, where: str) -> None:
-    bad = [b for b in table if not 0 <= b < num_blocks]
-    if bad:
-        raise ValueError(f"seq {seq_id}: {where} block ids {bad} are outside [0, {num_blocks}).")

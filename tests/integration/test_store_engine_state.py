@@ -114,9 +114,7 @@ class StoreRoundTrip:
             assert state.step is None
         if commit.cached_blocks:
             event("cached blocks written")
-        by_id = {g.request_id: g for g in (*rebuilt.waiting, *rebuilt.running, *rebuilt.swapped)}
-        self.groups = [by_id.get(g.request_id, g) for g in self.groups]
-        self.sched = rebuilt
+        self.replace_scheduler(rebuilt)
 
     async def _commit_and_load(self, commit: StepCommit):
         store = RedisStore.from_url(self.url)
@@ -176,17 +174,17 @@ def test_cached_blocks_follow_the_cache_through_release_hit_and_eviction() -> No
     live = _round_trip(url, journal, live)  # registered, held by a's table
     live.finish_sequence(live.running[0], live.running[0].seqs[0], SequenceStatus.FINISHED_STOPPED)
     live = _round_trip(url, journal, live)  # released: evictable, with their stamps
-    cache = live.block_manager.gpu_allocator
+    cache = live.block_manager.block_pool
     assert len(cache.evictor) == 2
     live.add_request(make_group_of("b", 1, prompt + [50]))
     step(live)
     assert live.block_manager.prefix_cache_stats.hits == 2
     live = _round_trip(url, journal, live)  # revived by b's hit
-    assert len(live.block_manager.gpu_allocator.evictor) == 0
+    assert len(live.block_manager.block_pool.evictor) == 0
     live.finish_sequence(live.running[0], live.running[0].seqs[0], SequenceStatus.FINISHED_STOPPED)
     live.add_request(make_group_of("c", 2, list(range(60, 83))))  # 23 tokens: 6 blocks, evicts every cached one
     step(live)
     live = _round_trip(url, journal, live)
-    cache = live.block_manager.gpu_allocator
+    cache = live.block_manager.block_pool
     # a's two blocks were evicted for c, whose five full blocks are now the cached ones.
     assert (cache.num_cached_blocks, len(cache.evictor)) == (5, 0)

@@ -167,7 +167,7 @@ def test_fork_seq_shares_blocks_and_the_next_step_copies_the_last_on_write() -> 
     sched.fork_seq(group, parent, child)
     bm = sched.block_manager
     assert bm.get_block_table(child) == bm.get_block_table(parent) == [0, 1]
-    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [2, 2]
+    assert [bm.block_pool.get_ref_count(b) for b in (0, 1)] == [2, 2]
     assert child.status is SequenceStatus.RUNNING and child.num_computed_tokens == 6
     out = sched.schedule()
     # Both write position 6, in shared block 1: one copy, the other writes in place.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.block_admission import AllocStatus
-from scheduler_service.core.block_allocator import BlockAllocator, NoFreeBlocksError
+from scheduler_service.core.block_manager import AllocStatus
+from scheduler_service.core.block_pool import BlockPool, NoFreeBlocksError
 from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import CacheConfig
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -49,11 +49,11 @@ def test_cache_config_defaults_and_watermark_blocks() -> None:
     assert CacheConfig(num_gpu_blocks=12, block_size=1, watermark=0.0).watermark_blocks == 0
 
 
-# -- BlockAllocator ------------------------------------------------------------
+# -- BlockPool ------------------------------------------------------------
 
 
 def test_allocator_hands_out_lowest_free_id_first() -> None:
-    alloc = BlockAllocator(4)
+    alloc = BlockPool(4)
     assert [alloc.allocate() for _ in range(3)] == [0, 1, 2]
     alloc.free(1)
     alloc.free(0)
@@ -67,7 +67,7 @@ def test_allocator_hands_out_lowest_free_id_first() -> None:
 
 
 def test_allocator_ref_counts() -> None:
-    alloc = BlockAllocator(2)
+    alloc = BlockPool(2)
     block = alloc.allocate()
     alloc.incref(block)
     assert alloc.get_ref_count(block) == 2
@@ -86,7 +86,7 @@ def test_allocator_ref_counts() -> None:
 
 
 def test_allocator_free_block_ids() -> None:
-    alloc = BlockAllocator(4)
+    alloc = BlockPool(4)
     first, second = alloc.allocate(), alloc.allocate()
     assert alloc.free_block_ids() == [2, 3]
     alloc.free(second)
@@ -96,7 +96,7 @@ def test_allocator_free_block_ids() -> None:
 
 def test_allocator_rejects_bad_size() -> None:
     with pytest.raises(ValueError, match="num_blocks must be a positive integer, got 0"):
-        BlockAllocator(0)
+        BlockPool(0)
 
 
 # -- BlockManager: admission ---------------------------------------------------
@@ -169,7 +169,7 @@ def test_allocate_gives_only_the_parent_of_a_forking_group_a_table() -> None:
     bm.allocate(group)
     assert bm.get_block_table(group.seqs[0]) == [0, 1]
     assert not bm.has_block_table(group.seqs[1])  # pending fork: no blocks yet
-    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [1, 1]
+    assert [bm.block_pool.get_ref_count(b) for b in (0, 1)] == [1, 1]
     assert bm.get_num_used_blocks() == 2
     bm.free(group.seqs[0])
     assert bm.get_num_used_blocks() == 0
@@ -212,7 +212,7 @@ def test_allocate_gives_diverged_seqs_their_own_tables() -> None:
     assert bm.get_block_table(group.seqs[0]) == [0, 1]
     assert bm.get_block_table(group.seqs[1]) == [2]
     assert not bm.has_block_table(group.seqs[2])
-    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1, 2)] == [1, 1, 1]
+    assert [bm.block_pool.get_ref_count(b) for b in (0, 1, 2)] == [1, 1, 1]
     # One sequence with output is enough to diverge: the one without prefills its prompt alone.
     mixed = SequenceGroup("m", [Sequence(3, [1, 2, 3]), Sequence(4, [1, 2, 3], [5])], SamplingParams(), 0.0)
     assert not mixed.forks_on_admission()
@@ -245,7 +245,7 @@ def test_fork_shares_every_block_and_the_computed_tokens() -> None:
     parent.num_computed_tokens = 5
     bm.fork(parent, child)
     assert bm.get_block_table(child) == bm.get_block_table(parent) == [0, 1]
-    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [2, 2]
+    assert [bm.block_pool.get_ref_count(b) for b in (0, 1)] == [2, 2]
     assert child.num_computed_tokens == 5
     assert bm.num_free_gpu_blocks == 6  # a fork takes no block
     with pytest.raises(ValueError, match="seq 1 already has a block table"):
@@ -255,11 +255,11 @@ def test_fork_shares_every_block_and_the_computed_tokens() -> None:
     stranger = Sequence(9, [1, 2, 3, 4, 0, 6])
     with pytest.raises(ValueError, match="seq 9 does not hold the 5 tokens computed for seq 0"):
         bm.fork(parent, stranger)
-    assert not bm.has_block_table(stranger) and bm.gpu_allocator.get_ref_count(0) == 2
+    assert not bm.has_block_table(stranger) and bm.block_pool.get_ref_count(0) == 2
     with pytest.raises(ValueError, match="seq 10 does not hold the 5 tokens"):
         bm.fork(parent, Sequence(10, [1, 2, 3]))
     bm.free(parent)
-    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [1, 1]
+    assert [bm.block_pool.get_ref_count(b) for b in (0, 1)] == [1, 1]
     bm.free(child)
     assert bm.num_free_gpu_blocks == 8
 
@@ -314,11 +314,11 @@ def test_append_slot_copy_on_write_of_shared_last_block() -> None:
     assert bm.can_append_slot(group)
     assert bm.append_slot(parent) == (1, 2)
     assert bm.get_block_table(parent) == [0, 2]
-    assert bm.gpu_allocator.get_ref_count(1) == 1
+    assert bm.block_pool.get_ref_count(1) == 1
     # The child is now the only owner of block 1: it writes in place.
     assert bm.append_slot(child) is None
     assert bm.get_block_table(child) == [0, 1]
-    assert bm.gpu_allocator.get_ref_count(0) == 2
+    assert bm.block_pool.get_ref_count(0) == 2
     bm.free(parent)
     bm.free(child)
     assert bm.num_free_gpu_blocks == 6

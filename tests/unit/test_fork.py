@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler_service.core.block_admission import AllocStatus
-from scheduler_service.core.prefix_caching_allocator import PrefixCacheStats, PrefixCachingBlockAllocator
+from scheduler_service.core.block_manager import AllocStatus
+from scheduler_service.core.block_manager import PrefixCacheStats
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -24,7 +24,7 @@ def tables(sched: Scheduler, group: SequenceGroup) -> list[list[int] | None]:
 
 
 def refs(sched: Scheduler, block_ids: list[int]) -> list[int]:
-    return [sched.block_manager.gpu_allocator.get_ref_count(b) for b in block_ids]
+    return [sched.block_manager.block_pool.get_ref_count(b) for b in block_ids]
 
 
 def distinct(out: SchedulerOutput, base: int) -> dict[int, int]:
@@ -329,8 +329,8 @@ def test_copy_on_write_blocks_are_registered_once_full_and_computed() -> None:
     group = make_parallel_group("g", 0, list(range(1, 9)), 2)
     sched.add_request(group)
     step(sched)  # the parent computes 7 tokens: block 0 is registered, block 1 is not full
-    cache = sched.block_manager.gpu_allocator
-    assert isinstance(cache, PrefixCachingBlockAllocator)
+    cache = sched.block_manager.block_pool
+    assert cache.enable_caching
     assert [cache.get_block_hash(b) is not None for b in (0, 1)] == [True, False]
     out = sched.schedule()
     assert out.blocks_to_copy == [(1, 2)]

@@ -1,13 +1,15 @@
-"""Planner: full NewSequence the first time, SequenceDelta afterwards, forget/reset semantics."""
+"""The scheduler core's table updates as the planner writes them: a NewSequence the first time, SequenceDelta afterwards,
+the released sequences in finished_seq_ids."""
 
 from __future__ import annotations
 
 import pytest
 
 from protos import worker_pb2
+from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput, TableUpdate
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.planner import Planner
 from shared.sampling_params import SamplingParams
@@ -27,18 +29,8 @@ def make_group(request_id: str, seq_id: int, prompt: list[int], params: Sampling
     return SequenceGroup(request_id, [Sequence(seq_id, prompt)], params or SamplingParams(), 0.0)
 
 
-class FixedTables:
-    """Block tables given as a dict, for plans built without a scheduler."""
-
-    def __init__(self, tables: dict[int, list[int]]) -> None:
-        self._tables = tables
-
-    def logical_block_table(self, seq: Sequence) -> list[int]:
-        return self._tables[seq.seq_id]
-
-
 def build(planner: Planner, sched: Scheduler, out: SchedulerOutput) -> worker_pb2.StepPlan:
-    return planner.build(out, sched.block_manager)
+    return planner.build(out)
 
 
 def deltas(plan: worker_pb2.StepPlan) -> dict[int, tuple[list[int], int]]:
@@ -162,7 +154,7 @@ def test_a_newcomer_is_sent_in_full_next_to_deltas() -> None:
     assert added(built) == {2: [2]}
 
 
-def test_forget_lists_the_seq_in_the_next_plan_exactly_once() -> None:
+def test_a_finished_sequence_is_listed_in_the_next_plan_exactly_once() -> None:
     sched = make_scheduler()
     ga, gb = make_group("a", 1, PROMPT_A), make_group("b", 2, PROMPT_B)
     sched.add_request(ga)
@@ -173,16 +165,12 @@ def test_forget_lists_the_seq_in_the_next_plan_exactly_once() -> None:
     sched.update_after_step(out, {1: 100, 2: 200})
 
     sched.finish_sequence(gb, gb.seqs[0], SequenceStatus.FINISHED_STOPPED)
-    planner.forget(2)
-    planner.forget(2)  # twice before the plan: still listed once
-    planner.forget(99)  # never sent: nothing to tell the worker
     out = sched.schedule()
     built = build(planner, sched, out)
     assert list(built.finished_seq_ids) == [2]
     assert deltas(built) == {1: ([], 1)}
     sched.update_after_step(out, {1: 101})
 
-    planner.forget(2)  # already forgotten
     built = build(planner, sched, sched.schedule())
     assert list(built.finished_seq_ids) == []
 
@@ -196,7 +184,6 @@ def test_forgotten_plan_with_nothing_scheduled_still_carries_finished_ids() -> N
     build(planner, sched, out)
     sched.update_after_step(out, {1: 100})
     sched.finish_sequence(ga, ga.seqs[0], SequenceStatus.FINISHED_LENGTH)
-    planner.forget(1)
     built = build(planner, sched, sched.schedule())
     assert list(built.finished_seq_ids) == [1]
     assert num_sequences(built) == 0 and added(built) == {}
@@ -217,9 +204,6 @@ def test_recompute_preemption_resends_the_sequence_in_full_with_its_outputs() ->
     # a needs a third block; the cache is full, so b (latest arrival) is preempted by recompute.
     out = sched.schedule()
     assert [g.request_id for g in out.preempted] == ["b"]
-    for group in out.preempted:
-        for seq in group.seqs:
-            planner.forget(seq.seq_id)  # as the engine loop does
     built = build(planner, sched, out)
     assert list(built.finished_seq_ids) == [2]
     assert new_ids(built) == []
@@ -228,7 +212,6 @@ def test_recompute_preemption_resends_the_sequence_in_full_with_its_outputs() ->
     sched.update_after_step(out, {1: 101})
 
     sched.finish_sequence(ga, ga.seqs[0], SequenceStatus.FINISHED_STOPPED)
-    planner.forget(1)
     out = sched.schedule()
     built = build(planner, sched, out)
     assert list(built.finished_seq_ids) == [1]
@@ -259,31 +242,17 @@ def test_step_id_increments_and_epoch_is_carried() -> None:
     assert step_ids == [1, 2, 3]
 
 
-def test_reset_forgets_everything_and_adopts_the_new_epoch() -> None:
+def test_reset_adopts_the_new_epoch_and_step_ids_go_on() -> None:
     sched = make_scheduler()
-    ga, gb = make_group("a", 1, PROMPT_A), make_group("b", 2, PROMPT_B)
-    sched.add_request(ga)
-    sched.add_request(gb)
+    sched.add_request(make_group("a", 1, PROMPT_A))
     planner = Planner(epoch=1)
     out = sched.schedule()
     first = build(planner, sched, out)
-    sched.update_after_step(out, {1: 100, 2: 200})
-    sched.finish_sequence(gb, gb.seqs[0], SequenceStatus.FINISHED_STOPPED)
-    planner.forget(2)  # pending, but the reset drops it: the worker forgot everything anyway
-
+    sched.update_after_step(out, {1: 100})
     planner.reset(9)
-    assert planner.epoch == 9
     built = build(planner, sched, sched.schedule())
-    assert built.epoch == 9
-    assert built.step_id > first.step_id
-    assert list(built.finished_seq_ids) == []
-    assert new_ids(built) == [1]
-    (a,) = built.new_sequences
-    assert list(a.prompt_token_ids) == PROMPT_A
-    assert list(a.output_token_ids) == [100]
-    assert list(a.block_table) == [0, 1]
-    assert (a.num_computed_tokens, a.num_new_tokens) == (6, 1)
-    assert added(built) == {1: [0, 1]}
+    assert (built.epoch, built.step_id) == (9, first.step_id + 1)
+    assert deltas(built) == {1: ([], 1)}
 
 
 def _forked_group() -> tuple[Scheduler, SequenceGroup, Planner, worker_pb2.StepPlan]:
@@ -314,25 +283,40 @@ def test_copy_on_write_pairs_are_forwarded() -> None:
     assert added(built) == {2: [1]} and replaced(built) == {}
 
 
-def test_copy_on_write_replacement_is_announced_in_the_delta() -> None:
-    # The fork never replaces a block the worker already has, but a cached sequence whose
-    # last sent block is copied on write must have the new id announced.
+def test_copy_on_write_of_a_block_the_worker_holds_is_announced_as_a_replacement() -> None:
+    # A parallel-sampling fork never replaces a block the worker has (the new child copies), but a beam
+    # forked from a known sequence can make the known one copy its last block on write.
+    bm = BlockManager(block_size=BLOCK_SIZE, num_gpu_blocks=8, watermark=0.0)
+    group = SequenceGroup("p", [Sequence(1, [1, 2, 3, 4, 5]), Sequence(2, [1, 2, 3, 4, 5])], SamplingParams(), 0.0)
+    parent, child = group.seqs
+    bm.allocate(SequenceGroup("p", [parent], SamplingParams(), 0.0))
+    assert bm.take_table_update(parent) == TableUpdate([0, 1], in_full=True)
+    parent.num_computed_tokens = 5
+    bm.fork(parent, child)
+    parent.append_token(7)
+    assert bm.append_slot(parent) == (1, 2)  # block 1 is shared with the child: copied on write
+    assert bm.take_table_update(parent) == TableUpdate([], start=2, replaced={1: 2})
+    assert bm.take_table_update(child) == TableUpdate([0, 1], in_full=True)
+    parent.num_computed_tokens = 6
+    for token in (8, 9, 10):
+        parent.append_token(token)
+        bm.append_slot(parent)
+        parent.num_computed_tokens += 1
+    assert bm.take_table_update(parent) == TableUpdate([3], start=2)  # token 9 opened block 3
+    assert bm.take_table_update(parent) == TableUpdate([], start=3)
+
+
+def test_a_replacement_travels_in_the_delta() -> None:
     group = SequenceGroup("p", [Sequence(1, [1, 2, 3])], SamplingParams(), 0.0)
-    seq = group.seqs[0]
-    planner = Planner(epoch=1)
-    planner.build(SchedulerOutput(scheduled=[ScheduledSequence(group, seq, 3)]), FixedTables({1: [0]}))
-    seq.num_computed_tokens = 3
-    seq.append_token(7)
-    out = SchedulerOutput(scheduled=[ScheduledSequence(group, seq, 1)], blocks_to_copy=[(0, 4)])
-    built = planner.build(out, FixedTables({1: [4]}))
-    (delta,) = built.cached_sequences
-    assert dict(delta.replaced_blocks) == {0: 4}
-    assert replaced(built) == {1: {0: 4}}
+    item = ScheduledSequence(group, group.seqs[0], 3)
+    item.table = TableUpdate([5], start=1, replaced={0: 4})
+    (delta,) = Planner(epoch=1).build(SchedulerOutput(scheduled=[item])).cached_sequences
+    assert (dict(delta.replaced_blocks), list(delta.new_block_ids)) == ({0: 4}, [5])
 
 
 def test_swap_pairs_are_forwarded_in_order() -> None:
     out = SchedulerOutput(blocks_to_swap_in=[(1, 2), (3, 4)], blocks_to_swap_out=[(5, 6)], blocks_to_copy=[(7, 8)])
-    built = Planner(epoch=1).build(out, FixedTables({}))
+    built = Planner(epoch=1).build(out)
     assert list(built.swap_in) == [worker_pb2.BlockPair(src=1, dst=2), worker_pb2.BlockPair(src=3, dst=4)]
     assert list(built.swap_out) == [worker_pb2.BlockPair(src=5, dst=6)]
     assert list(built.copy) == [worker_pb2.BlockPair(src=7, dst=8)]

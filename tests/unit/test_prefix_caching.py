@@ -10,12 +10,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from scheduler_service.core.block_admission import AllocStatus
-from scheduler_service.core.block_allocator import NoFreeBlocksError
+from scheduler_service.core.block_manager import AllocStatus
+from scheduler_service.core.block_pool import NoFreeBlocksError
 from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import CacheConfig
-from scheduler_service.core.evictor import LRUEvictor
-from scheduler_service.core.prefix_caching_allocator import PrefixCacheStats, PrefixCachingBlockAllocator
+from scheduler_service.core.block_pool import LRUEvictor
+from scheduler_service.core.block_manager import PrefixCacheStats
+from scheduler_service.core.block_pool import BlockPool
 from scheduler_service.core.prefix_hash import ROOT_BLOCK_HASH, hash_block_tokens, hash_full_blocks
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -42,9 +43,9 @@ def caching_bm(num_gpu_blocks: int = 6) -> BlockManager:
     return BlockManager(block_size=4, num_gpu_blocks=num_gpu_blocks, watermark=0.0, enable_prefix_caching=True)
 
 
-def cache_of(bm: BlockManager) -> PrefixCachingBlockAllocator:
-    assert isinstance(bm.gpu_allocator, PrefixCachingBlockAllocator)
-    return bm.gpu_allocator
+def cache_of(bm: BlockManager) -> BlockPool:
+    assert bm.block_pool.enable_caching
+    return bm.block_pool
 
 
 def computed_group(bm: BlockManager, request_id: str, seq_id: int, prompt: list[int]) -> SequenceGroup:
@@ -59,7 +60,7 @@ def computed_group(bm: BlockManager, request_id: str, seq_id: int, prompt: list[
 
 
 def refs(sched: Scheduler, block_ids: list[int]) -> list[int]:
-    return [sched.block_manager.gpu_allocator.get_ref_count(b) for b in block_ids]
+    return [sched.block_manager.block_pool.get_ref_count(b) for b in block_ids]
 
 
 # -- config --------------------------------------------------------------------
@@ -70,7 +71,7 @@ def test_cache_config_prefix_caching_flag() -> None:
     with pytest.raises(ValueError, match="enable_prefix_caching must be a bool, got 'yes'"):
         CacheConfig(num_gpu_blocks=8, enable_prefix_caching="yes")  # type: ignore[arg-type]
     bm = BlockManager.from_config(CacheConfig(num_gpu_blocks=8, block_size=4, enable_prefix_caching=True))
-    assert bm.enable_prefix_caching and isinstance(bm.gpu_allocator, PrefixCachingBlockAllocator)
+    assert bm.enable_prefix_caching and bm.block_pool.enable_caching
 
 
 # -- hashes ----------------------------------------------------------------------
@@ -126,7 +127,7 @@ def test_second_request_with_same_prompt_hits_two_blocks() -> None:
 
 def test_admission_hashes_each_prompt_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The verdict, the budget count and the allocation share one admission plan: one prefix match."""
-    import scheduler_service.core.prefix_cache_tracker as tracker_module
+    import scheduler_service.core.block_manager as tracker_module
 
     sched = caching_scheduler()
     a = make_group("a", 0, 9)
@@ -339,12 +340,12 @@ def test_forking_group_hits_once_and_children_inherit_the_hits() -> None:
     parent, child = group.seqs
     assert bm.get_block_table(parent) == [0, 1, 3]
     assert not bm.has_block_table(child)
-    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert [bm.block_pool.get_ref_count(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
     assert [s.num_computed_tokens for s in group.seqs] == [8, 0]
     assert bm.prefix_cache_stats == PrefixCacheStats(queries=4, hits=2)  # a: 2 queried; g: the parent only
     bm.fork(parent, child)
     assert bm.get_block_table(child) == [0, 1, 3]
-    assert [bm.gpu_allocator.get_ref_count(b) for b in (0, 1, 2, 3)] == [3, 3, 1, 2]
+    assert [bm.block_pool.get_ref_count(b) for b in (0, 1, 2, 3)] == [3, 3, 1, 2]
     assert child.num_computed_tokens == 8
 
 
@@ -359,7 +360,7 @@ def test_diverged_group_tables_hit_and_revive_shared_blocks_once() -> None:
     bm.allocate(group)
     assert bm.get_block_table(group.seqs[0]) == [0, 1, 2]
     assert bm.get_block_table(group.seqs[1]) == [0, 1, 3]
-    assert [bm.gpu_allocator.get_ref_count(b) for b in range(4)] == [2, 2, 1, 1]
+    assert [bm.block_pool.get_ref_count(b) for b in range(4)] == [2, 2, 1, 1]
     assert [s.num_computed_tokens for s in group.seqs] == [8, 8]
     assert bm.num_free_gpu_blocks == 2
 

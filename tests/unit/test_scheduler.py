@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
-from scheduler_service.core.prefix_caching_allocator import PrefixCachingBlockAllocator
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -475,6 +474,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.pending: SchedulerOutput | None = None
         self.pending_tables: dict[int, list[int]] = {}
+        self.worker_tables: dict[int, list[int]] = {}
         self.max_tokens: dict[int, int] = {}
         self.groups: list[SequenceGroup] = []
         self.kv: dict[int, dict[int, int]] = {}
@@ -527,7 +527,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         decoding, prefilling = self.classify_running()
         out = self.sched.schedule()
         config = self.sched.scheduler_config
-        alloc = self.sched.block_manager.gpu_allocator
+        alloc = self.sched.block_manager.block_pool
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len(out.scheduled) <= config.max_num_seqs
@@ -622,8 +622,40 @@ class SchedulerMachine(RuleBasedStateMachine):
             if group.request_id not in self.recomputed:
                 assert self.prompt_work[group.request_id] <= len(group.seqs[0].prompt_token_ids) - 1
         self.pending = out
-        self.pending_tables = {s.seq.seq_id: list(self.sched.block_manager.logical_block_table(s.seq))
-                               for s in out.scheduled}
+        # The worker's tables are built from what the plans tell it (dropped ids, tables in full, deltas) and
+        # must be the scheduler's logical tables; the shadow KV is written through them.
+        for seq_id in out.released_seq_ids:
+            self.worker_tables.pop(seq_id, None)
+        for s in out.scheduled:
+            update = s.table
+            if update.in_full:
+                self.worker_tables[s.seq.seq_id] = list(update.block_ids)
+                continue
+            held = self.worker_tables[s.seq.seq_id]
+            assert update.start == len(held) and all(i < len(held) for i in update.replaced)
+            for index, block_id in update.replaced.items():
+                held[index] = block_id
+            held.extend(update.block_ids)
+            event("delta with new blocks" if update.block_ids else "delta without new blocks")
+            if update.replaced:
+                event("delta replaces a block")
+        self.pending_tables = {s.seq.seq_id: list(self.worker_tables[s.seq.seq_id]) for s in out.scheduled}
+        # A ring's copy-on-write also renames the entry's older logical blocks, which the window never reads.
+        recent = -(self.sched.block_manager.ring_blocks or 0)
+        for s in out.scheduled:
+            view = self.sched.block_manager.logical_block_table(s.seq)
+            assert self.pending_tables[s.seq.seq_id][recent:] == view[recent:] and len(view) == len(
+                self.pending_tables[s.seq.seq_id])
+
+    def replace_scheduler(self, rebuilt: Scheduler) -> None:
+        """Go on with a scheduler rebuilt from the live one's state, as a new owner after a takeover."""
+        by_id = {g.request_id: g for g in (*rebuilt.waiting, *rebuilt.running, *rebuilt.swapped)}
+        self.groups = [by_id.get(g.request_id, g) for g in self.groups]
+        self.sched = rebuilt
+        # As after the takeover's Resume: the worker holds each device table as the rebuilt scheduler has it.
+        bm = rebuilt.block_manager
+        self.worker_tables = {s.seq_id: list(bm.logical_block_table(s))
+                              for g in rebuilt.running for s in g.seqs if bm.has_block_table(s)}
 
     @staticmethod
     def token_for(seq: Sequence) -> int:
@@ -694,7 +726,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """
         bm = self.sched.block_manager
         if seq.status is SequenceStatus.SWAPPED:
-            kv, table = self.cpu_kv, bm.get_cpu_block_table(seq)
+            kv, table = self.cpu_kv, bm.swapper.cpu_tables[seq.seq_id]
         else:
             kv = self.kv if kv is None else kv
             table = bm.get_block_table(seq)
@@ -707,7 +739,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def blocks_are_consistent(self) -> None:
         bm = self.sched.block_manager
-        alloc = bm.gpu_allocator
+        alloc = bm.block_pool
         owners = Counter(b for table in bm.block_tables.values() for b in table)
         for block_id in range(bm.num_gpu_blocks):
             ref = alloc.get_ref_count(block_id)
@@ -721,26 +753,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.pending is None:
             # Plain free blocks hold garbage: forget their shadow (cached, evictable ones keep it).
             # Not while a step is in flight: its copies may still read a block freed since it was planned.
-            evictable = set(alloc.evictor.block_ids()) if isinstance(alloc, PrefixCachingBlockAllocator) else set()
+            evictable = set(alloc.evictor.block_ids())
             for block_id in set(free) - evictable:
                 self.kv.pop(block_id, None)
         running_seqs = {s.seq_id for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)}
         assert set(bm.block_tables) == running_seqs
         # The CPU pool: same accounting, tables of exactly the swapped sequences.
-        cpu = bm.cpu_allocator
+        cpu = bm.swapper.cpu_pool
         assert cpu is not None and bm.num_cpu_blocks == self.num_cpu_blocks
-        cpu_owners = Counter(b for t in bm.cpu_block_tables.values() for b in t)
+        cpu_owners = Counter(b for t in bm.swapper.cpu_tables.values() for b in t)
         for block_id in range(bm.num_cpu_blocks):
             assert cpu.get_ref_count(block_id) == cpu_owners[block_id]
         cpu_free = cpu.free_block_ids()
         assert len(set(cpu_free)) == len(cpu_free) and not set(cpu_free) & set(cpu_owners)
         assert bm.num_free_cpu_blocks == len(cpu_free) == bm.num_cpu_blocks - len(cpu_owners)
-        assert bm.num_free_cpu_blocks + bm.get_num_used_cpu_blocks() == bm.num_cpu_blocks
+        assert bm.num_free_cpu_blocks + (bm.num_cpu_blocks - bm.num_free_cpu_blocks) == bm.num_cpu_blocks
         if self.pending is None:
             for block_id in cpu_free:
                 self.cpu_kv.pop(block_id, None)
         swapped_seqs = {s.seq_id for g in self.sched.swapped for s in g.get_seqs(SequenceStatus.SWAPPED)}
-        assert set(bm.cpu_block_tables) == swapped_seqs
+        assert set(bm.swapper.cpu_tables) == swapped_seqs
         for group in self.sched.swapped:
             assert all(s.status is SequenceStatus.SWAPPED for s in group.unfinished_seqs())
             if self.pending is None:
@@ -778,7 +810,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.block_manager.num_free_gpu_blocks == 10
         assert self.sched.block_manager.get_num_used_blocks() == 0
         assert self.sched.block_manager.block_tables == {}
-        assert self.sched.block_manager.cpu_block_tables == {}
+        assert self.sched.block_manager.swapper.cpu_tables == {}
         assert self.sched.block_manager.num_free_cpu_blocks == self.num_cpu_blocks
 
 

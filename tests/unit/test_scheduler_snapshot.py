@@ -13,7 +13,7 @@ import pytest
 from hypothesis import event, settings
 from hypothesis.stateful import invariant, rule
 
-from scheduler_service.core.prefix_caching_allocator import CachedBlockEntry, PrefixCachingBlockAllocator
+from scheduler_service.core.block_pool import CachedBlockEntry
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceStatus
@@ -34,22 +34,19 @@ def assert_same_scheduler(live: Scheduler, rebuilt: Scheduler) -> None:
     """Equal snapshots, and equal derived state: reference counts, free lists, evictor order."""
     assert snapshot_scheduler(rebuilt) == snapshot_scheduler(live)
     a, b = live.block_manager, rebuilt.block_manager
-    assert b.gpu_allocator.ref_counts() == a.gpu_allocator.ref_counts()
-    assert b.gpu_allocator.free_block_ids() == a.gpu_allocator.free_block_ids()
+    assert b.block_pool.ref_counts() == a.block_pool.ref_counts()
+    assert b.block_pool.free_block_ids() == a.block_pool.free_block_ids()
     assert b.num_free_gpu_blocks == a.num_free_gpu_blocks
-    if a.cpu_allocator is not None:
-        assert b.cpu_allocator is not None
-        assert b.cpu_allocator.ref_counts() == a.cpu_allocator.ref_counts()
-        assert b.cpu_allocator.free_block_ids() == a.cpu_allocator.free_block_ids()
-    if isinstance(a.gpu_allocator, PrefixCachingBlockAllocator):
-        assert isinstance(b.gpu_allocator, PrefixCachingBlockAllocator)
-        assert b.gpu_allocator.evictor.block_ids() == a.gpu_allocator.evictor.block_ids()
-    assert b.prefix_tracker is None or a.prefix_tracker is not None
+    if a.swapper.cpu_pool is not None:
+        assert b.swapper.cpu_pool is not None
+        assert b.swapper.cpu_pool.ref_counts() == a.swapper.cpu_pool.ref_counts()
+        assert b.swapper.cpu_pool.free_block_ids() == a.swapper.cpu_pool.free_block_ids()
+    assert b.block_pool.enable_caching == a.block_pool.enable_caching
+    assert b.block_pool.evictor.block_ids() == a.block_pool.evictor.block_ids()
     for group in (*live.waiting, *live.running, *live.swapped):
         for seq in group.seqs:
-            if a.prefix_tracker is not None:
-                assert b.prefix_tracker.chain_length(seq.seq_id) == a.prefix_tracker.chain_length(seq.seq_id)
-                assert b.prefix_tracker._block_hashes.get(seq.seq_id) == a.prefix_tracker._block_hashes.get(seq.seq_id)
+            assert b.chain_length(seq.seq_id) == a.chain_length(seq.seq_id)
+            assert b._block_hashes.get(seq.seq_id) == a._block_hashes.get(seq.seq_id)
 
 
 class RestoreRule:
@@ -85,9 +82,7 @@ class RestoreRule:
             event("restored with swapped groups")
         if any(e.last_accessed is not None for e in snapshot_scheduler(rebuilt).cached_blocks):
             event("restored with evictable cached blocks")
-        by_id = {g.request_id: g for g in (*rebuilt.waiting, *rebuilt.running, *rebuilt.swapped)}
-        self.groups = [by_id.get(g.request_id, g) for g in self.groups]
-        self.sched = rebuilt
+        self.replace_scheduler(rebuilt)
 
 
 class RestoredSchedulerMachine(RestoreRule, SchedulerMachine):
@@ -141,7 +136,7 @@ def test_restored_swapped_group_comes_back_in_the_same_blocks() -> None:
     assert [(s.seq_id, s.status, s.cpu_block_table) for s in snap.swapped[0].seqs] == [
         (2, SequenceStatus.SWAPPED, (0, 1, 2)), (3, SequenceStatus.SWAPPED, (0, 3, 4))]
     rebuilt = restore_scheduler(live.scheduler_config, live.cache_config, snap)
-    assert rebuilt.block_manager.cpu_allocator.ref_counts() == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1}
+    assert rebuilt.block_manager.swapper.cpu_pool.ref_counts() == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1}
     swapped_in = False
     for i in range(6):
         if i == 2:  # "a" ends: "b" comes back

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.block_admission import AllocStatus
-from scheduler_service.core.block_allocator import NoFreeBlocksError
+from scheduler_service.core.block_manager import AllocStatus
+from scheduler_service.core.block_pool import NoFreeBlocksError
 from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import CacheConfig
 from scheduler_service.core.scheduler import Scheduler
@@ -64,15 +64,15 @@ def test_forked_group_is_swapped_out_then_back_in() -> None:
     # Distinct device blocks once each, in table order; block 1 (shared) moved once.
     assert out.blocks_to_swap_out == [(1, 0), (2, 1), (6, 2), (4, 3), (5, 4)]
     assert out.released_seq_ids == [1, 2]  # the worker forgets them: they come back sent in full
-    assert bm.cpu_block_tables == {1: [0, 1, 2], 2: [0, 3, 4]}
-    assert [bm.cpu_allocator.get_ref_count(c) for c in range(6)] == [2, 1, 1, 1, 1, 0]
+    assert bm.swapper.cpu_tables == {1: [0, 1, 2], 2: [0, 3, 4]}
+    assert [bm.swapper.cpu_pool.get_ref_count(c) for c in range(6)] == [2, 1, 1, 1, 1, 0]
     assert all(s.status is SequenceStatus.SWAPPED and not s.is_finished for s in b.seqs)
     assert list(sched.swapped) == [b] and sched.running == [a] and not sched.waiting
     # Device blocks freed (a took block 1 for its slot: the worker swaps out first).
     assert detail(out) == [("a", 0, 8, 1)]
     assert bm.block_tables == {0: [0, 3, 1]}
     assert bm.num_free_gpu_blocks == 4 and bm.get_num_used_blocks() == 3
-    assert bm.num_free_cpu_blocks == 1 and bm.get_num_used_cpu_blocks() == 5
+    assert bm.num_free_cpu_blocks == 1 and (bm.num_cpu_blocks - bm.num_free_cpu_blocks) == 5
     assert sched.has_unfinished_requests() and sched.get_num_unfinished_requests() == 2
     sched.update_after_step(out, sample_all(out))
     assert [s.num_computed_tokens for s in b.seqs] == [9, 9]
@@ -90,8 +90,8 @@ def test_forked_group_is_swapped_out_then_back_in() -> None:
     # Resumed in the same step as 1-token decodes, num_computed_tokens kept.
     assert detail(out) == [("b", 1, 9, 1), ("b", 2, 9, 1)]
     assert all(s.samples and not s.is_prefill for s in out.scheduled)
-    assert bm.block_tables == {1: [0, 1, 2], 2: [0, 3, 4]} and bm.gpu_allocator.get_ref_count(0) == 2
-    assert bm.cpu_block_tables == {} and bm.num_free_cpu_blocks == 6
+    assert bm.block_tables == {1: [0, 1, 2], 2: [0, 3, 4]} and bm.block_pool.get_ref_count(0) == 2
+    assert bm.swapper.cpu_tables == {} and bm.num_free_cpu_blocks == 6
     assert sched.running == [b] and not sched.swapped
     assert all(s.status is SequenceStatus.RUNNING for s in b.seqs)
     sched.update_after_step(out, sample_all(out))
@@ -121,7 +121,7 @@ def test_swap_out_without_cpu_room_fails_the_group() -> None:
     assert ids(out.swap_failed) == ["b"] and out.preempted == [] and out.blocks_to_swap_out == []
     assert all(s.status is SequenceStatus.FINISHED_IGNORED for s in b.seqs)
     assert detail(out) == [("a", 0, 8, 1)]
-    assert bm.block_tables == {0: [0, 3, 1]} and bm.cpu_block_tables == {}
+    assert bm.block_tables == {0: [0, 3, 1]} and bm.swapper.cpu_tables == {}
     assert bm.num_free_gpu_blocks == 4 and bm.num_free_cpu_blocks == 4
     assert sched.running == [a] and not sched.swapped and sched.get_num_unfinished_requests() == 1
     assert sched.abort_request("b") is None
@@ -134,7 +134,7 @@ def test_abort_of_swapped_group_frees_cpu_blocks() -> None:
     assert sched.abort_request("b") is b
     assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in b.seqs)
     bm = sched.block_manager
-    assert bm.cpu_block_tables == {} and bm.num_free_cpu_blocks == 6 and not sched.swapped
+    assert bm.swapper.cpu_tables == {} and bm.num_free_cpu_blocks == 6 and not sched.swapped
     sched.update_after_step(out, sample_all(out))
     # Nothing swapped any more: admission is open again.
     sched.add_request(group("c", 3, [1]))
@@ -171,17 +171,17 @@ def test_swap_keeps_blocks_other_groups_hold() -> None:
     for s in y.seqs:
         bm.fork(x.seqs[0], s)  # as prefix-cache sharing would: y's tables hold x's blocks
         s.status = SequenceStatus.RUNNING
-    assert bm.gpu_allocator.get_ref_count(0) == 3
+    assert bm.block_pool.get_ref_count(0) == 3
     assert bm.swap_out(y) == [(0, 0), (1, 1)]
     # Copied for y only: x keeps its blocks, y's two references are dropped.
-    assert bm.block_tables == {0: [0, 1]} and [bm.gpu_allocator.get_ref_count(b) for b in (0, 1)] == [1, 1]
-    assert [bm.cpu_allocator.get_ref_count(c) for c in (0, 1)] == [2, 2]
+    assert bm.block_tables == {0: [0, 1]} and [bm.block_pool.get_ref_count(b) for b in (0, 1)] == [1, 1]
+    assert [bm.swapper.cpu_pool.get_ref_count(c) for c in (0, 1)] == [2, 2]
     assert bm.num_free_gpu_blocks == 4 and bm.num_free_cpu_blocks == 2
     for s in y.seqs:
         s.status = SequenceStatus.SWAPPED
     assert bm.swap_in(y) == [(0, 2), (1, 3)]
     assert bm.block_tables == {0: [0, 1], 1: [2, 3], 2: [2, 3]} and bm.num_free_cpu_blocks == 4
-    assert [bm.gpu_allocator.get_ref_count(b) for b in range(4)] == [1, 1, 2, 2]
+    assert [bm.block_pool.get_ref_count(b) for b in range(4)] == [1, 1, 2, 2]
 
 
 def test_swap_in_watermark_and_never() -> None:
@@ -201,9 +201,9 @@ def test_swap_in_watermark_and_never() -> None:
     assert bm.can_swap_in(g) is AllocStatus.OK
     # free() of a swapped sequence frees its CPU blocks (ref counted).
     bm.free(g.seqs[0])
-    assert bm.num_free_cpu_blocks == 3 and bm.cpu_allocator.get_ref_count(0) == 1
+    assert bm.num_free_cpu_blocks == 3 and bm.swapper.cpu_pool.get_ref_count(0) == 1
     bm.free(g.seqs[1])
-    assert bm.num_free_cpu_blocks == 4 and bm.cpu_block_tables == {}
+    assert bm.num_free_cpu_blocks == 4 and bm.swapper.cpu_tables == {}
 
 
 def test_swap_in_never_when_the_group_cannot_fit() -> None:
@@ -224,7 +224,7 @@ def test_no_cpu_pool_means_no_swap() -> None:
     g = group("g", 0, [1, 2], n=2)
     bm.allocate(g)
     g.seqs[0].status = SequenceStatus.RUNNING
-    assert bm.cpu_allocator is None and bm.num_free_cpu_blocks == 0 and not bm.can_swap_out(g)
+    assert bm.swapper.cpu_pool is None and bm.num_free_cpu_blocks == 0 and not bm.can_swap_out(g)
     with pytest.raises(NoFreeBlocksError):
         bm.swap_out(g)
 
@@ -245,7 +245,7 @@ def test_swapped_in_blocks_are_not_hashed_with_prefix_caching() -> None:
     assert bm.num_free_gpu_blocks == 8
     # Plain free blocks first: the cached 0 and 1 stay in the evictor.
     assert bm.swap_in(g) == [(0, 2), (1, 3), (2, 4)]
-    cache = bm.gpu_allocator
+    cache = bm.block_pool
     assert all(cache.get_block_hash(b) is None for b in (2, 3, 4))
     assert all(cache.get_block_hash(b) is not None for b in (0, 1))
     g.seqs[0].num_computed_tokens = 9
