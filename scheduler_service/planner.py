@@ -70,9 +70,10 @@ class Planner:
                 )
                 continue
             delta = plan.cached_sequences.add(
-                seq_id=seq.seq_id, new_block_ids=table.block_ids, replaced_blocks=table.replaced,
-                num_new_tokens=item.num_new_tokens,
+                seq_id=seq.seq_id, new_block_ids=table.block_ids, num_new_tokens=item.num_new_tokens
             )
+            if table.replaced:  # rare (copy-on-write of a block the worker holds); an empty map costs a decode
+                delta.replaced_blocks.update(table.replaced)
             if item.group.sampling_params.use_beam_search and seq.output_token_ids:
                 # The beam may go on with another candidate than the worker's own sample.
                 delta.last_token_id = seq.last_token_id

@@ -470,12 +470,15 @@ class BlockManager:
 
     def _record_growth(self, seq: Sequence, table: list[int], replaced: bool) -> None:
         """Note what append_slot changed in the logical view: entries appended, the slot's block replaced."""
-        if seq.seq_id in self._fresh:
+        seq_id = seq.seq_id
+        before = self._num_held.get(seq_id)
+        after = self._num_logical(table, seq.num_tokens)
+        if before is None or (after == before and not replaced):  # a fresh table, or nothing new (most decodes)
             return
-        before = self._num_held[seq.seq_id]
-        after = len(self._logical(table, seq.num_tokens))
-        self._num_held[seq.seq_id] = after
-        change = self._changes.setdefault(seq.seq_id, TableUpdate([], start=before))
+        self._num_held[seq_id] = after
+        change = self._changes.get(seq_id)
+        if change is None:
+            change = self._changes[seq_id] = TableUpdate([], start=before)
         ring = self.ring_blocks or len(table)
         change.block_ids.extend(table[i % ring] for i in range(before, after))
         if replaced:
@@ -552,9 +555,14 @@ class BlockManager:
         index = (num_tokens - 1) // self.block_size
         return index if self.ring_blocks is None else index % self.ring_blocks
 
-    def _logical(self, table: list[int], num_tokens: int) -> list[int]:
+    def _num_logical(self, table: list[int], num_tokens: int) -> int:
+        """Entries of the logical view: the table's own, or one per block of the sequence once a ring wrapped."""
         num_logical = cdiv(num_tokens, self.block_size)
         # A table short of its ring has not wrapped (its newest token may still lack its block).
         if self.ring_blocks is None or len(table) < self.ring_blocks or num_logical <= len(table):
-            return table
-        return [table[i % self.ring_blocks] for i in range(num_logical)]
+            return len(table)
+        return num_logical
+
+    def _logical(self, table: list[int], num_tokens: int) -> list[int]:
+        num_logical = self._num_logical(table, num_tokens)
+        return table if num_logical == len(table) else [table[i % len(table)] for i in range(num_logical)]
