@@ -2,7 +2,7 @@
 
 The offline API (llmserve/offline.py) runs on it by default. It is the services' own code, minus
 their transport: admission validates and tokenizes as the scheduler service does, the same core
-schedules, step_plan.build_step builds the same protobuf plan the worker would receive, the worker's
+schedules, planner.build_step builds the same protobuf plan the worker would receive, the worker's
 ModelRunner runs it, and the output processor turns the result into the same GenerateResponse
 messages a client reads from Redis:
 
@@ -21,9 +21,8 @@ from transformers import AutoTokenizer
 from protos import generation_pb2
 from scheduler_service.admission import Admission, ModelLimits, to_record
 from scheduler_service.output_processor import OutputProcessor
-from scheduler_service.planner import Planner
+from scheduler_service.planner import Planner, build_step
 from scheduler_service.scheduling import SchedulingFlags, scheduler_for
-from scheduler_service.step_plan import build_step
 from scheduler_service.store_types import StepCommit
 from shared.checkpoint import pretrained_source
 from worker_service.config import WorkerConfig

@@ -41,13 +41,12 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.fleet import Fleet
 from scheduler_service.output_processor import OutputProcessor
-from scheduler_service.planner import Planner
+from scheduler_service.planner import Planner, build_step
 from scheduler_service.step_profile import StepProfile, StepProfileWriter
 from scheduler_service.step_telemetry import StepTelemetry
 from scheduler_service.resume import RESET_TIMEOUT_SECONDS, WorkerResume
 from scheduler_service.sent_step import SentStep
 from scheduler_service.state_journal import StateJournal, step_record
-from scheduler_service.step_plan import build_step
 from scheduler_service.store import Pickup, RedisStore, StepCommit
 from shared import defaults
 from shared.metrics import EngineMetrics

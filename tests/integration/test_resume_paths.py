@@ -35,11 +35,10 @@ from scheduler_service.admission import Admission, ModelLimits, to_record
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceStatus
 from scheduler_service.output_processor import OutputProcessor
-from scheduler_service.planner import Planner
+from scheduler_service.planner import Planner, build_step
 from scheduler_service.resume import WorkerResume
 from scheduler_service.scheduling import SchedulingFlags, scheduler_for
 from scheduler_service.state_journal import StateJournal, step_record
-from scheduler_service.step_plan import build_step
 from scheduler_service.store import RedisStore, StepCommit
 from shared.redis_server import RedisServer, free_port
 from tests.hf_reference import HFReference, compare_greedy
