@@ -210,25 +210,23 @@ class RedisStore:
     async def wait_for_work(self, worker_id: str, timeout: float) -> Pickup:
         """Blocks until a request or abort arrives for the worker (or the timeout passes)."""
         item = await self._r.blpop([keys.inbox(worker_id), keys.aborts(worker_id)], timeout=timeout)
-        pickup = Pickup([], [])
-        if item is not None:
-            key, value = item
-            self._add_item(pickup, key.decode(), value, worker_id)
-        return await self._with_handed_over(pickup)
+        if item is None:
+            return Pickup([], [])
+        key, value = item
+        if key.decode() == keys.inbox(worker_id):
+            return await self._pickup([value], [])
+        return await self._pickup([], [value])
 
-    async def _with_handed_over(self, pickup: Pickup) -> Pickup:
-        """Moves handed-over requests from `admitted` to `handed_over`, loaded with their outputs (rare)."""
-        moved = [r.request_id for r in pickup.admitted if r.handed_over]
-        if moved:
-            pickup.admitted = [r for r in pickup.admitted if not r.handed_over]
-            pickup.handed_over = await self._restore(moved)
-        return pickup
-
-    def _add_item(self, pickup: Pickup, key: str, value: bytes, worker_id: str) -> None:
-        if key == keys.inbox(worker_id):
-            pickup.admitted.append(state_pb2.AdmittedRequest.FromString(value))
-        else:
-            pickup.aborts.append(value.decode())
+    async def _pickup(self, admitted: list[bytes], aborts: list[bytes]) -> Pickup:
+        """Requests and aborts as taken off a worker's queues; handed-over requests are loaded with their
+        outputs (rare) and kept apart from the newly admitted."""
+        records = [state_pb2.AdmittedRequest.FromString(v) for v in admitted]
+        moved = [r.request_id for r in records if r.handed_over]
+        return Pickup(
+            admitted=[r for r in records if not r.handed_over],
+            aborts=[v.decode() for v in aborts],
+            handed_over=await self._restore(moved),
+        )
 
     @_unavailable_on_redis_error
     async def commit(self, c: StepCommit) -> Pickup:
@@ -256,11 +254,7 @@ class RedisStore:
                 raise LeaseLostError(f"worker {w} moved on past epoch {c.epoch} during the commit") from exc
         if not c.pick_up:
             return Pickup([], [])
-        admitted_raw, aborts_raw = results[-2], results[-1]
-        return await self._with_handed_over(Pickup(
-            admitted=[state_pb2.AdmittedRequest.FromString(v) for v in admitted_raw or []],
-            aborts=[v.decode() for v in aborts_raw or []],
-        ))
+        return await self._pickup(results[-2] or [], results[-1] or [])
 
     @_unavailable_on_redis_error
     async def load_picked_up(self, worker_id: str) -> list[RestoredRequest]:
