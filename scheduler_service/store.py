@@ -266,10 +266,8 @@ class RedisStore:
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.smembers(keys.live(worker_id))
             pipe.lrange(keys.inbox(worker_id), 0, -1)
-            members, inbox = await pipe.execute()
-        live = {m.decode() for m in members}
-        queued = {state_pb2.AdmittedRequest.FromString(v).request_id for v in inbox}
-        return await self._restore(sorted(live - queued))
+            live, inbox = await pipe.execute()
+        return await self._restore_picked_up(live, inbox)
 
     @_unavailable_on_redis_error
     async def load_engine_state(self, worker_id: str) -> StoredEngineState | None:
@@ -294,8 +292,7 @@ class RedisStore:
         if not engine:
             return None
         queues = [[r.decode() for r in q] for q in (waiting, running, swapped)]
-        queued = {state_pb2.AdmittedRequest.FromString(v).request_id for v in inbox}
-        restored = {r.record.request_id: r for r in await self._restore(sorted({m.decode() for m in live} - queued))}
+        restored = {r.record.request_id: r for r in await self._restore_picked_up(live, inbox)}
         in_queues = {r for q in queues for r in q}
         fields = {k.decode(): v for k, v in engine.items()}
         step = fields.get(keys.ENGINE_STEP)
@@ -319,6 +316,11 @@ class RedisStore:
     async def invalidate_engine_state(self, worker_id: str) -> None:
         """Marks the worker's stored scheduler state as not to be continued (its next owner recomputes)."""
         await self._r.hset(keys.engine(worker_id), keys.ENGINE_VALID, b"0")
+
+    async def _restore_picked_up(self, live: set[bytes], inbox: list[bytes]) -> list[RestoredRequest]:
+        """The restored live requests (the worker's live set) that are no longer in its inbox."""
+        queued = {state_pb2.AdmittedRequest.FromString(v).request_id for v in inbox}
+        return await self._restore(sorted({m.decode() for m in live} - queued))
 
     async def _restore(self, ids: list[str]) -> list[RestoredRequest]:
         """The live ones of these requests with their committed outputs, oldest first (two round trips)."""
