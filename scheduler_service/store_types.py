@@ -134,11 +134,9 @@ class StepCommit:
     num_swaps: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.new_tokens or self.seq_states or self.dropped_seq_states or self.cached_blocks
-                    or self.uncached_blocks or self.engine_fields or self.dropped_engine_fields
-                    or self.reset_engine_state or self.dropped_seqs or self.reset_seqs or self.outputs or self.handed_over
-                    or self.finished_requests or self.newly_scheduled or self.finished_seqs or self.cumulative_logprobs or self.waiting is not None or self.running is not None or self.swapped is not None
-                    or self.cache_stats is not None or self.num_preemptions)
+        """Whether it writes nothing: every field but the loop's own three is at its default (so a new
+        field cannot be left out of the check)."""
+        return self == StepCommit(self.worker_id, self.epoch, self.pick_up)
 
 
 @dataclass
