@@ -22,14 +22,10 @@ async def check_resumable(store: RedisStore, request_id: str, from_index: int) -
     """
     if not request_id:
         raise InvalidRequestError("request_id is required to resume a stream")
-    info = await store.stream_info(request_id)
-    if info.state is StreamState.GONE:
-        raise NotFoundError(
-            f"no request has id {request_id!r}: it was never admitted, or it finished more than "
-            f"{OUTPUT_TTL_SECONDS} s ago and its output stream expired"
-        )
-    if info.state is StreamState.FINISHED and from_index >= info.length:
-        raise OutOfRangeError(_past_the_end(request_id, info.length, from_index))
+    await _check_stream(store, request_id, from_index, (
+        f"no request has id {request_id!r}: it was never admitted, or it finished more than "
+        f"{OUTPUT_TTL_SECONDS} s ago and its output stream expired"
+    ))
 
 
 Reader = Callable[[str, int, int | None], Awaitable[list[generation_pb2.GenerateResponse]]]
@@ -50,11 +46,8 @@ async def follow(
     while True:
         batch = await read(request_id, next_index, block_ms)
         if not batch:
-            info = await store.stream_info(request_id)
-            if info.state is StreamState.GONE:
-                raise NotFoundError(f"the output stream of request {request_id!r} expired while it was being read")
-            if info.state is StreamState.FINISHED and info.length <= next_index:
-                raise OutOfRangeError(_past_the_end(request_id, info.length, next_index))
+            await _check_stream(store, request_id, next_index,
+                                f"the output stream of request {request_id!r} expired while it was being read")
             continue  # live, or its final message was committed just after the read
         for msg in batch:
             yield msg
@@ -63,6 +56,12 @@ async def follow(
         next_index = batch[-1].index + 1
 
 
-def _past_the_end(request_id: str, length: int, index: int) -> str:
-    return (f"request {request_id!r} finished with {length} messages (indexes 0 to {length - 1}); "
-            f"index {index} is past its end")
+async def _check_stream(store: RedisStore, request_id: str, index: int, gone: str) -> None:
+    """Raises NotFoundError(`gone`) when the request's stream is gone, OutOfRangeError when the request
+    finished before `index`."""
+    info = await store.stream_info(request_id)
+    if info.state is StreamState.GONE:
+        raise NotFoundError(gone)
+    if info.state is StreamState.FINISHED and index >= info.length:
+        raise OutOfRangeError(f"request {request_id!r} finished with {info.length} messages "
+                              f"(indexes 0 to {info.length - 1}); index {index} is past its end")
