@@ -90,8 +90,7 @@ ENGINE_VALID, ENGINE_CLOCK, ENGINE_STEP, ENGINE_LAST_SENT, ENGINE_INSTANCE = (
 
 
 def engine(worker_id: str) -> str:
-    """Hash: the engine loop's own state: `valid` ("1": the stored state restores exactly), `clock` (the
-    prefix cache's logical clock), `step` (StepRecord of a step sent and not landed, when there is one)."""
+    """Hash: the engine loop's own state, in the ENGINE_* fields above."""
     return f"{PREFIX}:w:{worker_id}:engine"
 
 
