@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -40,7 +40,6 @@ from worker_service.sharding import check_tensor_parallel
 from worker_service.tensor_parallel import (
     Command,
     StepAbandonedError,
-    TensorParallelGroup,
     device_for_rank,
     join_group,
     leave_group,
@@ -64,24 +63,17 @@ def _runner_fields(config: WorkerConfig) -> dict[str, object]:
             if isinstance(getattr(config, f.name), plain)}
 
 
-def _exit_worker(rank: int, code: int | None) -> None:
-    """Default reaction to a lost rank: the whole worker exits non-zero (see the module docstring)."""
-    os._exit(1)
-
-
 class RankProcesses:
     """Ranks 1..N-1 as seen from rank 0: started, watched, stopped."""
 
-    def __init__(self, procs: list[subprocess.Popen], on_rank_exit: Callable[[int, int | None], None]) -> None:
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
         self._procs = procs
-        self._on_rank_exit = on_rank_exit
         self._stopping = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tp-rank-watchdog", daemon=True)
         self._watchdog.start()
 
     @classmethod
-    def spawn(cls, config: WorkerConfig, init_method: str,
-              on_rank_exit: Callable[[int, int | None], None] = _exit_worker) -> RankProcesses:
+    def spawn(cls, config: WorkerConfig, init_method: str) -> RankProcesses:
         """Starts ranks 1..N-1; their logs go to this process's stdout/stderr."""
         config_json = json.dumps(_runner_fields(config)).encode()
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -98,7 +90,7 @@ class RankProcesses:
             proc.stdin.close()
             procs.append(proc)
             log.info("started tensor-parallel rank %d of %d (pid %d)", rank, config.tensor_parallel_size, proc.pid)
-        return cls(procs, on_rank_exit)
+        return cls(procs)
 
     def _watch(self) -> None:
         while not self._stopping.wait(_POLL_S):
@@ -111,8 +103,7 @@ class RankProcesses:
                     "without its shard and stops", rank, proc.pid, code,
                 )
                 self._terminate()
-                self._on_rank_exit(rank, code)
-                return
+                os._exit(1)  # the whole worker exits non-zero (see the module docstring)
 
     def _terminate(self) -> None:
         for proc in self._procs:
@@ -152,8 +143,7 @@ def start_runner(config: WorkerConfig) -> tuple[ModelRunner, RankProcesses | Non
     log.info("starting %d tensor-parallel ranks, group at %s", size, init_method)
     ranks = RankProcesses.spawn(config, init_method)
     try:
-        group = join_group(0, size, init_method, device)
-        runner = ModelRunner(dataclasses.replace(config, device=str(device)), group)
+        runner = _join_as(config, 0, size, init_method)
     except BaseException:
         ranks.stop()
         raise
@@ -162,8 +152,17 @@ def start_runner(config: WorkerConfig) -> tuple[ModelRunner, RankProcesses | Non
     return runner, ranks
 
 
-def follow(runner: ModelRunner, group: TensorParallelGroup) -> None:
-    """Ranks 1..N-1: run rank 0's commands until the group breaks (rank 0 gone raises)."""
+def _join_as(config: WorkerConfig, rank: int, world_size: int, init_method: str) -> ModelRunner:
+    """Every rank alike: joins the group on the rank's device and builds the runner of its shard."""
+    device = device_for_rank(config.device, rank)
+    group = join_group(rank, world_size, init_method, device)
+    return ModelRunner(dataclasses.replace(config, device=str(device)), group)
+
+
+def follow(runner: ModelRunner) -> None:
+    """Ranks 1..N-1: run rank 0's commands (over the runner's group) until the group breaks (rank 0 gone raises)."""
+    group = runner.tp
+    assert group is not None  # a runner built by _join_as
     while True:
         command, payload = group.receive()
         if command is Command.RESET:
@@ -209,13 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = WorkerConfig(**json.loads(sys.stdin.read()))
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device = device_for_rank(config.device, args.rank)
-    group = join_group(args.rank, args.world_size, args.init_method, device)
-    runner = ModelRunner(dataclasses.replace(config, device=str(device)), group)
+    runner = _join_as(config, args.rank, args.world_size, args.init_method)
     log.info("rank %d ready: %d KV blocks of %d KV heads", args.rank, runner.cache.sizing.num_gpu_blocks,
              runner.cache_shape.num_kv_heads)
     try:
-        follow(runner, group)
+        follow(runner)
     except RuntimeError as exc:
         log.error("rank %d leaves the tensor-parallel group: %s", args.rank, exc)
         return 1
