@@ -48,11 +48,6 @@ class StepAbandonedError(RuntimeError):
     """Rank 0 failed the step after the forward pass (while sampling); the other ranks drop it too."""
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL between GPUs, gloo between CPU processes."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def device_for_rank(device: str, rank: int) -> torch.device:
     """Rank r of a group on ``cuda:k`` uses ``cuda:k+r``; on a CPU every rank uses the CPU."""
     base = torch.device(device)
@@ -121,7 +116,8 @@ class TensorParallelGroup:
 
 def join_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallelGroup:
     """Joins (rank 0: hosts) the group at ``init_method`` (tcp://127.0.0.1:PORT); blocks until all joined."""
-    backend = backend_for(device)
+    # NCCL between GPUs, gloo between CPU processes.
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = _STEP_TIMEOUT if backend == "nccl" else _IDLE_TIMEOUT
