@@ -90,7 +90,8 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def _part(total: int, rank: int, size: int) -> slice:
+def rank_share(total: int, rank: int, size: int) -> slice:
+    """Rank ``rank``'s equal, contiguous share of ``total`` features (heads * head size, MLP width), of ``size``."""
     step = total // size
     return slice(rank * step, (rank + 1) * step)
 
@@ -112,9 +113,9 @@ def _keep_outputs(module: nn.Module, index: torch.Tensor | slice) -> None:
 def _row_parallel(module: nn.Module, rank: int, size: int) -> RowParallelLinear:
     """Row-parallel replacement of an nn.Linear or Conv1D: this rank's slice of the input features."""
     if isinstance(module, nn.Linear):
-        weight = module.weight.data[:, _part(module.in_features, rank, size)]
+        weight = module.weight.data[:, rank_share(module.in_features, rank, size)]
     elif isinstance(module, Conv1D):  # weight [in, out]: a row slice, transposed to nn.Linear's [out, in]
-        weight = module.weight.data[_part(module.weight.shape[0], rank, size)].t()
+        weight = module.weight.data[rank_share(module.weight.shape[0], rank, size)].t()
     else:
         raise TypeError(f"cannot shard {type(module).__name__} row-wise")
     bias = module.bias.data if module.bias is not None else None
@@ -126,13 +127,13 @@ def _shard_llama_like(model: nn.Module, shape: ModelShape, rank: int, size: int)
     d = shape.head_size
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        _keep_outputs(attn.q_proj, _part(shape.num_heads * d, rank, size))
-        _keep_outputs(attn.k_proj, _part(shape.num_kv_heads * d, rank, size))
-        _keep_outputs(attn.v_proj, _part(shape.num_kv_heads * d, rank, size))
+        _keep_outputs(attn.q_proj, rank_share(shape.num_heads * d, rank, size))
+        _keep_outputs(attn.k_proj, rank_share(shape.num_kv_heads * d, rank, size))
+        _keep_outputs(attn.v_proj, rank_share(shape.num_kv_heads * d, rank, size))
         attn.o_proj = _row_parallel(attn.o_proj, rank, size)
         width = mlp.gate_proj.out_features
-        _keep_outputs(mlp.gate_proj, _part(width, rank, size))
-        _keep_outputs(mlp.up_proj, _part(width, rank, size))
+        _keep_outputs(mlp.gate_proj, rank_share(width, rank, size))
+        _keep_outputs(mlp.up_proj, rank_share(width, rank, size))
         mlp.down_proj = _row_parallel(mlp.down_proj, rank, size)
 
 
@@ -142,17 +143,17 @@ def _shard_opt(model: nn.Module, shape: ModelShape, rank: int, size: int) -> Non
     for layer in model.model.decoder.layers:
         attn = layer.self_attn
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            _keep_outputs(proj, _part(features, rank, size))
+            _keep_outputs(proj, rank_share(features, rank, size))
         attn.out_proj = _row_parallel(attn.out_proj, rank, size)
         attn.num_heads = shape.num_heads // size
-        _keep_outputs(layer.fc1, _part(layer.fc1.out_features, rank, size))
+        _keep_outputs(layer.fc1, rank_share(layer.fc1.out_features, rank, size))
         layer.fc2 = _row_parallel(layer.fc2, rank, size)
 
 
 def _shard_gpt2(model: nn.Module, shape: ModelShape, rank: int, size: int) -> None:
     """GPT-2: c_attn packs [q | k | v] in one Conv1D, so each third is split by heads."""
     embed = shape.num_heads * shape.head_size
-    part = _part(embed, rank, size)
+    part = rank_share(embed, rank, size)
     qkv = torch.cat([torch.arange(embed)[part] + i * embed for i in range(3)])
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
@@ -160,7 +161,7 @@ def _shard_gpt2(model: nn.Module, shape: ModelShape, rank: int, size: int) -> No
         attn.split_size = embed // size  # the forward splits c_attn's output in three by this
         attn.num_heads = shape.num_heads // size
         attn.c_proj = _row_parallel(attn.c_proj, rank, size)
-        _keep_outputs(mlp.c_fc, _part(mlp.c_fc.nf, rank, size))
+        _keep_outputs(mlp.c_fc, rank_share(mlp.c_fc.nf, rank, size))
         mlp.c_proj = _row_parallel(mlp.c_proj, rank, size)
 
 

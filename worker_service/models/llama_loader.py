@@ -21,10 +21,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
+from worker_service.model_loader import model_shape
 from worker_service.models.checkpoint_tensors import CheckpointTensors
 from worker_service.models.linear import Linear
 from worker_service.models.llama import LlamaDims, LlamaLayer, LlamaModel
 from worker_service.models.rotary import DYNAMIC_ROPE_TYPES, build_rotary_table, rope_type
+from worker_service.sharding import local_shape, rank_share
 
 ROTARY_MODULES: dict[str, type] = {
     "llama": LlamaRotaryEmbedding,
@@ -55,11 +57,6 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if any(p is None for p in parts):
         raise ValueError("checkpoint has biases on some of a fused projection's parts only")
     return torch.cat(parts).contiguous()  # type: ignore[arg-type]
-
-
-def _share(total: int, rank: int, size: int) -> slice:
-    step = total // size
-    return slice(rank * step, (rank + 1) * step)
 
 
 def _sliding_window(config: PretrainedConfig, index: int) -> int | None:
@@ -103,14 +100,13 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
                max_positions: int, rank: int = 0, tp_size: int = 1) -> LlamaModel:
     """Reads ``path``'s weights into rank ``rank``'s share of the fused layout (of ``tp_size`` ranks)."""
     tensors = CheckpointTensors(path, dtype, device)
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    dims = LlamaDims(num_heads // tp_size, num_kv_heads // tp_size, head_size, float(config.rms_norm_eps), tp_size)
-    q_rows = _share(num_heads * head_size, rank, tp_size)
-    kv_rows = _share(num_kv_heads * head_size, rank, tp_size)
-    mlp_rows = _share(config.intermediate_size, rank, tp_size)
-    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows) for i in range(config.num_hidden_layers)]
+    shape = model_shape(config)
+    local = local_shape(shape, tp_size)
+    dims = LlamaDims(local.num_heads, local.num_kv_heads, shape.head_size, float(config.rms_norm_eps), tp_size)
+    q_rows = rank_share(shape.num_heads * shape.head_size, rank, tp_size)
+    kv_rows = rank_share(shape.num_kv_heads * shape.head_size, rank, tp_size)
+    mlp_rows = rank_share(config.intermediate_size, rank, tp_size)
+    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows) for i in range(shape.num_layers)]
     embed = tensors.require("model.embed_tokens.weight")
     tied = getattr(config, "tie_word_embeddings", False)
     lm_head = Linear(embed if tied else tensors.require("lm_head.weight"))
