@@ -62,7 +62,6 @@ class Registration:
         self._config = config
         self._describe = describe
         self._draining = False
-        self._registered = False
         # Set by the first heartbeat that reaches Redis: the worker's readiness and its start-up line wait on it.
         self._first_beat = asyncio.Event()
         # The draining flag schedulers last heard of (CHANGES_CHANNEL); None before the first heartbeat.
@@ -76,7 +75,7 @@ class Registration:
     @property
     def registered(self) -> bool:
         """A heartbeat has reached Redis: schedulers can find this worker (its readiness waits for it)."""
-        return self._registered
+        return self._first_beat.is_set()
 
     async def beat(self) -> None:
         """One heartbeat (also the registration itself).
@@ -88,7 +87,6 @@ class Registration:
         await self._registry.heartbeat(self.worker_id, self._describe(), draining, self._config.heartbeat_ttl_s,
                                        announce=draining != self._announced)
         self._announced = draining
-        self._registered = True
         self._first_beat.set()
 
     async def wait_registered(self) -> None:
