@@ -17,11 +17,11 @@ from worker_service.config import WorkerConfig
 from worker_service.input_builder import ModelInputs, build_inputs
 from worker_service.model_loader import load_config, model_shape, resolve_dtype
 from worker_service.models import build_model
-from worker_service.plan import StepPlanData, check_block_ids, new_sequence_from_proto, pairs_from_proto
+from worker_service.plan import PlanError, StepPlanData, check_block_ids, new_sequence_from_proto, pairs_from_proto
 from worker_service.profiler import profile_gpu_memory
 from worker_service.prompt_logprobs import PromptLogprobsData, compute_prompt_logprobs
 from worker_service.sampler import sample
-from worker_service.sequence_cache import CachedSequence, PlanError, SequenceCache
+from worker_service.sequence_cache import CachedSequence, SequenceCache
 from worker_service.sharding import local_shape
 from worker_service.tensor_parallel import Command, TensorParallelGroup
 

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from shared.sampling_params import SamplingParams
 from worker_service.plan import NewSequenceData, PlanError, SequenceDeltaData
 
-__all__ = ["NOT_CACHED", "CachedSequence", "PlanError", "SequenceCache"]
-
 # Resume's reason for a sequence the worker does not hold at all.
 NOT_CACHED = "not cached on this worker"
 
@@ -47,6 +45,19 @@ class CachedSequence:
         return self.num_computed_tokens + self.num_new_tokens == len(self.token_ids)
 
 
+def _learn(new: NewSequenceData, num_new_tokens: int) -> CachedSequence:
+    """The worker's entry for a sequence sent in full (a step's new sequence, or a view Resume keeps)."""
+    return CachedSequence(
+        seq_id=new.seq_id,
+        token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+        num_prompt_tokens=len(new.prompt_token_ids),
+        block_table=list(new.block_table),
+        num_computed_tokens=new.num_computed_tokens,
+        sampling=new.sampling,
+        num_new_tokens=num_new_tokens,
+    )
+
+
 class SequenceCache:
     """seq_id -> CachedSequence, updated from each plan.
 
@@ -73,9 +84,6 @@ class SequenceCache:
 
     def clear(self) -> None:
         """Forgets every sequence (a new owner recomputes them: their positions stay counted as computed)."""
-        self._forget_all()
-
-    def _forget_all(self) -> None:
         # The high-water marks of older, forgotten sequences go: only the ones just held may come back.
         self._high = {seq_id: high for seq_id, high in self._high.items() if seq_id in self._seqs}
         self._seqs = {}
@@ -105,12 +113,8 @@ class SequenceCache:
             if reason:
                 refused.append((view.seq_id, reason))
                 continue
-            kept[view.seq_id] = CachedSequence(
-                seq_id=view.seq_id, token_ids=list(view.prompt_token_ids) + list(view.output_token_ids),
-                num_prompt_tokens=len(view.prompt_token_ids), block_table=list(view.block_table),
-                num_computed_tokens=view.num_computed_tokens, sampling=view.sampling,
-            )
-        self._forget_all()
+            kept[view.seq_id] = _learn(view, num_new_tokens=0)
+        self.clear()
         self._seqs = kept
         return refused
 
@@ -143,15 +147,7 @@ class SequenceCache:
 
     def add(self, new: NewSequenceData) -> CachedSequence:
         """Learns (or re-learns after recompute) a sequence sent in full."""
-        seq = CachedSequence(
-            seq_id=new.seq_id,
-            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-            num_prompt_tokens=len(new.prompt_token_ids),
-            block_table=list(new.block_table),
-            num_computed_tokens=new.num_computed_tokens,
-            sampling=new.sampling,
-            num_new_tokens=new.num_new_tokens,
-        )
+        seq = _learn(new, new.num_new_tokens)
         self._check(seq)
         self._seqs[new.seq_id] = seq
         return seq
