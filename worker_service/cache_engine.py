@@ -9,6 +9,7 @@ import torch
 
 from kernels import KernelBackend, allocate_kv_cache
 from worker_service.model_loader import ModelShape
+from worker_service.plan import check_pairs
 
 if TYPE_CHECKING:
     from kernels.cuda import LayerSwapper
@@ -144,11 +145,6 @@ class CacheEngine:
         if self._swapper is not None:
             self._swapper.wait(layer)
 
-    def _check(self, pairs: list[tuple[int, int]], src_blocks: int, dst_blocks: int, what: str) -> None:
-        for src, dst in pairs:
-            if not (0 <= src < src_blocks and 0 <= dst < dst_blocks):
-                raise ValueError(f"{what} pair ({src}, {dst}) is out of range ({src_blocks} -> {dst_blocks} blocks)")
-
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host -> device block moves."""
         self._swap(pairs, self.cpu_key_caches, self.key_caches, self.cpu_value_caches, self.value_caches,
@@ -162,7 +158,7 @@ class CacheEngine:
     def _swap(self, pairs, src_k, dst_k, src_v, dst_v, n_src: int, n_dst: int, what: str) -> None:  # type: ignore[no-untyped-def]
         if not pairs:
             return
-        self._check(pairs, n_src, n_dst, what)
+        check_pairs(what, pairs, n_src, n_dst)
         mapping = torch.tensor(pairs, dtype=torch.int64)
         if self._swapper is not None:
             # Queued behind this step's earlier swaps on the side stream: a swap-out's
@@ -178,7 +174,7 @@ class CacheEngine:
         if not pairs:
             return
         n = self.sizing.num_gpu_blocks
-        self._check(pairs, n, n, "copy")
+        check_pairs("copy", pairs, n, n)
         if self._swapper is not None:
             # One launch copies every layer, possibly blocks swapped in this step: wait for all swaps.
             self._swapper.wait_all()

@@ -101,13 +101,10 @@ def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlanData:
 
 def check_block_ids(plan: StepPlanData, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
     """Every block id of the plan names a block of the cache: checked once per step, before anything moves."""
+    check_pairs("swap_in", plan.swap_in, num_cpu_blocks, num_gpu_blocks)
+    check_pairs("swap_out", plan.swap_out, num_gpu_blocks, num_cpu_blocks)
+    check_pairs("copy", plan.copy, num_gpu_blocks, num_gpu_blocks)
     device = range(num_gpu_blocks)
-    host = range(num_cpu_blocks)
-    for what, pairs, src, dst in (("swap_in", plan.swap_in, host, device), ("swap_out", plan.swap_out, device, host),
-                                  ("copy", plan.copy, device, device)):
-        for a, b in pairs:
-            if a not in src or b not in dst:
-                raise PlanError(f"{what} pair ({a}, {b}) is out of range ({len(src)} -> {len(dst)} blocks)")
     for s in plan.new_sequences:
         _check_table(s.seq_id, s.block_table, device)
     # A decode's delta usually adds no block: only those that do are looked at.
@@ -116,6 +113,13 @@ def check_block_ids(plan: StepPlanData, num_gpu_blocks: int, num_cpu_blocks: int
             _check_table(d.seq_id, d.new_block_ids, device)
         if d.replaced_blocks:
             _check_table(d.seq_id, list(d.replaced_blocks.values()), device)
+
+
+def check_pairs(what: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
+    """Every (src, dst) pair of a block operation names a block: of num_src source and num_dst destination blocks."""
+    for src, dst in pairs:
+        if not (0 <= src < num_src and 0 <= dst < num_dst):
+            raise PlanError(f"{what} pair ({src}, {dst}) is out of range ({num_src} -> {num_dst} blocks)")
 
 
 def _check_table(seq_id: int, blocks: list[int], device: range) -> None:
