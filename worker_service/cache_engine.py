@@ -121,7 +121,7 @@ class CacheEngine:
     ) -> None:
         self.block_size = block_size
         self.sizing = sizing
-        self._backend = backend
+        self.backend = backend
         self._swapper: LayerSwapper | None = None
         if device.type == "cuda":
             # Imported only on a GPU: it imports numba.cuda, which CPU workers never need.
@@ -166,8 +166,8 @@ class CacheEngine:
             self._swapper.swap(src_k, src_v, dst_k, dst_v, mapping)
             return
         for layer in range(len(src_k)):
-            self._backend.swap_blocks(src_k[layer], dst_k[layer], mapping)
-            self._backend.swap_blocks(src_v[layer], dst_v[layer], mapping)
+            self.backend.swap_blocks(src_k[layer], dst_k[layer], mapping)
+            self.backend.swap_blocks(src_v[layer], dst_v[layer], mapping)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Device block copies (copy-on-write)."""
@@ -179,4 +179,4 @@ class CacheEngine:
             # One launch copies every layer, possibly blocks swapped in this step: wait for all swaps.
             self._swapper.wait_all()
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.key_caches[0].device)
-        self._backend.copy_blocks(self.key_caches, self.value_caches, mapping)
+        self.backend.copy_blocks(self.key_caches, self.value_caches, mapping)

@@ -11,13 +11,12 @@ Slot mapping: token at position p of a sequence lives in cache slot
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kernels import KernelBackend
 from worker_service.attention import AttentionMetadata
+from worker_service.cache_engine import CacheEngine
 from worker_service.sequence_cache import CachedSequence
 
 
@@ -32,8 +31,6 @@ class ModelInputs:
     sample_indices: torch.Tensor
     # The sequences sampled, in the order of sample_indices.
     sampling_seqs: list[CachedSequence]
-    # All scheduled sequences in batch order (prefills first, then decodes).
-    seqs: list[CachedSequence]
     # Prompt tokens whose logprobs this step computes (requests with prompt_logprobs).
     prompt_logprobs: PromptLogprobRows
 
@@ -63,16 +60,9 @@ def _block_table_tensor(seqs: list[CachedSequence], device: torch.device) -> tor
     return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seqs), width)
 
 
-def build_inputs(
-    scheduled: list[CachedSequence],
-    backend: KernelBackend,
-    key_caches: list[torch.Tensor],
-    value_caches: list[torch.Tensor],
-    block_size: int,
-    device: torch.device,
-    wait_for_layer: Callable[[int], None],
-) -> ModelInputs:
-    """Orders the batch prefills-first and computes ids, positions and slots."""
+def build_inputs(scheduled: list[CachedSequence], cache: CacheEngine, device: torch.device) -> ModelInputs:
+    """Orders the batch prefills-first and computes ids, positions and slots in ``cache``'s blocks."""
+    block_size = cache.block_size
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
     decodes = [s for s in scheduled if s.num_new_tokens == 1]
     seqs = prefills + decodes
@@ -115,9 +105,9 @@ def build_inputs(
     # reduce them once per step instead of once per layer (kernels/metadata_memo.py).
     with torch.inference_mode(False):
         attn = AttentionMetadata(
-            backend=backend,
-            key_caches=key_caches,
-            value_caches=value_caches,
+            backend=cache.backend,
+            key_caches=cache.key_caches,
+            value_caches=cache.value_caches,
             block_size=block_size,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             num_prefill_tokens=num_prefill_tokens,
@@ -127,7 +117,7 @@ def build_inputs(
             decode_block_tables=_block_table_tensor(decodes, device),
             decode_context_lens=torch.tensor(seq_lens[len(prefills):], dtype=torch.int32, device=device),
             decode_max_context_len=max(seq_lens[len(prefills):], default=0),
-            wait_for_layer=wait_for_layer,
+            wait_for_layer=cache.wait_for_layer,
         )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -135,7 +125,6 @@ def build_inputs(
         attn=attn,
         sample_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sampling_seqs=sampling_seqs,
-        seqs=seqs,
         prompt_logprobs=PromptLogprobRows(
             rows=torch.tensor(prompt_rows, dtype=torch.int64, device=device),
             targets=torch.tensor(prompt_targets, dtype=torch.int64, device=device),

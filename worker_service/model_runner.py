@@ -149,13 +149,9 @@ class ModelRunner:
         check_block_ids(replay, self.cache.sizing.num_gpu_blocks, self.cache.sizing.num_cpu_blocks)
         if self.tp is not None and self.tp.is_driver:
             self.tp.send(Command.RESUME, request.SerializeToString())
-        copies = replay.copy
-        # The worker's order for a step's block operations.
-        self.cache.swap_out(replay.swap_out)
-        self.cache.swap_in(replay.swap_in)
-        self.cache.copy(copies)
+        self._move_blocks(replay)
         self.last_steps.clear()
-        return self.seqs.resume(views, dict(copies))
+        return self.seqs.resume(views, dict(replay.copy))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlanData, wire: worker_pb2.StepPlan | None = None) -> StepOutput:
@@ -176,17 +172,11 @@ class ModelRunner:
         if len({s.seq_id for s in scheduled}) != len(scheduled):
             raise PlanError("a sequence is scheduled twice in one plan")
         summary = [(s.seq_id, s.num_computed_tokens, s.num_new_tokens) for s in scheduled]
-        # Block moves come before the forward pass: it may read swapped-in or copied blocks.
-        self.cache.swap_out(plan.swap_out)
-        self.cache.swap_in(plan.swap_in)
-        self.cache.copy(plan.copy)
+        self._move_blocks(plan)
         if not scheduled:
             return self._ran(plan, StepOutput(plan.step_id, [], time.perf_counter() - start), summary)
 
-        inputs = build_inputs(
-            scheduled, self.backend, self.cache.key_caches, self.cache.value_caches,
-            self.config.block_size, self.device, self.cache.wait_for_layer,
-        )
+        inputs = build_inputs(scheduled, self.cache, self.device)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn)
         sampled: list[SampledTokenData] = []
         prompt_logprobs: list[PromptLogprobsData] = []
@@ -199,9 +189,15 @@ class ModelRunner:
             if self.tp is not None:
                 self.tp.send_tokens(token_ids)
         sampled_ids = {seq.seq_id: token for seq, token in zip(inputs.sampling_seqs, token_ids)}
-        for seq in inputs.seqs:
+        for seq in scheduled:
             self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
         return self._ran(plan, StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs), summary)
+
+    def _move_blocks(self, plan: StepPlanData) -> None:
+        """A plan's block operations, in the worker's order; before the forward pass, which may read the blocks."""
+        self.cache.swap_out(plan.swap_out)
+        self.cache.swap_in(plan.swap_in)
+        self.cache.copy(plan.copy)
 
     def _ran(self, plan: StepPlanData, out: StepOutput, summary: list[tuple[int, int, int]]) -> StepOutput:
         self.last_steps.append(ExecutedStepData(plan, out, summary))
