@@ -239,7 +239,8 @@ class OutputProcessor:
             state = self._requests.get(group.request_id)
             if token is None or state is None or seq.is_finished or state.beams is not None:
                 continue
-            commit.new_tokens[seq.seq_id] = [token]
+            # A commit may carry several steps (a new owner lands the last owner's steps into one).
+            commit.new_tokens.setdefault(seq.seq_id, []).append(token)
             state.seqs[seq.seq_id].cumulative_logprob += by_seq[seq.seq_id].logprob
             delta = self._on_token(state, group, seq, token)
             if group.sampling_params.logprobs is not None:
@@ -267,13 +268,13 @@ class OutputProcessor:
                 commit.outputs.append((request_id, msg))
             else:
                 # Kept in Redis so that a new owner ranks the sequences on their whole history.
-                commit.cumulative_logprobs[request_id] = {
+                commit.cumulative_logprobs.setdefault(request_id, {}).update({
                     s.seq_id: state.seqs[s.seq_id].cumulative_logprob for s in group.seqs if s.seq_id in sampled
-                }
+                })
             # n > 1: a sequence that ended while its siblings go on must stay ended after a restart.
             ended_now = {s.seq_id: s.status.name for s in group.seqs if s.is_finished and s.seq_id in sampled}
             if ended_now:
-                commit.finished_seqs[request_id] = ended_now
+                commit.finished_seqs.setdefault(request_id, {}).update(ended_now)
 
     def _beam_steps(
         self, out: SchedulerOutput, by_seq: dict[int, worker_pb2.SampledToken], sampled: dict[int, int],

@@ -42,7 +42,8 @@ class Takeover:
 def takeover_from_store(state: StoredEngineState) -> Takeover:
     """The stored state as a snapshot. Raises ValueError when it is not valid or not complete."""
     if not state.valid:
-        raise ValueError("the last owner's state was committed with tokens in flight (async scheduling)")
+        raise ValueError("the stored state is marked not to be continued (committed with tokens in flight under "
+                         "async scheduling, or a resume from it failed)")
     continued: dict[str, RestoredRequest] = {}
     recomputed: list[RestoredRequest] = []
     queues: list[list[GroupSnapshot]] = [[], [], []]

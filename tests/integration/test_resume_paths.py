@@ -170,6 +170,13 @@ def test_a_new_owner_continues_wherever_the_old_one_stopped(
                 resumed = await resume.run(state, new.pending)
                 assert resumed is not None and not resumed.needs_reset
                 assert (resumed.landed_steps, resumed.continued, resumed.recomputed) == (landed, len(PROMPTS), 0)
+                await new.commit()
+                # Every landed token is in the stored token lists (a commit of two landed steps kept both), which
+                # the next owner (or a recompute) continues from.
+                for group in new.scheduler.running:
+                    for seq in group.seqs:
+                        stored = [int(t) for t in plain.lrange(keys.seq_tokens(seq.seq_id), 0, -1)]
+                        assert stored == seq.output_token_ids, (seq.seq_id, stored, seq.output_token_ids)
                 for _ in range(100):
                     if await new.step() == "idle" and not new.scheduler.has_unfinished_requests():
                         break
