@@ -57,8 +57,7 @@ WORKER_POLL_SECONDS = 0.5
 WAITING_FOR_A_WORKER = "waiting for a worker"
 
 
-async def wait_for_workers(registry: WorkerRegistry, timeout_s: float,
-                           changes: RegistryChanges | None = None) -> list[WorkerEntry]:
+async def wait_for_workers(registry: WorkerRegistry, timeout_s: float, changes: RegistryChanges) -> list[WorkerEntry]:
     """Waits until at least one worker has registered and is alive (workers may still be loading models).
 
     changes: wakes the wait as a worker registers, rather than at the next poll.
@@ -72,10 +71,7 @@ async def wait_for_workers(registry: WorkerRegistry, timeout_s: float,
         if loop.time() > deadline:
             raise RuntimeError(f"no worker registered in Redis within {timeout_s}s; start workers with the same "
                                "--redis-url")
-        if changes is not None:
-            await changes.wait(WORKER_POLL_SECONDS)
-        else:
-            await asyncio.sleep(WORKER_POLL_SECONDS)
+        await changes.wait(WORKER_POLL_SECONDS)
 
 
 async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asyncio.Event | None = None,

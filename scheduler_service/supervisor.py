@@ -58,8 +58,8 @@ class Supervisor:
     """Starts, feeds and stops this replica's engine loops."""
 
     def __init__(self, registry: WorkerRegistry, leases: Leases, router: Router,
-                 make_loop: Callable[[WorkerEntry], EngineLoop], tick_s: float | None = None,
-                 changes: RegistryChanges | None = None) -> None:
+                 make_loop: Callable[[WorkerEntry], EngineLoop], changes: RegistryChanges,
+                 tick_s: float | None = None) -> None:
         """changes: registry changes that bring the next tick forward (its listener runs elsewhere)."""
         self._registry = registry
         self._changes = changes
@@ -102,17 +102,10 @@ class Supervisor:
                     log.warning("supervisor tick failed, Redis unavailable: %s", exc)
                 except Exception:  # noqa: BLE001 - no bug in one tick may end the replica; the next tick retries
                     log.exception("supervisor tick failed")
-                await self._pause(stop)
+                # Until the next tick is due, `stop` is set, or a worker registers, drains or leaves.
+                await self._changes.wait(self._next_wait, stop)
         finally:
             await self._stop_all()
-
-    async def _pause(self, stop: asyncio.Event) -> None:
-        """Until the next tick is due, `stop` is set, or a worker registers, drains or leaves."""
-        if self._changes is not None:
-            await self._changes.wait(self._next_wait, stop)
-            return
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), self._next_wait)
 
     async def tick(self) -> None:
         entries = await self._registry.workers()

@@ -9,6 +9,7 @@ from scheduler_service.leases import Leases
 from scheduler_service.router import Router
 from scheduler_service.store import RedisStore
 from scheduler_service.supervisor import Supervisor
+from shared.registry_changes import RegistryChanges
 from shared.worker_registry import WorkerEntry, WorkerRegistry
 from tests.integration.test_store import run
 
@@ -41,8 +42,10 @@ async def register(store: RedisStore) -> WorkerRegistry:
 def test_two_replicas_split_the_workers(url: str) -> None:
     async def body(store: RedisStore) -> None:
         registry = await register(store)
-        a = Supervisor(registry, Leases(store.client, "a", 2), Router(store), IdleLoop)  # type: ignore[arg-type]
-        b = Supervisor(registry, Leases(store.client, "b", 2), Router(store), IdleLoop)  # type: ignore[arg-type]
+        a = Supervisor(registry, Leases(store.client, "a", 2), Router(store), IdleLoop,  # type: ignore[arg-type]
+                       RegistryChanges(store.client))
+        b = Supervisor(registry, Leases(store.client, "b", 2), Router(store), IdleLoop,  # type: ignore[arg-type]
+                       RegistryChanges(store.client))
         await b._leases.announce()  # noqa: SLF001 - b is alive before a's first tick
         await a.tick()
         await b.tick()
@@ -59,7 +62,8 @@ def test_a_worker_no_replica_drives_is_taken_beyond_the_share(url: str) -> None:
 
     async def body(store: RedisStore) -> None:
         registry = await register(store)
-        a = Supervisor(registry, Leases(store.client, "a", ttl_s), Router(store), IdleLoop)  # type: ignore[arg-type]
+        a = Supervisor(registry, Leases(store.client, "a", ttl_s), Router(store), IdleLoop,  # type: ignore[arg-type]
+                       RegistryChanges(store.client))
         stuck = Leases(store.client, "stuck", 30)
         await stuck.announce()  # counted as alive for 15 s, but it never takes a lease
         loop = asyncio.get_running_loop()
