@@ -49,7 +49,8 @@ class Admission:
 
     def __init__(self, tokenizer: object, limits: ModelLimits) -> None:
         self._tok = tokenizer
-        self._limits = limits
+        # What requests are checked against; ModelInfo reports it too.
+        self.limits = limits
 
     def admit(self, req: generation_pb2.GenerateRequest) -> AdmittedPrompt:
         """Validates and tokenizes; raises InvalidRequestError with a clear message."""
@@ -66,15 +67,13 @@ class Admission:
         ids = self._prompt_tokens(generation_pb2.GenerateRequest(prompt=req.prompt, messages=req.messages))
         return ids, list(self._tok.convert_ids_to_tokens(ids))  # type: ignore[attr-defined]
 
-    def model_info(self) -> dict[str, object]:
-        """The limits admission checks against, and what the tokenizer offers."""
-        eos = getattr(self._tok, "eos_token_id", None)
-        return {
-            "max_model_len": self._limits.max_model_len,
-            "vocab_size": self._limits.vocab_size,
-            "eos_token_id": eos,
-            "has_chat_template": getattr(self._tok, "chat_template", None) is not None,
-        }
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self._tok, "eos_token_id", None)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self._tok, "chat_template", None) is not None
 
     def _prompt_tokens(self, req: generation_pb2.GenerateRequest) -> list[int]:
         given = [name for name, present in (
@@ -88,11 +87,7 @@ class Admission:
             raise InvalidRequestError(f"set exactly one of prompt, prompt_token_ids or messages, got {', '.join(given)}")
         if req.prompt_token_ids:
             ids = list(req.prompt_token_ids)
-            bad = [t for t in ids if t >= self._limits.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt_token_ids contains ids outside the vocabulary (size {self._limits.vocab_size}): {bad[:5]}"
-                )
+            self._check_in_vocabulary("prompt_token_ids", ids)
             return ids
         if req.messages:
             return self._chat_tokens(req.messages)
@@ -107,7 +102,7 @@ class Admission:
             if m.role not in _CHAT_ROLES:
                 raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {m.role!r}")
             conv.append({"role": m.role, "content": m.content})
-        if getattr(self._tok, "chat_template", None) is None:
+        if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         text = self._tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
         # The template already contains the special tokens the model expects.
@@ -122,14 +117,14 @@ class Admission:
             value = getattr(req.sampling, name)
             if not math.isfinite(value):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value}")
-        max_seqs = self._limits.max_num_seqs
+        max_seqs = self.limits.max_num_seqs
         width = params.best_of or params.n  # beam search runs best_of beams at once
         if max_seqs and width > max_seqs:
             raise InvalidRequestError(
                 f"the request runs {width} sequences at once (n / best_of), but a step runs at most "
                 f"{max_seqs} (--max-num-seqs); lower n or best_of"
             )
-        max_len = self._limits.max_model_len
+        max_len = self.limits.max_model_len
         if prompt_len >= max_len:
             raise InvalidRequestError(
                 f"the prompt has {prompt_len} tokens, but this model's maximum context length is {max_len} tokens; "
@@ -148,13 +143,16 @@ class Admission:
             params.check_min_tokens()
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        bad = [t for t in params.stop_token_ids if t >= self._limits.vocab_size]
-        if bad:
-            # The worker masks stop tokens (min_tokens) by id: an id past the logits would fail the step.
-            raise InvalidRequestError(
-                f"stop_token_ids contains ids outside the vocabulary (size {self._limits.vocab_size}): {bad[:5]}"
-            )
+        # The worker masks stop tokens (min_tokens) by id: an id past the logits would fail the step.
+        self._check_in_vocabulary("stop_token_ids", params.stop_token_ids)
         return params
+
+    def _check_in_vocabulary(self, field: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if t >= self.limits.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{field} contains ids outside the vocabulary (size {self.limits.vocab_size}): {bad[:5]}"
+            )
 
 
 def request_digest(prompt_token_ids: list[int], sampling: SamplingParams) -> str:

@@ -172,13 +172,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
-        info = self._admission.model_info()
+        admission = self._admission
         msg = generation_pb2.ModelInfoResponse(
-            model=self._model_name, max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],  # type: ignore[arg-type]
-            has_chat_template=bool(info["has_chat_template"]), num_workers=self._router.num_workers,
+            model=self._model_name, max_model_len=admission.limits.max_model_len,
+            vocab_size=admission.limits.vocab_size, has_chat_template=admission.has_chat_template,
+            num_workers=self._router.num_workers,
         )
-        if info["eos_token_id"] is not None:
-            msg.eos_token_id = info["eos_token_id"]  # type: ignore[assignment]
+        if admission.eos_token_id is not None:
+            msg.eos_token_id = admission.eos_token_id
         return msg
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
