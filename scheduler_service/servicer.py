@@ -44,10 +44,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        # One SERVER span per request; a caller's traceparent makes it part of the caller's trace.
-        span = self._tracer.start_span("llmserve.generate", context=context_from_metadata(context.invocation_metadata()),
-                                       kind=SpanKind.SERVER)
-        stream = self._stream(request, context, span, time.time())
+        span = self._start_span("llmserve.generate", context)
+        stream = self._stream(request, span, time.time())
         try:
             async for msg in stream:
                 yield msg
@@ -56,8 +54,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             span.end()
 
     async def _stream(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span,
-        started: float,
+        self, request: generation_pb2.GenerateRequest, span: trace.Span, started: float
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
             # Tokenizing can take milliseconds for long prompts: keep it off the event loop.
@@ -116,10 +113,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Resume(
         self, request: generation_pb2.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        span = self._tracer.start_span("llmserve.resume", context=context_from_metadata(context.invocation_metadata()),
-                                       kind=SpanKind.SERVER)
+        span = self._start_span("llmserve.resume", context)
         span.set_attributes({"gen_ai.request.id": request.request_id, "llmserve.resume.from_index": request.from_index})
-        stream = self._resume(request, context, span)
+        stream = self._resume(request, span)
         try:
             async for msg in stream:
                 yield msg
@@ -128,7 +124,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             span.end()
 
     async def _resume(
-        self, request: generation_pb2.ResumeRequest, context: grpc.aio.ServicerContext, span: trace.Span
+        self, request: generation_pb2.ResumeRequest, span: trace.Span
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         # A resumed stream never aborts the request when it ends early: the client may come back again.
         try:
@@ -139,6 +135,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as exc:
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             raise
+
+    def _start_span(self, name: str, context: grpc.aio.ServicerContext) -> trace.Span:
+        """One SERVER span per call; a caller's traceparent makes it part of the caller's trace."""
+        return self._tracer.start_span(name, context=context_from_metadata(context.invocation_metadata()),
+                                       kind=SpanKind.SERVER)
 
     @staticmethod
     def _finish(span: trace.Span, msg: generation_pb2.GenerateResponse, started: float) -> None:
