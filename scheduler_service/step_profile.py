@@ -56,8 +56,7 @@ class StepProfileWriter:
         self._file.write(json.dumps(asdict(profile)) + "\n")
         self._pending += 1
         if self._pending >= self._flush_every:
-            self._file.flush()
-            self._pending = 0
+            self.flush()
 
     def flush(self) -> None:
         if self._pending:

@@ -81,13 +81,12 @@ class StepTelemetry:
                 "llmserve.step.rpc_s": p.rpc_s, "llmserve.step.worker_s": p.worker_s,
                 "llmserve.step.commit_wait_s": p.commit_wait_s,
             })
-            parent = span
-            child_span(self._tracer, "llmserve.schedule", parent, clock.ns(ingested),
+            child_span(self._tracer, "llmserve.schedule", span, clock.ns(ingested),
                        clock.ns(ingested + p.schedule_s + p.plan_s), {"llmserve.schedule_s": p.schedule_s})
-            child_span(self._tracer, "llmserve.redis_commit", parent, clock.ns(commit_start),
+            child_span(self._tracer, "llmserve.redis_commit", span, clock.ns(commit_start),
                        clock.ns(commit_start + p.commit_s), {"llmserve.committed_step": p.step - 1},
-                       links=[Link(self._last_step)] if self._last_step is not None else None)
-            child_span(self._tracer, "llmserve.postprocess", parent, clock.ns(processing), clock.ns(processing + p.process_s))
+                       links=self._last_step_link())
+            child_span(self._tracer, "llmserve.postprocess", span, clock.ns(processing), clock.ns(processing + p.process_s))
             span.end(end_time=clock.ns(processing + p.process_s))
             self._last_step = span.get_span_context()
         m = self._metrics
@@ -104,14 +103,18 @@ class StepTelemetry:
     def observe_idle_commit(self, step: int, commit_start: float, commit_s: float, clock: PerfClock | None) -> None:
         """The commit of the last step before the loop went idle (no step overlaps it)."""
         if clock is not None:
-            links = [Link(self._last_step)] if self._last_step is not None else None
-            span = self._tracer.start_span("llmserve.redis_commit", start_time=clock.ns(commit_start), links=links,
+            span = self._tracer.start_span("llmserve.redis_commit", start_time=clock.ns(commit_start),
+                                           links=self._last_step_link(),
                                            attributes={"llmserve.committed_step": step,
                                                        "llmserve.worker": self.worker_id})
             span.end(end_time=clock.ns(commit_start + commit_s))
         if self._metrics is not None:
             self._metrics.commit_time.observe(commit_s)
         self._observe_state()
+
+    def _last_step_link(self) -> list[Link] | None:
+        """A commit span links to the step whose results it commits (the last one traced)."""
+        return [Link(self._last_step)] if self._last_step is not None else None
 
     def _observe_state(self) -> None:
         """Queue gauges, and the requests that finished: histograms and their engine-side spans."""
