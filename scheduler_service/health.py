@@ -24,11 +24,6 @@ from shared.liveness import Activity, is_live, stalled_for
 REDIS_PING_TIMEOUT_SECONDS = 2.0
 
 
-def loop_activity(loop: EngineLoop) -> Activity:
-    """An engine loop's progress: it has work while any request is waiting, running or swapped."""
-    return Activity(has_work=not loop.is_idle, last_progress=loop.last_progress)
-
-
 class SchedulerHealth:
     """Evaluates the replica's health from its engine loops, its router's view and a Redis ping."""
 
@@ -45,7 +40,8 @@ class SchedulerHealth:
     async def evaluate(self) -> HealthState:
         now = time.monotonic()
         loops = list(self._loops())
-        activities = [loop_activity(loop) for loop in loops]
+        # A loop has work while any of its requests is waiting, running or swapped.
+        activities = [Activity(has_work=not loop.is_idle, last_progress=loop.last_progress) for loop in loops]
         live = is_live(activities, now, self._timeout_s)
         stalls = [] if live else [(loop, stalled_for(a, now)) for loop, a in zip(loops, activities)]
         reasons = [
