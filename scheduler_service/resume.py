@@ -10,8 +10,10 @@
                     the worker ran (same sequences, token counts, tables and block operations), lands
                     its result too. If the worker never ran N, N's block operations are replayed.
     4. resume       Resume(views): the worker checks each running sequence's tokens and blocks against
-                    its cache and keeps the ones that match; the others are recomputed here (and the
-                    prefix cache is forgotten when the worker's cache disagreed with the stored state).
+                    its cache and keeps the ones that match, as the views have them (the block manager
+                    marks those tables held: the next steps send them as deltas); the others are
+                    recomputed here (and the prefix cache is forgotten when the worker's cache disagreed
+                    with the stored state).
 
 Only a restarted worker (another instance id), a state committed with tokens in flight (async
 scheduling) or no stored state at all make the new owner recompute everything.
