@@ -132,9 +132,9 @@ class BlockManager:
         # each step hashes only new blocks. Only sequences allocated with caching on have one; a sequence that
         # lost its chain (swap-out, reset) never registers blocks again.
         self._block_hashes: dict[int, list[BlockHash]] = {}
-        # What the worker learns per table (take_table_update): the tables it must get in full; per other table
-        # the logical entries it holds once the updates taken so far arrive, and the changes since.
-        self._fresh: set[int] = set()
+        # What the worker learns per table (take_table_update): the logical entries it holds once the updates
+        # taken so far arrive, and the changes since. A table without an entry is one the worker has never seen
+        # (its next update sends it in full).
         self._num_held: dict[int, int] = {}
         self._changes: dict[int, TableUpdate] = {}
         # Sequences whose table left the device since take_released(): the worker may forget them.
@@ -346,13 +346,12 @@ class BlockManager:
         if num_full <= len(hashes):
             return
         self.block_pool.tick()
-        token_ids = seq.all_token_ids
-        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
-        for index in range(len(hashes), num_full):
-            start = index * self.block_size
-            parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])
-            self.block_pool.register(table[index], parent, start + self.block_size)
-            hashes.append(parent)
+        first, size = len(hashes), self.block_size
+        new = hash_full_blocks(seq.all_token_ids[first * size : num_full * size], size, num_full - first,
+                               hashes[-1] if hashes else ROOT_BLOCK_HASH)
+        for index, block_hash in enumerate(new, start=first):
+            self.block_pool.register(table[index], block_hash, (index + 1) * size)
+        hashes.extend(new)
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of seq that allocate() would take from the prefix cache now (a pure query)."""
@@ -428,7 +427,6 @@ class BlockManager:
         """
         table = self.block_tables.pop(seq_id)
         self._block_hashes.pop(seq_id, None)
-        self._fresh.discard(seq_id)
         self._num_held.pop(seq_id, None)
         self._changes.pop(seq_id, None)
         self._released.append(seq_id)
@@ -447,24 +445,21 @@ class BlockManager:
         if seq.seq_id in self.block_tables:
             raise ValueError(f"seq {seq.seq_id} already has a block table.")
         self.block_tables[seq.seq_id] = table
-        self._fresh.add(seq.seq_id)
 
     # -- what the worker learns ------------------------------------------------
 
     def take_table_update(self, seq: Sequence) -> TableUpdate:
         """What the worker learns of seq's table this step: all of it for a table it has never seen, else the
         logical entries appended and the copy-on-write replacements since the last update."""
-        if seq.seq_id in self._fresh:
-            self._fresh.discard(seq.seq_id)
-            self._changes.pop(seq.seq_id, None)
+        num_held = self._num_held.get(seq.seq_id)
+        if num_held is None:
             view = list(self.logical_block_table(seq))
             self._num_held[seq.seq_id] = len(view)
             return TableUpdate(view, in_full=True)
-        return self._changes.pop(seq.seq_id, None) or TableUpdate([], start=self._num_held[seq.seq_id])
+        return self._changes.pop(seq.seq_id, None) or TableUpdate([], start=num_held)
 
     def mark_held(self, seq: Sequence) -> None:
         """The worker holds seq's logical table as it is now (resumed for a new owner, or restored)."""
-        self._fresh.discard(seq.seq_id)
         self._changes.pop(seq.seq_id, None)
         self._num_held[seq.seq_id] = len(self.logical_block_table(seq))
 
