@@ -47,7 +47,7 @@ from scheduler_service.step_telemetry import StepTelemetry
 from scheduler_service.resume import RESET_TIMEOUT_SECONDS, WorkerResume
 from scheduler_service.sent_step import SentStep
 from scheduler_service.state_journal import StateJournal, step_record
-from scheduler_service.store import Pickup, RedisStore, StepCommit
+from scheduler_service.store import Pickup, RedisStore, RestoredRequest, StepCommit
 from shared import defaults
 from shared.metrics import EngineMetrics
 from shared.tracing import PerfClock, metadata_for
@@ -170,11 +170,7 @@ class EngineLoop:
             self._processor.add(record)
             self._telemetry.remember(record)
         # From a worker that left or drains: recomputed here from prompt + the outputs committed there.
-        for request in pickup.handed_over:
-            self._processor.restore(request)
-            self._telemetry.remember(request.record)
-        if pickup.handed_over:
-            log.info("worker %s: took over %d request(s) from another worker", self.worker_id, len(pickup.handed_over))
+        self._recompute(pickup.handed_over, "took over %d request(s) from another worker")
         unknown = [r for r in pickup.aborts if not self._processor.abort(r, commit)]
         if unknown:
             # Finished here already, or handed over to another worker before the abort arrived: the
@@ -210,18 +206,13 @@ class EngineLoop:
             self._on_owned(self.worker_id, epoch)
         return True
 
-    async def _restore(self, commit: StepCommit) -> None:
-        """Continues what an earlier owner of the worker left: requests it picked up, their outputs.
-
-        The worker is reset on takeover, so every restored sequence is recomputed from its
-        prompt and committed outputs (the first commit replaces the stored scheduler state).
-        """
-        restored = await self._store.load_picked_up(self.worker_id)
-        for request in restored:
+    def _recompute(self, requests: list[RestoredRequest], message: str) -> None:
+        """Queues requests to be recomputed from their prompts and committed outputs."""
+        for request in requests:
             self._processor.restore(request)
             self._telemetry.remember(request.record)
-        if restored:
-            log.info("worker %s: continuing %d request(s) of the previous owner", self.worker_id, len(restored))
+        if requests:
+            log.info("worker %s: " + message, self.worker_id, len(requests))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Runs until `stop` is set."""
@@ -231,7 +222,10 @@ class EngineLoop:
             # a commit of it still in flight) can take nothing more off the inbox, so the restore sees it all.
             self._planner.reset(await self._fleet.leases.next_epoch(self.worker_id))
             if not await self._resume(pending, stop):
-                await self._restore(pending)
+                # The worker is reset: what the last owner picked up is recomputed (the first commit replaces
+                # the stored scheduler state).
+                restored = await self._store.load_picked_up(self.worker_id)
+                self._recompute(restored, "continuing %d request(s) of the previous owner")
                 await self._own_worker(stop)
             await self._steps(stop, pending, Pickup([], []))
         finally:

@@ -28,11 +28,7 @@ from scheduler_service.core.token_budget import tokens_before_fork
 
 
 def fork_if_ready(group: SequenceGroup, block_manager: BlockManager) -> bool:
-    """Fork the pending sequences from a parent that computed all but its last prompt token.
-
-    They get the parent's table (blocks shared) and num_computed_tokens
-    and become RUNNING; True when that happened.
-    """
+    """Fork the pending sequences from a parent that computed all but its last prompt token; True if it did."""
     pending = group.pending_fork_seqs()
     if not pending:
         return False

@@ -36,16 +36,10 @@ class Preemption(enum.Enum):
 
 
 def preempt_group(group: SequenceGroup, block_manager: BlockManager, out: SchedulerOutput) -> Preemption:
-    """Preempt by swap (several sequences, all decoding) or else by recompute.
+    """Preempt by swap (several sequences, all decoding, with a CPU pool) or else by recompute (module doc).
 
-    Swap (only with a CPU pool): the RUNNING sequences' blocks move to CPU
-    (added to out.blocks_to_swap_out) and they become SWAPPED; without room
-    in the CPU pool the group fails and every unfinished sequence is freed.
-
-    Recompute: drop the KV, keep the tokens. Every RUNNING sequence of the
-    group is freed and reset (pending-fork ones hold nothing). Once forked
-    sequences have outputs they differ, so readmission prefills each one
-    separately (see BlockManager.allocate).
+    Swapped sequences' (device, cpu) pairs go to out.blocks_to_swap_out. A recomputed group keeps its tokens;
+    once forked sequences have outputs they differ, so readmission prefills each one separately.
     """
     running = group.get_seqs(SequenceStatus.RUNNING)
     swap = block_manager.num_cpu_blocks > 0 and len(running) > 1

@@ -1,30 +1,11 @@
-"""FCFS continuous-batching scheduler with a token budget and recompute preemption.
+"""FCFS continuous-batching scheduler with a token budget, preemption, chunked prefill and prefix caching.
 
-Optionally (vLLM semantics) with chunked prefill, where decodes, prompt chunks
-and new prompts share each step's token budget, and with prefix caching,
-where admitted prompts skip the tokens whose KV blocks are cached.
-
-Parallel sampling (a group of n sequences with one prompt) computes the prompt
-once and forks before the last prompt token (see group_fork.py): the parent
-prefills prompt_len - 1 tokens, then the n sequences decode the last prompt
-token in one step, each sampling its own first token.
-
-Preemption (vLLM v0 semantics, see preemption.py), when a decode finds no
-free KV slot, takes the latest-arrived running group: RECOMPUTE (blocks freed,
-the group waits at the front of the waiting queue) or, with a CPU swap space
-and several RUNNING sequences all decoding, SWAP (blocks moved to CPU, the
-group joins the swapped queue, FCFS); a swap with no CPU room fails the
-group (swap_failed).
-A later step that preempts nothing swaps groups back in (FCFS, while they
-fit with the watermark, the token budget and max_num_seqs) and schedules
-them in that same step as 1-token decodes with num_computed_tokens kept.
-A step never swaps both out and in, and nothing is admitted from the
-waiting queue while any group is swapped out.
-
-The parts, each in its own file: request_queues.py holds the queues and the request
-lifecycle, token_budget.py the token arithmetic, group_fork.py the fork of a
-parallel-sampling group and the copy-on-write slot order, preemption.py what
-a preempted group's sequences and blocks become; Scheduler plans the steps.
+vLLM v0 semantics. The parts, each in its own file: request_queues.py holds the queues and the
+request lifecycle, token_budget.py the token arithmetic (chunked prefill splits each step's budget
+between decodes, prompt chunks and new prompts), group_fork.py how a parallel-sampling group
+computes its prompt once and forks, preemption.py what a preempted group becomes (recompute or
+swap); Scheduler plans the steps (schedule) and records their results (update_after_step, or
+advance then resolve under async scheduling).
 """
 
 from __future__ import annotations
@@ -60,10 +41,6 @@ class Scheduler(RequestQueues):
     max_num_seqs counts sequences, not groups: every unfinished sequence of a
     running group, pending-fork ones included; a group is admitted only when
     all its sequences fit. The token budget counts each sequence's tokens.
-
-    The queues and the request lifecycle (add_request, abort_request,
-    finish_sequence, beam-search verbs) come from RequestQueues; this class
-    plans the steps.
     """
 
     @property
