@@ -26,7 +26,7 @@ from protos import common_pb2 as protos_dot_common__pb2
 from protos import worker_pb2 as protos_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/state.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\x1a\x13protos/worker.proto\"\xd2\x01\n\x0f\x41\x64mittedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x13\n\x0bhanded_over\x18\x08 \x01(\x08\"\x85\x01\n\x12WorkerRegistration\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x33\n\x0b\x64\x65scription\x18\x02 \x01(\x0b\x32\x1e.llmserve.v1.WorkerDescription\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x15\n\rregistered_at\x18\x04 \x01(\x01\"\xd9\x01\n\rSequenceState\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12/\n\x05table\x18\x04 \x01(\x0e\x32 .llmserve.v1.SequenceState.Table\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\r\x12\x19\n\x11num_hashed_blocks\x18\x06 \x01(\x05\"*\n\x05Table\x12\x0c\n\x08NO_TABLE\x10\x00\x12\n\n\x06\x44\x45VICE\x10\x01\x12\x07\n\x03\x43PU\x10\x02\"S\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x19\n\x11num_hashed_tokens\x18\x02 \x01(\r\x12\x15\n\rlast_accessed\x18\x03 \x01(\x03\"9\n\x0fScheduledTokens\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\"\xd6\x01\n\nStepRecord\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12/\n\tscheduled\x18\x03 \x03(\x0b\x32\x1c.llmserve.v1.ScheduledTokens\x12\'\n\x07swap_in\x18\x04 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12(\n\x08swap_out\x18\x05 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12$\n\x04\x63opy\x18\x06 \x03(\x0b\x32\x16.llmserve.v1.BlockPairb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/state.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\x1a\x13protos/worker.proto\"\xd2\x01\n\x0f\x41\x64mittedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x13\n\x0bhanded_over\x18\x08 \x01(\x08\"\x85\x01\n\x12WorkerRegistration\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x33\n\x0b\x64\x65scription\x18\x02 \x01(\x0b\x32\x1e.llmserve.v1.WorkerDescription\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x15\n\rregistered_at\x18\x04 \x01(\x01\"\xf6\x01\n\rSequenceState\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12/\n\x05table\x18\x04 \x01(\x0e\x32 .llmserve.v1.SequenceState.Table\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\r\x12\x19\n\x11num_hashed_blocks\x18\x06 \x01(\x05\x12\x1b\n\x13num_inflight_tokens\x18\x07 \x01(\r\"*\n\x05Table\x12\x0c\n\x08NO_TABLE\x10\x00\x12\n\n\x06\x44\x45VICE\x10\x01\x12\x07\n\x03\x43PU\x10\x02\"S\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x19\n\x11num_hashed_tokens\x18\x02 \x01(\r\x12\x15\n\rlast_accessed\x18\x03 \x01(\x03\"V\n\x0fScheduledTokens\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\"\xd6\x01\n\nStepRecord\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12/\n\tscheduled\x18\x03 \x03(\x0b\x32\x1c.llmserve.v1.ScheduledTokens\x12\'\n\x07swap_in\x18\x04 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12(\n\x08swap_out\x18\x05 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12$\n\x04\x63opy\x18\x06 \x03(\x0b\x32\x16.llmserve.v1.BlockPairb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,13 +38,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERREGISTRATION']._serialized_start=291
   _globals['_WORKERREGISTRATION']._serialized_end=424
   _globals['_SEQUENCESTATE']._serialized_start=427
-  _globals['_SEQUENCESTATE']._serialized_end=644
-  _globals['_SEQUENCESTATE_TABLE']._serialized_start=602
-  _globals['_SEQUENCESTATE_TABLE']._serialized_end=644
-  _globals['_CACHEDBLOCK']._serialized_start=646
-  _globals['_CACHEDBLOCK']._serialized_end=729
-  _globals['_SCHEDULEDTOKENS']._serialized_start=731
-  _globals['_SCHEDULEDTOKENS']._serialized_end=788
-  _globals['_STEPRECORD']._serialized_start=791
-  _globals['_STEPRECORD']._serialized_end=1005
+  _globals['_SEQUENCESTATE']._serialized_end=673
+  _globals['_SEQUENCESTATE_TABLE']._serialized_start=631
+  _globals['_SEQUENCESTATE_TABLE']._serialized_end=673
+  _globals['_CACHEDBLOCK']._serialized_start=675
+  _globals['_CACHEDBLOCK']._serialized_end=758
+  _globals['_SCHEDULEDTOKENS']._serialized_start=760
+  _globals['_SCHEDULEDTOKENS']._serialized_end=846
+  _globals['_STEPRECORD']._serialized_start=849
+  _globals['_STEPRECORD']._serialized_end=1063
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class WorkerRegistration(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., description: _Optional[_Union[_worker_pb2.WorkerDescription, _Mapping]] = ..., draining: _Optional[bool] = ..., registered_at: _Optional[float] = ...) -> None: ...
 
 class SequenceState(_message.Message):
-    __slots__ = ("seq_id", "status", "num_computed_tokens", "table", "block_table", "num_hashed_blocks")
+    __slots__ = ("seq_id", "status", "num_computed_tokens", "table", "block_table", "num_hashed_blocks", "num_inflight_tokens")
     class Table(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NO_TABLE: _ClassVar[SequenceState.Table]
@@ -57,13 +57,15 @@ class SequenceState(_message.Message):
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_HASHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     status: str
     num_computed_tokens: int
     table: SequenceState.Table
     block_table: _containers.RepeatedScalarFieldContainer[int]
     num_hashed_blocks: int
-    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., table: _Optional[_Union[SequenceState.Table, str]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_hashed_blocks: _Optional[int] = ...) -> None: ...
+    num_inflight_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., table: _Optional[_Union[SequenceState.Table, str]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_hashed_blocks: _Optional[int] = ..., num_inflight_tokens: _Optional[int] = ...) -> None: ...
 
 class CachedBlock(_message.Message):
     __slots__ = ("block_hash", "num_hashed_tokens", "last_accessed")
@@ -76,12 +78,14 @@ class CachedBlock(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ..., num_hashed_tokens: _Optional[int] = ..., last_accessed: _Optional[int] = ...) -> None: ...
 
 class ScheduledTokens(_message.Message):
-    __slots__ = ("seq_id", "num_new_tokens")
+    __slots__ = ("seq_id", "num_new_tokens", "num_computed_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_new_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
+    num_computed_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
     __slots__ = ("epoch", "step_id", "scheduled", "swap_in", "swap_out", "copy")

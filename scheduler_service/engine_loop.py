@@ -115,8 +115,10 @@ class EngineLoop:
         # liveness (scheduler_service/health.py) flags a loop holding work that has not stepped since.
         self.last_progress = time.monotonic()
         self._journal = StateJournal()
-        # The step sent and not landed yet (sync loop): its commit stores a record of it for a new owner.
+        # The steps sent and not landed yet, planned only and advanced (async scheduling): a commit stores
+        # records of them for a new owner.
         self._unlanded: SentStep | None = None
+        self._inflight: SentStep | None = None
         self._profiles = StepProfileWriter(profile_path) if profile_path is not None else None
         # Spans and metrics are built from the same per-step measurements as --profile-steps.
         self._telemetry = StepTelemetry(worker_id, scheduler, processor, tracer, metrics)
@@ -318,16 +320,15 @@ class EngineLoop:
         # holding its result. Awaited as is: a Task around it cost the loop one more turn per answer.
         sent = time.perf_counter()
         call = self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span))
-        step = SentStep(out, call, span, clock, profile, started, ingested, sent)
-        if not self._async_scheduling:
-            step.record = step_record(plan, out)
-            self._unlanded = step
+        step = SentStep(out, call, span, clock, profile, started, ingested, sent, record=step_record(plan, out))
+        self._unlanded = step
         return step
 
     def _advance(self, step: SentStep) -> SentStep:
         """Counts the step as running (Scheduler.advance): the next one is planned before it lands."""
         self._scheduler.advance(step.out)
         step.advanced = True
+        self._unlanded, self._inflight = None, step
         return step
 
     async def _land(
@@ -345,8 +346,7 @@ class EngineLoop:
         except grpc.aio.AioRpcError as exc:
             failure = exc
         finally:
-            if self._unlanded is step:
-                self._unlanded = None
+            self._forget_unlanded(step)
         stepped = time.perf_counter()
         pickup, commit_start, commit_s = await committed if committed is not None else (Pickup([], []), stepped, 0.0)
         if failure is not None:
@@ -355,6 +355,7 @@ class EngineLoop:
             if then is not None:
                 then.call.cancel()
                 then.span.end()
+                self._forget_unlanded(then)
             await self._on_worker_failure(failure, pending, stop)
             return False, pickup
         processing = time.perf_counter()
@@ -378,12 +379,19 @@ class EngineLoop:
         self._last_stepped = stepped
         return True, pickup
 
+    def _forget_unlanded(self, step: SentStep) -> None:
+        if self._unlanded is step:
+            self._unlanded = None
+        if self._inflight is step:
+            self._inflight = None
+
     def _commit(self, commit: StepCommit) -> Awaitable[Pickup]:
         # Fenced by the loop's epoch, stamped at commit time: the loop may have taken a newer epoch (worker
         # reset) since the commit began, and a loop that lost its worker to another replica writes nothing.
         commit.epoch = self._planner.epoch
         self._journal.write(self._scheduler, commit, None if self._unlanded is None else self._unlanded.record,
-                            (self._planner.epoch, self._planner.last_step_id))
+                            (self._planner.epoch, self._planner.last_step_id),
+                            None if self._inflight is None else self._inflight.record)
         return self._store.commit(commit)
 
     async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit, stop: asyncio.Event) -> None:

@@ -82,11 +82,11 @@ def cached_blocks(worker_id: str) -> str:
     return f"{PREFIX}:w:{worker_id}:cached"
 
 
-# Fields of the engine hash: whether the stored state restores exactly ("1"), the prefix cache's clock, the
-# StepRecord of a step sent and not landed, the last step sent ("epoch:step id") and the worker instance
-# whose KV cache the state describes.
-ENGINE_VALID, ENGINE_CLOCK, ENGINE_STEP, ENGINE_LAST_SENT, ENGINE_INSTANCE = (
-    "valid", "clock", "step", "last_sent", "instance")
+# Fields of the engine hash: whether the stored state may be continued ("1"), the prefix cache's clock, the
+# StepRecords of the step sent and not landed and of the step in flight (async scheduling), the last step
+# sent ("epoch:step id") and the worker instance whose KV cache the state describes.
+ENGINE_VALID, ENGINE_CLOCK, ENGINE_STEP, ENGINE_INFLIGHT, ENGINE_LAST_SENT, ENGINE_INSTANCE = (
+    "valid", "clock", "step", "inflight", "last_sent", "instance")
 
 
 def engine(worker_id: str) -> str:

@@ -3,20 +3,23 @@
     1. fence only   Reset(epoch, keep_cache): the old owner can no longer run a step; the worker
                     answers with its instance id and the last steps it ran (results included).
     2. rebuild      the scheduler from the state the old owner committed (takeover.py), exactly.
-    3. land         the stored state is "step N planned, not landed". If the worker ran N, its kept
-                    result lands here (tokens appended, outputs published): nothing is computed
-                    again. If it ran the step after N as well (sent before the old owner's next
-                    commit returned), this owner plans that step itself and, when the plan is the one
-                    the worker ran (same sequences, token counts, tables and block operations), lands
-                    its result too. If the worker never ran N, N's block operations are replayed.
+    3. land         the stored state is "step N planned, not landed" (with async scheduling also "step
+                    N-1 counted as run, its samples in flight": the worker ran it, its result lands
+                    first). If the worker ran N, its kept result lands here (tokens appended, outputs
+                    published): nothing is computed again. If it ran the step after N as well (sent
+                    before the old owner's next commit returned), this owner plans that step itself,
+                    as the old owner did (with N in flight under async scheduling), and when the plan
+                    is the one the worker ran (same sequences, token counts, tables and block
+                    operations) lands its result too. If the worker never ran N, N's block operations
+                    are replayed.
     4. resume       Resume(views): the worker checks each running sequence's tokens and blocks against
                     its cache and keeps the ones that match, as the views have them (the block manager
                     marks those tables held: the next steps send them as deltas); the others are
                     recomputed here (and the prefix cache is forgotten when the worker's cache disagreed
                     with the stored state).
 
-Only a restarted worker (another instance id), a state committed with tokens in flight (async
-scheduling) or no stored state at all make the new owner recompute everything.
+Only a restarted worker (another instance id), a step in flight that the worker never ran, or no
+stored state at all make the new owner recompute everything.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from protos import state_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceStatus
-from scheduler_service.core.snapshot import load_snapshot, restore_scheduler, restore_step, snapshot_scheduler
+from scheduler_service.core.snapshot import (
+    load_snapshot,
+    restore_inflight_step,
+    restore_scheduler,
+    restore_step,
+    snapshot_scheduler,
+)
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner, sequence_sampling
 from scheduler_service.store import StepCommit, StoredEngineState
@@ -59,8 +68,12 @@ class Resumed:
     needs_reset: bool = False
 
 
-def _key(step: worker_pb2.ExecutedStep) -> tuple[int, int]:
+def _key(step: worker_pb2.ExecutedStep | state_pb2.StepRecord) -> tuple[int, int]:
     return step.epoch, step.step_id
+
+
+def _ids(out: SchedulerOutput) -> set[int]:
+    return {s.seq.seq_id for s in out.scheduled}
 
 
 def _pairs(pairs: object) -> list[tuple[int, int]]:
@@ -99,6 +112,10 @@ class WorkerResume:
         if fenced.instance_id != state.instance_id:
             log.info("worker %s restarted since its state was stored (instance %s, stored %s): recomputing",
                      self._worker_id, fenced.instance_id, state.instance_id or "none")
+            return None
+        if state.inflight is not None and _key(state.inflight) not in {_key(s) for s in fenced.last_steps}:
+            log.warning("worker %s never ran step %s, which its stored state counts as run: recomputing",
+                        self._worker_id, _key(state.inflight))
             return None
         try:
             load_snapshot(self._scheduler, takeover.snapshot)
@@ -145,15 +162,33 @@ class WorkerResume:
         newest = _key(steps[-1]) if steps else (0, 0)
         known = state.last_sent
         landed, replay = 0, None
+        if state.inflight is not None:  # run() checked that the worker ran it
+            out = restore_inflight_step(self._scheduler, [(t.seq_id, t.num_new_tokens, t.num_computed_tokens)
+                                                          for t in state.inflight.scheduled if t.seq_id in continued])
+            result = _only(executed[_key(state.inflight)].result, _ids(out))
+            self._processor.process(out, result, commit, advanced=True)
+            landed = 1
+        # A landed step counted as run while the next one is planned (as the old owner did under async
+        # scheduling), its result processed after that planning.
+        in_flight: tuple[SchedulerOutput, worker_pb2.StepResult] | None = None
         record = state.step
         if record is not None:
-            key = (record.epoch, record.step_id)
+            key = _key(record)
             if key in executed:
-                scheduled = [(t.seq_id, t.num_new_tokens) for t in record.scheduled if t.seq_id in continued]
+                # Less the sequences a landed step in flight ended with their whole request.
+                sched = self._scheduler
+                held = {s.seq_id for g in (*sched.waiting, *sched.running, *sched.swapped) for s in g.seqs}
+                scheduled = [(t.seq_id, t.num_new_tokens) for t in record.scheduled
+                             if t.seq_id in continued and t.seq_id in held]
                 out = restore_step(self._scheduler, scheduled, _pairs(record.swap_in), _pairs(record.swap_out),
                                    _pairs(record.copy))
-                self._processor.process(out, _only(executed[key].result, continued), commit)
-                landed = 1
+                result = _only(executed[key].result, _ids(out))
+                if state.inflight is not None and newest > key:
+                    self._scheduler.advance(out)
+                    in_flight = (out, result)
+                else:
+                    self._processor.process(out, result, commit)
+                landed += 1
             elif newest < key:
                 replay = worker_pb2.ExecutedStep(swap_in=record.swap_in, swap_out=record.swap_out, copy=record.copy)
                 return landed, replay, True
@@ -161,13 +196,16 @@ class WorkerResume:
         if newest <= known:
             return landed, replay, True
         # The worker ran the step after the stored ones: land it if this owner plans exactly that step.
-        if newest[0] == known[0] and newest[1] == known[1] + 1 and self._lands_next(steps[-1], commit):
+        if newest[0] == known[0] and newest[1] == known[1] + 1 and self._lands_next(steps[-1], commit, in_flight):
             return landed + 1, None, True
+        if in_flight is not None:
+            self._processor.process(*in_flight, commit, advanced=True)
         log.warning("worker %s ran step %s, which the stored state does not account for: its sequences are "
                     "checked against the cache and the prefix cache is forgotten", self._worker_id, newest)
         return landed, None, False
 
-    def _lands_next(self, step: worker_pb2.ExecutedStep, commit: StepCommit) -> bool:
+    def _lands_next(self, step: worker_pb2.ExecutedStep, commit: StepCommit,
+                    in_flight: tuple[SchedulerOutput, worker_pb2.StepResult] | None) -> bool:
         scratch = restore_scheduler(self._scheduler.scheduler_config, self._scheduler.cache_config,
                                     snapshot_scheduler(self._scheduler))
         if not _same_step(scratch, scratch.schedule(), step):
@@ -175,6 +213,8 @@ class WorkerResume:
         out, _ = self._plan_step(commit)
         if not _same_step(self._scheduler, out, step):  # the same schedule on the same state: cannot differ
             raise RuntimeError("planning the same state twice gave two different steps")
+        if in_flight is not None:
+            self._processor.process(*in_flight, commit, advanced=True)
         self._processor.process(out, step.result, commit)
         return True
 

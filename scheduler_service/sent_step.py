@@ -28,5 +28,5 @@ class SentStep:
     sent: float
     # The scheduler advanced it (Scheduler.advance) and planned the next step before its result came back.
     advanced: bool = False
-    # What its commit stores of it for a new owner while it has not landed (sync loop only).
+    # What a commit stores of it for a new owner while it has not landed.
     record: state_pb2.StepRecord | None = None

@@ -9,12 +9,12 @@ Redis holds the scheduler's whole state, so that a new owner of the worker rebui
     w:{id}:seqs                  a sequence's state changed      SequenceState per seq id
     w:{id}:cached                a block's registration or       CachedBlock per block id
                                  evictor stamp changed
-    w:{id}:engine                every commit                    valid, clock, step (StepRecord)
+    w:{id}:engine                every commit                    valid, clock, the steps not landed
     w:{id}:stats                 the cache's counts changed      free / total blocks, prefix lookups
 
 Tokens are in the sequences' token lists and the prompts and parameters in the request records
-(both written by the step's results). A commit made with tokens in flight (async scheduling) marks
-the state not valid: a new owner then recomputes, as it does when no state was stored.
+(both written by the step's results); a token in flight (async scheduling) is counted per sequence
+until the step that samples it lands.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def step_record(plan: worker_pb2.StepPlan, out: SchedulerOutput) -> state_pb2.St
     record = state_pb2.StepRecord(epoch=plan.epoch, step_id=plan.step_id)
     for item in out.scheduled:
         if not item.seq.is_finished:
-            record.scheduled.add(seq_id=item.seq.seq_id, num_new_tokens=item.num_new_tokens)
+            record.scheduled.add(seq_id=item.seq.seq_id, num_new_tokens=item.num_new_tokens,
+                                 num_computed_tokens=item.num_computed_tokens)
     record.swap_in.extend(plan.swap_in)
     record.swap_out.extend(plan.swap_out)
     record.copy.extend(plan.copy)
@@ -61,10 +62,11 @@ class StateJournal:
         self._instance_id = instance_id
 
     def write(self, scheduler: Scheduler, commit: StepCommit, unlanded: state_pb2.StepRecord | None,
-              last_sent: tuple[int, int]) -> None:
+              last_sent: tuple[int, int], inflight: state_pb2.StepRecord | None = None) -> None:
         """Queues, cache counts and the restorable state into `commit`.
 
-        unlanded: the step sent and not landed, if any (a sync loop's commit runs beside it);
+        unlanded: the step planned and sent, not landed nor advanced, if any (the commit runs beside it);
+        inflight: the step advanced and not landed (async scheduling: its samples are the tokens in flight);
         last_sent: (epoch, step id) of the last step sent.
         """
         self._write_queues(scheduler, commit)
@@ -72,11 +74,6 @@ class StateJournal:
         keyed: dict[int, tuple] = {}
         for group in (*scheduler.waiting, *scheduler.running, *scheduler.swapped):
             for seq in group.seqs:
-                if seq.num_inflight_tokens:
-                    # Tokens in flight are in no stored list: the state is not one a restore could continue.
-                    commit.engine_fields[keys.ENGINE_VALID] = b"0"
-                    self._rewrite = True
-                    return
                 keyed[seq.seq_id] = self._seq_key(scheduler, seq)
         pool = scheduler.block_manager.block_pool
         if self._rewrite:
@@ -105,10 +102,11 @@ class StateJournal:
         commit.engine_fields[keys.ENGINE_VALID] = b"1"
         commit.engine_fields[keys.ENGINE_CLOCK] = str(pool.clock).encode()
         commit.engine_fields[keys.ENGINE_LAST_SENT] = f"{last_sent[0]}:{last_sent[1]}".encode()
-        if unlanded is not None:
-            commit.engine_fields[keys.ENGINE_STEP] = unlanded.SerializeToString()
-        else:
-            commit.dropped_engine_fields.append(keys.ENGINE_STEP)
+        for field, record in ((keys.ENGINE_STEP, unlanded), (keys.ENGINE_INFLIGHT, inflight)):
+            if record is not None:
+                commit.engine_fields[field] = record.SerializeToString()
+            else:
+                commit.dropped_engine_fields.append(field)
 
     @staticmethod
     def _seq_key(scheduler: Scheduler, seq: Sequence) -> tuple:
@@ -118,7 +116,8 @@ class StateJournal:
         chain = bm.chain_length(seq.seq_id)
         kind, blocks = (_TABLE.DEVICE, table) if table is not None else (
             (_TABLE.CPU, cpu_table) if cpu_table is not None else (_TABLE.NO_TABLE, ()))
-        return seq.status.name, seq.num_computed_tokens, kind, tuple(blocks), -1 if chain is None else chain
+        return (seq.status.name, seq.num_computed_tokens, kind, tuple(blocks), -1 if chain is None else chain,
+                seq.num_inflight_tokens)
 
     def _write_queues(self, scheduler: Scheduler, commit: StepCommit) -> None:
         """Queue order and free blocks go into a commit only when they changed (an idle loop writes nothing)."""
@@ -141,6 +140,6 @@ class StateJournal:
 
 
 def _sequence_state(seq_id: int, key: tuple) -> state_pb2.SequenceState:
-    status, computed, kind, blocks, chain = key
+    status, computed, kind, blocks, chain, inflight = key
     return state_pb2.SequenceState(seq_id=seq_id, status=status, num_computed_tokens=computed, table=kind,
-                                   block_table=blocks, num_hashed_blocks=chain)
+                                   block_table=blocks, num_hashed_blocks=chain, num_inflight_tokens=inflight)

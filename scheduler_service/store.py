@@ -295,12 +295,13 @@ class RedisStore:
         restored = {r.record.request_id: r for r in await self._restore_picked_up(live, inbox)}
         in_queues = {r for q in queues for r in q}
         fields = {k.decode(): v for k, v in engine.items()}
-        step = fields.get(keys.ENGINE_STEP)
+        step, inflight = fields.get(keys.ENGINE_STEP), fields.get(keys.ENGINE_INFLIGHT)
         epoch, _, step_id = fields.get(keys.ENGINE_LAST_SENT, b"0:0").decode().partition(":")
         return StoredEngineState(
             valid=fields.get(keys.ENGINE_VALID) == b"1",
             clock=int(fields.get(keys.ENGINE_CLOCK, 0)),
             step=state_pb2.StepRecord.FromString(step) if step is not None else None,
+            inflight=state_pb2.StepRecord.FromString(inflight) if inflight is not None else None,
             last_sent=(int(epoch), int(step_id or 0)),
             instance_id=fields.get(keys.ENGINE_INSTANCE, b"").decode(),
             waiting=queues[0], running=queues[1], swapped=queues[2],

@@ -169,12 +169,14 @@ class Pickup:
 class StoredEngineState:
     """A worker's scheduler state as its last owner committed it (RedisStore.load_engine_state)."""
 
-    # The state restores exactly (the last commit was made with no token in flight).
+    # The state may be continued (no resume from it failed).
     valid: bool
     # The prefix cache's logical clock.
     clock: int
-    # The step the last owner had sent and not landed at its last commit, if any.
+    # The steps the last owner had sent and not landed at its last commit: planned and not counted as run,
+    # and counted as run with its samples in flight (async scheduling).
     step: state_pb2.StepRecord | None
+    inflight: state_pb2.StepRecord | None
     # (epoch, step id) of the last step it had sent; the worker instance its state describes.
     last_sent: tuple[int, int]
     instance_id: str

@@ -42,8 +42,7 @@ class Takeover:
 def takeover_from_store(state: StoredEngineState) -> Takeover:
     """The stored state as a snapshot. Raises ValueError when it is not valid or not complete."""
     if not state.valid:
-        raise ValueError("the stored state is marked not to be continued (committed with tokens in flight under "
-                         "async scheduling, or a resume from it failed)")
+        raise ValueError("the stored state is marked not to be continued (a resume from it failed)")
     continued: dict[str, RestoredRequest] = {}
     recomputed: list[RestoredRequest] = []
     queues: list[list[GroupSnapshot]] = [[], [], []]
@@ -91,5 +90,6 @@ def _group(request: RestoredRequest, state: StoredEngineState, params: SamplingP
             block_table=table if stored.table == _TABLE.DEVICE else None,
             cpu_block_table=table if stored.table == _TABLE.CPU else None,
             num_hashed_blocks=None if stored.num_hashed_blocks < 0 else stored.num_hashed_blocks,
+            num_inflight_tokens=stored.num_inflight_tokens,
         ))
     return GroupSnapshot(record.request_id, tuple(record.prompt_token_ids), params, record.arrival_time, tuple(seqs))

@@ -56,9 +56,10 @@ class ExecutedStepData:
     scheduled: list[tuple[int, int, int]]
 
 
-# Steps kept: the one whose plan the last owner committed, and the one after it (sent before that
-# commit returned, the owner may have died meanwhile).
-KEPT_STEPS = 2
+# Steps kept: the one whose plan the last owner committed, the one after it (sent before that commit
+# returned, the owner may have died meanwhile) and, under async scheduling, the one before it (counted as run
+# in that commit, its result not landed).
+KEPT_STEPS = 3
 
 
 def eos_token_ids(config: PretrainedConfig, path: str) -> list[int]:

@@ -50,6 +50,15 @@ class ScheduledSequence:
                 f"{self.seq.seq_id}, got {self.num_new_tokens}."
             )
 
+    @classmethod
+    def as_planned(cls, group: SequenceGroup, seq: Sequence, num_new_tokens: int, num_computed_tokens: int,
+                   num_tokens: int) -> ScheduledSequence:
+        """The entry of a step planned before seq's counts moved on (a restored step in flight)."""
+        item = cls.__new__(cls)
+        item.group, item.seq, item.num_new_tokens, item.table = group, seq, num_new_tokens, None
+        item.num_computed_tokens, item.num_tokens = num_computed_tokens, num_tokens
+        return item
+
     @property
     def is_prefill(self) -> bool:
         """True for prompt (or recompute) processing rather than a single decode."""

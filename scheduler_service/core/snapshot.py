@@ -19,8 +19,8 @@ What is stored and what is derived:
 
 Reference counts are derived because every reference is a table entry: fork,
 prefix-cache hits and swaps each add one per table. A snapshot is taken between
-steps or right after schedule() (a step planned, not yet run): with tokens in
-flight (async scheduling) the state is not one a restore could continue.
+steps, right after schedule() (a step planned, not yet run), or with a step
+advanced and not landed (async scheduling: its samples are tokens in flight).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class SeqSnapshot:
     cpu_block_table: tuple[int, ...] | None = None
     # Leading blocks of its table already considered for the prefix cache; None: it registers none.
     num_hashed_blocks: int | None = None
+    # Tokens sampled by a step in flight (Sequence.num_inflight_tokens).
+    num_inflight_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,14 +87,12 @@ def snapshot_scheduler(scheduler: Scheduler) -> SchedulerSnapshot:
     bm = scheduler.block_manager
 
     def seq_snapshot(seq: Sequence) -> SeqSnapshot:
-        if seq.num_inflight_tokens:
-            raise ValueError(f"seq {seq.seq_id} has a token in flight: its state cannot be restored as it is.")
         table = bm.block_tables.get(seq.seq_id)
         cpu_table = bm.swapper.cpu_tables.get(seq.seq_id)
         return SeqSnapshot(
             seq.seq_id, seq.status, tuple(seq.output_token_ids), seq.num_computed_tokens,
             None if table is None else tuple(table), None if cpu_table is None else tuple(cpu_table),
-            bm.chain_length(seq.seq_id),
+            bm.chain_length(seq.seq_id), seq.num_inflight_tokens,
         )
 
     def group_snapshot(group: SequenceGroup) -> GroupSnapshot:
@@ -150,6 +150,7 @@ def _fill(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
             ]
             queue.append(SequenceGroup(g.request_id, seqs, g.sampling_params, g.arrival_time))
             for seq, s in zip(seqs, g.seqs):
+                seq.num_inflight_tokens = s.num_inflight_tokens
                 if s.block_table is not None:
                     tables.append((seq, list(s.block_table)))
                 if s.cpu_block_table is not None:
@@ -183,5 +184,25 @@ def restore_step(
             raise ValueError(f"the step schedules seq {seq_id}, which the restored scheduler does not hold.")
         group, seq = seqs[seq_id]
         out.scheduled.append(ScheduledSequence(group, seq, num_new_tokens))
+    out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+    return out
+
+
+def restore_inflight_step(scheduler: Scheduler, scheduled: list[tuple[int, int, int]]) -> SchedulerOutput:
+    """The SchedulerOutput of a step advanced before the snapshot and not landed (async scheduling):
+    (seq id, new tokens, computed count when planned) in plan order.
+
+    Its sequences' counts moved on since it was planned (Scheduler.advance), so each entry is rebuilt as
+    planned: it samples exactly when the sequence holds a token in flight, which only this step can have added
+    (the one before it landed first). Sequences the restored scheduler no longer holds are left out.
+    """
+    seqs = {s.seq_id: (g, s) for g in (*scheduler.running, *scheduler.swapped, *scheduler.waiting) for s in g.seqs}
+    out = SchedulerOutput()
+    for seq_id, num_new_tokens, num_computed_tokens in scheduled:
+        if seq_id in seqs:
+            group, seq = seqs[seq_id]
+            num_tokens = num_computed_tokens + num_new_tokens if seq.num_inflight_tokens else seq.num_tokens
+            out.scheduled.append(ScheduledSequence.as_planned(group, seq, num_new_tokens, num_computed_tokens,
+                                                              num_tokens))
     out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
     return out

@@ -4,7 +4,8 @@ The worker's lease moves to the standby once it expires; the standby rebuilds th
 (queues, block tables with their prefix-cache hashes, computed counts, swapped tables), fences the worker
 without dropping its cache, lands the step the dead replica did not, and goes on. The worker counts every
 token computed again for a sequence whose KV it still held: there must be none. Every stream must end
-with transformers' greedy tokens, and generation must pause for about the lease TTL only.
+with transformers' greedy tokens, and generation must pause for about the lease TTL only. Both engine
+loops: the async one's commits also hold a step counted as run and not landed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from protos import generation_pb2
 from scheduler_service import keys
 from shared.redis_server import free_port
 from tests.e2e.cluster_checks import assert_all_blocks_free, describe_worker
+from tests.e2e.engine_modes import SCHEDULING
 from tests.hf_reference import HFReference, compare_greedy
 
 LEASE_TTL_S = 2
@@ -38,15 +40,15 @@ SCHEDULER_ARGS = ["--enable-prefix-caching", "--max-num-seqs", "16", "--max-num-
                   "--lease-ttl", str(LEASE_TTL_S)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
+@pytest.fixture(scope="module", params=list(SCHEDULING))
+def cluster(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model=str(tiny_llama_dir),
         # 120 blocks of 16 tokens hold four of the seven groups to the end: the others are swapped out
         # (2 MB of swap space is ~130 blocks of the tiny model).
         worker_args=["--num-gpu-blocks-override", "120", "--swap-space", "0.002", "--max-model-len", "1024",
                      "--num-threads", "1"],
-        scheduler_args=SCHEDULER_ARGS,
+        scheduler_args=[*SCHEDULER_ARGS, *SCHEDULING[request.param]],
     )
     with LocalCluster(spec) as c:
         yield c
@@ -87,7 +89,7 @@ def _wait(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001
 def _start_standby(cluster: LocalCluster, log: Path) -> subprocess.Popen:
     port = free_port()
     cmd = [sys.executable, "-m", "llmserve", "scheduler", "--model", cluster.spec.model, "--host", "127.0.0.1",
-           "--port", str(port), "--redis-url", cluster.redis_url, *SCHEDULER_ARGS]
+           "--port", str(port), "--redis-url", cluster.redis_url, *cluster.spec.scheduler_args]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
@@ -130,6 +132,9 @@ def test_the_standby_replica_continues_on_the_workers_cache(cluster: LocalCluste
         _wait(busy, 120, "the worker never ran four groups with others swapped out")
         cluster.kill("scheduler")
         killed = time.monotonic()
+        # A busy async loop commits with a step in flight, which the standby lands first.
+        async_loop = "--async-scheduling" in cluster.spec.scheduler_args
+        assert rds.hexists(keys.engine(w), keys.ENGINE_INFLIGHT) == async_loop
         at_kill = {rid: sum(len(t) for t in _streams(rds, rid)[0].values()) for rid in ids}
         stats = {k.decode(): int(v) for k, v in rds.hgetall(keys.stats(w)).items()}
         running, swapped = rds.llen(keys.running(w)), rds.llen(keys.swapped(w))

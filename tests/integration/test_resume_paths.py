@@ -10,7 +10,11 @@ plan and send step N, commit (N's plan, N-1's results) beside it, land N. It sto
 - after committing N's plan and before sending N: the worker never ran N, its block operations (a fork's
   copy-on-write) are replayed;
 
-and a new owner (WorkerResume, the engine loop's takeover) continues. Every request must end with
+The same three points are taken in the async loop (plan and send N+1, commit beside it, land N, count N+1 as
+run), whose commits also hold a step counted as run and not landed: the new owner lands it first, and
+plans the step after N (when the worker ran it) with N in flight, as the old owner did.
+
+A new owner (WorkerResume, the engine loop's takeover) continues. Every request must end with
 transformers' greedy tokens, and the worker must have computed no token twice.
 """
 
@@ -79,6 +83,8 @@ class Owner:
         self.journal = StateJournal()
         self.journal.restart(desc.instance_id)
         self.pending = StepCommit(W)
+        # Async loop: the step counted as run and not landed, with its call.
+        self.inflight: tuple[SchedulerOutput, worker_pb2.StepPlan, object] | None = None
 
     def plan(self, commit: StepCommit) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
         out = self.scheduler.schedule()
@@ -88,7 +94,8 @@ class Owner:
         c, self.pending = self.pending, StepCommit(W)
         c.epoch = self.planner.epoch
         record = step_record(unlanded, out) if unlanded is not None else None
-        self.journal.write(self.scheduler, c, record, (self.planner.epoch, self.planner.last_step_id))
+        inflight = step_record(self.inflight[1], self.inflight[0]) if self.inflight is not None else None
+        self.journal.write(self.scheduler, c, record, (self.planner.epoch, self.planner.last_step_id), inflight)
         pickup = await self.store.commit(c)
         for admitted in pickup.admitted:
             self.processor.add(admitted)
@@ -111,6 +118,39 @@ class Owner:
         self.processor.process(out, result, self.pending)
         return ""
 
+    async def async_step(self, stop_at: str = "") -> str:
+        """One iteration of the async loop: plan and send N+1, commit beside it, land N, count N+1 as run."""
+        out, plan = self.plan(self.pending)
+        if plan is None:
+            await self.commit()
+            if self.inflight is None:
+                return "idle"
+            await self.land_inflight()
+            return ""
+        if stop_at == "before_send":
+            await self.commit(plan, out)
+            assert self.inflight is not None
+            await self.inflight[2]  # the worker ran the step in flight, never the planned one
+            return stop_at
+        call = self.stub.ExecuteStep(plan, timeout=60)
+        if stop_at == "unlanded_next":
+            await call
+            return stop_at  # sent and run, its commit never made
+        await self.commit(plan, out)
+        if stop_at == "unlanded":
+            await call  # the worker ran both
+            return stop_at
+        if self.inflight is not None:
+            await self.land_inflight()
+        self.scheduler.advance(out)
+        self.inflight = (out, plan, call)
+        return ""
+
+    async def land_inflight(self) -> None:
+        assert self.inflight is not None
+        (out, _, call), self.inflight = self.inflight, None
+        self.processor.process(out, await call, self.pending, advanced=True)
+
 
 def _fork_copies(owner: Owner) -> bool:
     """Whether the next step forks a request (its children copy the parent's last block on write)."""
@@ -119,11 +159,13 @@ def _fork_copies(owner: Owner) -> bool:
         for g in owner.scheduler.running if g.pending_fork_seqs() for parent in g.get_seqs(SequenceStatus.RUNNING))
 
 
-@pytest.mark.parametrize(("stop_at", "landed", "fork"), [
-    ("unlanded", 1, False), ("unlanded_next", 2, False), ("before_send", 0, True),
-])
+CASES = [("unlanded", 1, False, False), ("unlanded_next", 2, False, False), ("before_send", 0, True, False),
+         ("unlanded", 2, False, True), ("unlanded_next", 3, False, True), ("before_send", 1, True, True)]
+
+
+@pytest.mark.parametrize(("stop_at", "landed", "fork", "async_loop"), CASES)
 def test_a_new_owner_continues_wherever_the_old_one_stopped(
-    worker_address: str, tiny_llama_dir: Path, stop_at: str, landed: int, fork: bool
+    worker_address: str, tiny_llama_dir: Path, stop_at: str, landed: int, fork: bool, async_loop: bool
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
 
@@ -135,7 +177,7 @@ def test_a_new_owner_continues_wherever_the_old_one_stopped(
             stub = worker_pb2_grpc.WorkerStub(channel)
             try:
                 desc = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
-                plain.set(keys.epoch(W), 1000 + 10 * ["unlanded", "unlanded_next", "before_send"].index(stop_at))
+                plain.set(keys.epoch(W), 1000 + 10 * CASES.index((stop_at, landed, fork, async_loop)))
                 epoch = int(plain.get(keys.epoch(W)))
                 await stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=10)
                 recomputed_before = desc.num_recomputed_tokens
@@ -149,17 +191,18 @@ def test_a_new_owner_continues_wherever_the_old_one_stopped(
                     record = to_record(admitted, await store.reserve_seq_ids(admitted.sampling.num_sequences), W, i)
                     await store.admit(record)
                 await old.commit()  # picks them up
+                step = old.async_step if async_loop else old.step
                 if fork:
                     # Stop right at the fork step, whose copy-on-write the replay must do.
                     while not _fork_copies(old):
-                        assert await old.step() == ""
+                        assert await step() == ""
                 else:
                     for _ in range(3):
-                        assert await old.step() == ""
+                        assert await step() == ""
                 if stop_at == "unlanded_next":
                     # Step N runs whole (its plan committed beside it, landed after); N+1 runs, uncommitted.
-                    assert await old.step() == ""
-                assert await old.step(stop_at) == stop_at
+                    assert await step() == ""
+                assert await step(stop_at) == stop_at
 
                 plain.incr(keys.epoch(W))
                 new = Owner(epoch + 1, stub, store, tokenizer, desc)
@@ -167,6 +210,7 @@ def test_a_new_owner_continues_wherever_the_old_one_stopped(
                 state = await store.load_engine_state(W)
                 assert state is not None and state.step is not None
                 assert bool(state.step.copy) == fork  # the fork step's copy-on-write, to replay
+                assert (state.inflight is not None) == async_loop
                 resumed = await resume.run(state, new.pending)
                 assert resumed is not None and not resumed.needs_reset
                 assert (resumed.landed_steps, resumed.continued, resumed.recomputed) == (landed, len(PROMPTS), 0)

@@ -21,11 +21,13 @@ from scheduler_service.core.snapshot import (
     GroupSnapshot,
     SchedulerSnapshot,
     SeqSnapshot,
+    restore_inflight_step,
     restore_scheduler,
     restore_step,
     snapshot_scheduler,
 )
 from shared.sampling_params import SamplingParams
+from tests.unit.test_async_scheduling import AsyncSchedulerMachine
 from tests.unit.test_chunked_prefill import ChunkedPrefixCachingMachine, SlidingWindowMachine
 from tests.unit.test_scheduler import SchedulerMachine, make_group, make_parallel_group, make_scheduler, plan, step
 
@@ -78,6 +80,22 @@ class RestoreRule:
             assert rebuilt_items == live_items
             self.pending = out
             event("restored with a step planned")
+        inflight: SchedulerOutput | None = getattr(self, "inflight", None)
+        if inflight is not None:
+            # Counted as run, not landed (async scheduling): rebuilt as it was planned.
+            out = restore_inflight_step(
+                rebuilt, [(s.seq.seq_id, s.num_new_tokens, s.num_computed_tokens) for s in inflight.scheduled])
+            held = {s.seq.seq_id for s in out.scheduled}
+            live_items = [(s.seq.seq_id, s.num_new_tokens, s.num_computed_tokens, s.num_tokens, s.samples)
+                          for s in inflight.scheduled if s.seq.seq_id in held]
+            rebuilt_items = [(s.seq.seq_id, s.num_new_tokens, s.num_computed_tokens, s.num_tokens, s.samples)
+                             for s in out.scheduled]
+            assert rebuilt_items == live_items
+            assert held == {s.seq.seq_id for s in inflight.scheduled
+                            if any(s.group is g for g in (*live.waiting, *live.running, *live.swapped))}
+            self.inflight = out
+            if any(s.samples for s in out.scheduled):
+                event("restored with tokens in flight")
         if rebuilt.swapped:
             event("restored with swapped groups")
         if any(e.last_accessed is not None for e in snapshot_scheduler(rebuilt).cached_blocks):
@@ -97,10 +115,16 @@ class RestoredSlidingWindowMachine(RestoreRule, SlidingWindowMachine):
     """Ring tables (a sliding window) restored at random points."""
 
 
+class RestoredAsyncSchedulerMachine(RestoreRule, AsyncSchedulerMachine):
+    """Driven one step ahead (async scheduling): restored with a step in flight and the next one planned."""
+
+
 TestRestoredSchedulerMachine = RestoredSchedulerMachine.TestCase
 TestRestoredPrefixCachingMachine = RestoredPrefixCachingMachine.TestCase
 TestRestoredSlidingWindowMachine = RestoredSlidingWindowMachine.TestCase
-for case in (TestRestoredSchedulerMachine, TestRestoredPrefixCachingMachine, TestRestoredSlidingWindowMachine):
+TestRestoredAsyncSchedulerMachine = RestoredAsyncSchedulerMachine.TestCase
+for case in (TestRestoredSchedulerMachine, TestRestoredPrefixCachingMachine, TestRestoredSlidingWindowMachine,
+             TestRestoredAsyncSchedulerMachine):
     case.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 del case
 
@@ -150,12 +174,26 @@ def test_restored_swapped_group_comes_back_in_the_same_blocks() -> None:
     assert swapped_in
 
 
-def test_snapshot_refuses_tokens_in_flight() -> None:
-    sched = make_scheduler(num_gpu_blocks=8, block_size=4)
-    sched.add_request(make_group("r", 0, 5))
-    sched.advance(sched.schedule())
-    with pytest.raises(ValueError, match="seq 0 has a token in flight"):
-        snapshot_scheduler(sched)
+def test_a_step_in_flight_restores_as_planned() -> None:
+    live = make_scheduler(num_gpu_blocks=8, block_size=4)
+    live.add_request(make_group("r", 0, 5))
+    first = live.schedule()
+    live.advance(first)  # the prefill runs; its sample is in flight
+    second = live.schedule()  # decodes the token in flight
+    rebuilt = restore_scheduler(live.scheduler_config, live.cache_config, snapshot_scheduler(live))
+    assert_same_scheduler(live, rebuilt)
+    assert rebuilt.running[0].seqs[0].num_inflight_tokens == 1
+    out = restore_inflight_step(rebuilt, [(0, 5, 0)])
+    assert [(s.num_new_tokens, s.num_computed_tokens, s.num_tokens, s.samples) for s in out.scheduled] == [
+        (5, 0, 5, True)]
+    again = restore_step(rebuilt, [(0, 1)])
+    assert [(s.num_computed_tokens, s.num_tokens) for s in again.scheduled] == [
+        (s.num_computed_tokens, s.num_tokens) for s in second.scheduled]
+    for sched, landed, planned in ((live, first, second), (rebuilt, out, again)):
+        sched.resolve(landed, {0: 42})
+        sched.update_after_step(planned, {0: 43})
+    assert rebuilt.running[0].seqs[0].output_token_ids == [42, 43]
+    assert_same_scheduler(live, rebuilt)
 
 
 def _one_running(block_table: tuple[int, ...], **seq: object) -> SchedulerSnapshot:
