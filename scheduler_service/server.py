@@ -134,9 +134,8 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
                           on_owned=first_lease.owned, async_scheduling=config.async_scheduling)
 
     supervisor = Supervisor(registry, leases, router, make_loop, changes=changes)
-    limits = QueueLimits(config.max_num_queued_requests, config.max_queued_tokens)
-    servicer = GenerationServicer(admission, store, router, tracer=tracer, model_name=model_name,
-                                  queue_limits=limits)
+    servicer = GenerationServicer(admission, store, router, tracer, model_name,
+                                  QueueLimits(config.max_num_queued_requests, config.max_queued_tokens))
     auth = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc_server.create_server(grpc_server.PUBLIC_MAX_REQUEST_BYTES, public=True, interceptors=auth)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

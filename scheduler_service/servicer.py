@@ -29,71 +29,61 @@ READ_BLOCK_MS = 5000
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Thin: protobuf in, domain calls, protobuf out; errors mapped in one place."""
 
-    def __init__(self, admission: Admission, store: RedisStore, router: Router,
-                 tracer: trace.Tracer | None = None, model_name: str = "",
-                 queue_limits: QueueLimits | None = None) -> None:
+    def __init__(self, admission: Admission, store: RedisStore, router: Router, tracer: trace.Tracer,
+                 model_name: str, queue_limits: QueueLimits) -> None:
         self._admission = admission
-        self._queue_limits = queue_limits or QueueLimits()
+        self._queue_limits = queue_limits
         self._store = store
         # One XREAD for every stream this replica's clients read (stream_mux.py).
         self._streams = StreamMux(store)
         self._router = router
-        self._tracer = tracer if tracer is not None else trace.NoOpTracer()
+        self._tracer = tracer
         self._model_name = model_name
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         span = self._start_span("llmserve.generate", context)
-        stream = self._stream(request, span, time.time())
+        started = time.time()
         try:
-            async for msg in stream:
-                yield msg
+            try:
+                # Tokenizing can take milliseconds for long prompts: keep it off the event loop.
+                admitted = await asyncio.to_thread(self._admission.admit, request)
+                self._describe(span, admitted)
+                seq_ids = await self._store.reserve_seq_ids(admitted.sampling.num_sequences)
+                record = to_record(admitted, seq_ids, "", time.time())  # its worker: chosen by _queue
+                record.traceparent = to_traceparent(span)
+                outcome = await self._queue(record, admitted.digest)
+            except Exception as exc:
+                span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
+                raise  # the status: shared.grpc_server.EdgeInterceptor
+            request_id = admitted.request_id
+            # Only the call that admitted the request owns it: its stream breaking aborts the request, unless the
+            # client asked to be able to re-attach. A re-sent request only reads the original's stream.
+            owner = outcome is AdmitOutcome.ADMITTED and not request.resumable
+            span.set_attribute("llmserve.attached", outcome is AdmitOutcome.ATTACHED)
+            finished = first_token = False
+            try:
+                async for msg in follow(self._store, request_id, 0, READ_BLOCK_MS, self._streams.read_from):
+                    if not first_token and any(d.token_ids for d in msg.outputs):
+                        first_token = True
+                        span.set_attribute("gen_ai.latency.time_to_first_token", time.time() - started)
+                    if msg.HasField("usage"):
+                        self._finish(span, msg, started)
+                        finished = True
+                    yield msg
+            except (UnavailableError, NotFoundError) as exc:
+                # The break is on this side (Redis away): the request goes on, and its client may resume it.
+                owner = False
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                raise
+            finally:
+                if not finished and owner:
+                    span.set_attribute("llmserve.cancelled", True)
+                    # The client went away (or the stream broke): free the request's blocks.
+                    await asyncio.shield(self._abort_quietly(request_id))
         finally:
-            await stream.aclose()  # runs its clean-up now, not when garbage-collected
             span.end()
-
-    async def _stream(
-        self, request: generation_pb2.GenerateRequest, span: trace.Span, started: float
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        try:
-            # Tokenizing can take milliseconds for long prompts: keep it off the event loop.
-            admitted = await asyncio.to_thread(self._admission.admit, request)
-            self._describe(span, admitted)
-            seq_ids = await self._store.reserve_seq_ids(admitted.sampling.num_sequences)
-            record = to_record(admitted, seq_ids, "", time.time())  # its worker: chosen by _queue
-            record.traceparent = to_traceparent(span)
-            outcome = await self._queue(record, admitted.digest)
-        except Exception as exc:
-            span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
-            raise  # the status: shared.grpc_server.EdgeInterceptor
-
-        request_id = admitted.request_id
-        # Only the call that admitted the request owns it: its stream breaking aborts the request, unless the
-        # client asked to be able to re-attach. A re-sent request only reads the original's stream.
-        owner = outcome is AdmitOutcome.ADMITTED and not request.resumable
-        span.set_attribute("llmserve.attached", outcome is AdmitOutcome.ATTACHED)
-        finished = False
-        first_token = False
-        try:
-            async for msg in follow(self._store, request_id, 0, READ_BLOCK_MS, self._streams.read_from):
-                if not first_token and any(d.token_ids for d in msg.outputs):
-                    first_token = True
-                    span.set_attribute("gen_ai.latency.time_to_first_token", time.time() - started)
-                if msg.HasField("usage"):
-                    self._finish(span, msg, started)
-                    finished = True
-                yield msg
-        except (UnavailableError, NotFoundError) as exc:
-            # The break is on this side (Redis away): the request goes on, and its client may resume it.
-            owner = False
-            span.set_status(Status(StatusCode.ERROR, str(exc)))
-            raise
-        finally:
-            if not finished and owner:
-                span.set_attribute("llmserve.cancelled", True)
-                # The client went away (or the stream broke): free the request's blocks.
-                await asyncio.shield(self._abort_quietly(request_id))
 
     async def _queue(self, record: state_pb2.AdmittedRequest, digest: str) -> AdmitOutcome:
         """Routes the request and admits it to the chosen worker (`record.worker_id` is set to it).
@@ -115,17 +105,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         span = self._start_span("llmserve.resume", context)
         span.set_attributes({"gen_ai.request.id": request.request_id, "llmserve.resume.from_index": request.from_index})
-        stream = self._resume(request, span)
-        try:
-            async for msg in stream:
-                yield msg
-        finally:
-            await stream.aclose()
-            span.end()
-
-    async def _resume(
-        self, request: generation_pb2.ResumeRequest, span: trace.Span
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         # A resumed stream never aborts the request when it ends early: the client may come back again.
         try:
             await check_resumable(self._store, request.request_id, request.from_index)
@@ -135,6 +114,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as exc:
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             raise
+        finally:
+            span.end()
 
     def _start_span(self, name: str, context: grpc.aio.ServicerContext) -> trace.Span:
         """One SERVER span per call; a caller's traceparent makes it part of the caller's trace."""
