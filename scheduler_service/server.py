@@ -12,6 +12,7 @@ worker's lease is another replica's).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import signal
@@ -117,7 +118,13 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     router.update(entries)
     fleet = Fleet(leases, registry, router)
 
-    first_lease = _FirstLease(timer, on_serving)
+    loop = asyncio.get_running_loop()
+    first_owner: asyncio.Future[tuple[str, int]] = loop.create_future()
+
+    def owned(worker_id: str, epoch: int) -> None:
+        """EngineLoop's on_owned: the first loop of this replica to own its worker makes the replica serve."""
+        if not first_owner.done():
+            first_owner.set_result((worker_id, epoch))
 
     def make_loop(entry: WorkerEntry) -> EngineLoop:
         if entry.description.model != descs[0].model:
@@ -131,7 +138,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
                           OutputProcessor(tokenizer, scheduler), fleet, profile, tracer=tracer,
                           metrics=metrics.engine(entry.worker_id) if metrics is not None else None,
                           step_timeout_s=config.step_timeout_s, channel=channel, registration=entry,
-                          on_owned=first_lease.owned, async_scheduling=config.async_scheduling)
+                          on_owned=owned, async_scheduling=config.async_scheduling)
 
     supervisor = Supervisor(registry, leases, router, make_loop, changes=changes)
     servicer = GenerationServicer(admission, store, router, tracer, model_name,
@@ -159,15 +166,13 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     log.info("scheduler %s serving on %s:%d; %d worker(s) registered", leases.replica_id, host, bound, len(entries))
     timer.add("server", timer.elapsed() - server_started)
     # Not one of `tasks`, whose first to end stops the replica: this one ends once it has announced.
-    announcer = asyncio.create_task(first_lease.announce(reporter, on_ready), name="announce-ready")
+    announcer = asyncio.create_task(_announce(timer, reporter, first_owner, on_ready, on_serving),
+                                    name="announce-ready")
     if ready is not None:
         ready.set()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
     stopped = asyncio.create_task(stop.wait())
     try:
         done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -189,44 +194,20 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
             provider.shutdown()  # exports the spans still queued
 
 
-class _FirstLease:
-    """The start-up's two milestones: ready (health SERVING), then serving (an engine loop owns its worker).
-
-    Each is logged with the start-up's phases and reported once; an engine loop may own its worker
-    before the replica's readiness is published, and then serving follows right after ready.
+async def _announce(timer: StartupTimer, reporter: HealthReporter, first_owner: asyncio.Future[tuple[str, int]],
+                    on_ready: Callable[[StartupReport], None] | None,
+                    on_serving: Callable[[StartupReport], None] | None) -> None:
+    """The start-up's two milestones, each logged with its phases and reported once: ready (health SERVING),
+    then serving (an engine loop owns its worker; if one owned it before readiness was published, at once).
     """
-
-    def __init__(self, timer: StartupTimer, on_serving: Callable[[StartupReport], None] | None) -> None:
-        self._timer = timer
-        self._on_serving = on_serving
-        self._ready_at: float | None = None
-        self._owned: tuple[str, int] | None = None
-        self._served = False
-
-    async def announce(self, reporter: HealthReporter, on_ready: Callable[[StartupReport], None] | None) -> None:
-        """Waits until the replica is ready (usually at once), then logs and reports it."""
-        await reporter.wait_ready()
-        report = self._timer.report()
-        log.info("scheduler ready in %s", report.summary())
-        if on_ready is not None:
-            on_ready(report)
-        self._ready_at = report.total_s
-        if self._owned is not None:
-            self._serve(*self._owned)
-
-    def owned(self, worker_id: str, epoch: int) -> None:
-        """EngineLoop's on_owned: a loop of this replica owns its worker (the first one makes it serve)."""
-        if self._served:
-            return
-        self._owned = (worker_id, epoch)
-        if self._ready_at is not None:
-            self._serve(worker_id, epoch)
-
-    def _serve(self, worker_id: str, epoch: int) -> None:
-        assert self._ready_at is not None  # announce() set it
-        self._served = True
-        self._timer.add("first lease", max(0.0, self._timer.elapsed() - self._ready_at))
-        report = self._timer.report()
-        log.info("scheduler serving in %s: worker %s, epoch %d", report.summary(), worker_id, epoch)
-        if self._on_serving is not None:
-            self._on_serving(report)
+    await reporter.wait_ready()
+    report = timer.report()
+    log.info("scheduler ready in %s", report.summary())
+    if on_ready is not None:
+        on_ready(report)
+    worker_id, epoch = await first_owner
+    timer.add("first lease", timer.elapsed() - report.total_s)
+    report = timer.report()
+    log.info("scheduler serving in %s: worker %s, epoch %d", report.summary(), worker_id, epoch)
+    if on_serving is not None:
+        on_serving(report)
