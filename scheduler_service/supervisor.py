@@ -72,8 +72,6 @@ class Supervisor:
         self._running: dict[str, _Running] = {}
         # Seconds until the next tick: shorter than tick_s when a lease this replica could take expires sooner.
         self._next_wait = self._tick_s
-        # Leases of loops that ended on their own, given back at the next tick.
-        self._releasing: list[str] = []
         # Since when (event-loop time) this replica has run more loops than its share, none of them idle.
         self._surplus_since: float | None = None
         # Workers whose lease this replica saw free, and since when (event-loop time).
@@ -112,10 +110,7 @@ class Supervisor:
         self._router.update(entries)
         replicas = await self._leases.announce()
         await self._renew()
-        self._reap()
-        for worker_id in self._releasing:
-            await self._leases.release(worker_id)
-        self._releasing.clear()
+        await self._reap()
         by_id = {e.worker_id: e for e in entries}
         share = math.ceil(len(entries) / max(replicas, 1))
         orphans = await self._orphans(entries)
@@ -152,8 +147,8 @@ class Supervisor:
                 log.warning("lost the lease of worker %s: stopping its engine loop", worker_id)
                 self._running.pop(worker_id).task.cancel()
 
-    def _reap(self) -> None:
-        """Forgets loops that ended on their own (lease lost at a commit, worker evacuated, error)."""
+    async def _reap(self) -> None:
+        """Gives back the leases of loops that ended on their own (lease lost at a commit, worker evacuated, error)."""
         for worker_id in [w for w, r in self._running.items() if r.task.done()]:
             task = self._running.pop(worker_id).task
             exc = None if task.cancelled() else task.exception()
@@ -165,7 +160,7 @@ class Supervisor:
                 log.error("engine loop for %s failed", worker_id, exc_info=exc)
             else:
                 log.info("engine loop for %s ended", worker_id)
-            self._releasing.append(worker_id)
+            await self._leases.release(worker_id)
 
     def _start(self, entry: WorkerEntry) -> None:
         loop = self._make_loop(entry)
