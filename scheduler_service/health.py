@@ -29,8 +29,6 @@ class SchedulerHealth:
 
     def __init__(self, loops: Callable[[], Sequence[EngineLoop]], router: Router, store: RedisStore,
                  liveness_timeout_s: float, ping_timeout_s: float = REDIS_PING_TIMEOUT_SECONDS) -> None:
-        if not liveness_timeout_s > 0:
-            raise ValueError(f"liveness_timeout_s must be positive, got {liveness_timeout_s}")
         self._loops = loops
         self._router = router
         self._store = store

@@ -62,15 +62,11 @@ class Leases:
     """One replica's view of the leases: acquire, renew, fence, release."""
 
     def __init__(self, client: aioredis.Redis, replica_id: str, ttl_s: float) -> None:
-        if not ttl_s > 0:
-            raise ValueError(f"lease ttl must be positive, got {ttl_s}")
+        """ttl_s: positive (SchedulerServiceConfig checks it)."""
         self._r = client
         self.replica_id = replica_id
         self.ttl_s = ttl_s
-
-    @property
-    def _ttl_ms(self) -> int:
-        return int(self.ttl_s * 1000)
+        self._ttl_ms = int(ttl_s * 1000)
 
     async def acquire(self, worker_id: str) -> bool:
         """Takes the worker's lease if nobody holds it (or renews it if this replica does)."""
