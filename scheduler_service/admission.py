@@ -76,11 +76,7 @@ class Admission:
         return getattr(self._tok, "chat_template", None) is not None
 
     def _prompt_tokens(self, req: generation_pb2.GenerateRequest) -> list[int]:
-        given = [name for name, present in (
-            ("prompt", bool(req.prompt)),
-            ("prompt_token_ids", bool(req.prompt_token_ids)),
-            ("messages", bool(req.messages)),
-        ) if present]
+        given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name)]
         if len(given) != 1:
             if not given:
                 raise InvalidRequestError("the prompt is empty: set one of prompt, prompt_token_ids or messages")
