@@ -35,12 +35,8 @@ class Planner:
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
-        self._step_id = 0
-
-    @property
-    def last_step_id(self) -> int:
-        """The step id of the last plan built in this epoch (0: none yet)."""
-        return self._step_id
+        # The step id of the last plan built (0: none yet); the ids go on across epochs.
+        self.last_step_id = 0
 
     def reset(self, epoch: int) -> None:
         """A new epoch: the worker was fenced."""
@@ -48,8 +44,8 @@ class Planner:
 
     def build(self, out: SchedulerOutput) -> worker_pb2.StepPlan:
         """The plan of a scheduled step (schedule() set each sequence's table update)."""
-        self._step_id += 1
-        plan = worker_pb2.StepPlan(epoch=self.epoch, step_id=self._step_id, finished_seq_ids=out.released_seq_ids)
+        self.last_step_id += 1
+        plan = worker_pb2.StepPlan(epoch=self.epoch, step_id=self.last_step_id, finished_seq_ids=out.released_seq_ids)
         for src, dst in out.blocks_to_swap_in:
             plan.swap_in.add(src=src, dst=dst)
         for src, dst in out.blocks_to_swap_out:
