@@ -93,11 +93,9 @@ class StepTelemetry:
         if m is not None:
             m.step_time.observe(p.wall_s)
             m.commit_time.observe(p.commit_s)
-            if p.num_prefill_tokens:
-                m.prompt_tokens.inc(p.num_prefill_tokens)
+            m.prompt_tokens.inc(p.num_prefill_tokens)
             m.generation_tokens.inc(len(result.sampled))
-            if out.preempted:
-                m.preemptions.inc(len(out.preempted))
+            m.preemptions.inc(len(out.preempted))
         self._observe_state()
 
     def observe_idle_commit(self, step: int, commit_start: float, commit_s: float, clock: PerfClock | None) -> None:
