@@ -155,14 +155,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
         admission = self._admission
-        msg = generation_pb2.ModelInfoResponse(
+        return generation_pb2.ModelInfoResponse(
             model=self._model_name, max_model_len=admission.limits.max_model_len,
             vocab_size=admission.limits.vocab_size, has_chat_template=admission.has_chat_template,
-            num_workers=self._router.num_workers,
+            num_workers=self._router.num_workers, eos_token_id=admission.eos_token_id,  # None leaves it unset
         )
-        if admission.eos_token_id is not None:
-            msg.eos_token_id = admission.eos_token_id
-        return msg
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
