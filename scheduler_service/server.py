@@ -75,8 +75,8 @@ async def wait_for_workers(registry: WorkerRegistry, timeout_s: float, changes: 
         await changes.wait(WORKER_POLL_SECONDS)
 
 
-async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asyncio.Event | None = None,
-                startup: StartupTimer | None = None, on_ready: Callable[[StartupReport], None] | None = None,
+async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: StartupTimer | None = None,
+                on_ready: Callable[[StartupReport], None] | None = None,
                 on_serving: Callable[[StartupReport], None] | None = None) -> None:
     """Runs the replica until SIGINT/SIGTERM (or cancellation).
 
@@ -168,8 +168,6 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, ready: asy
     # Not one of `tasks`, whose first to end stops the replica: this one ends once it has announced.
     announcer = asyncio.create_task(_announce(timer, reporter, first_owner, on_ready, on_serving),
                                     name="announce-ready")
-    if ready is not None:
-        ready.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
