@@ -6,8 +6,7 @@ Every tick (a fraction of the lease TTL) the supervisor
      (another replica drives that worker now; the fenced commit would refuse its writes anyway);
   3. takes free leases while it runs fewer loops than its fair share, ceil(workers / live replicas),
      and gives back an idle loop's lease when it runs more (its lightest busy one if none falls idle
-     for REBALANCE_AFTER_TTLS lease TTLs), so replicas added later get work even under load; below
-     its share it wakes exactly when the next lease held elsewhere expires;
+     for REBALANCE_AFTER_TTLS lease TTLs), so replicas added later get work even under load;
   4. tells each loop what the registry says of its worker (draining, gone).
 
 A replica that dies simply stops renewing: its leases expire after the TTL and the other replicas'
@@ -39,8 +38,7 @@ from shared.worker_registry import WorkerEntry, WorkerRegistry
 log = logging.getLogger(__name__)
 
 # How long (in lease TTLs) a replica above its fair share waits for a loop to fall idle before it gives
-# back a busy one. The new owner recomputes that worker's running requests, so this is rare; without it
-# a replica added under steady load would never get a worker.
+# back a busy one (rare: the new owner recomputes that worker's running requests).
 REBALANCE_AFTER_TTLS = 3
 # After adopting a worker no replica drove for a TTL, how long (in lease TTLs) the replica keeps all its
 # loops rather than balancing them away again.
@@ -127,8 +125,7 @@ class Supervisor:
                     # worker would bounce between being given back and adopted again.
                     self._balance_after = asyncio.get_running_loop().time() + ADOPTION_HOLD_TTLS * self._leases.ttl_s
         if asyncio.get_running_loop().time() >= self._balance_after:
-            if len(self._running) > share:
-                await self._give_back_idle(len(self._running) - share)
+            await self._give_back_idle(share)
             await self._rebalance_busy(share)
         # Below its share, the replica wakes when the next lease held elsewhere expires, so that a dead
         # replica's workers move on within the TTL of its last renewal rather than up to a tick later.
@@ -170,7 +167,8 @@ class Supervisor:
         self._running[entry.worker_id] = _Running(loop, task, stop)
         log.info("took the lease of worker %s", entry.worker_id)
 
-    async def _give_back_idle(self, surplus: int) -> None:
+    async def _give_back_idle(self, share: int) -> None:
+        surplus = max(0, len(self._running) - share)
         for worker_id in [w for w, r in self._running.items() if r.loop.is_idle][:surplus]:
             await self._stop(worker_id)
             log.info("gave back the lease of idle worker %s to balance the replicas", worker_id)
