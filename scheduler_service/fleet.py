@@ -36,8 +36,7 @@ class Fleet:
         """Moves the groups to other workers (chosen like new requests) within `commit`; returns how many."""
         moved = 0
         for group in list(groups):
-            prompt = group.seqs[0].prompt_token_ids
-            target = await self.router.pick(group.request_id, prompt, exclude={worker_id})
+            target = await self.router.pick(group.request_id, group.seqs[0].prompt_token_ids, exclude={worker_id})
             record = processor.hand_over(group)
             if record is not None:
                 commit.handed_over.append((record, target))

@@ -46,12 +46,10 @@ class Planner:
         """The plan of a scheduled step (schedule() set each sequence's table update)."""
         self.last_step_id += 1
         plan = worker_pb2.StepPlan(epoch=self.epoch, step_id=self.last_step_id, finished_seq_ids=out.released_seq_ids)
-        for src, dst in out.blocks_to_swap_in:
-            plan.swap_in.add(src=src, dst=dst)
-        for src, dst in out.blocks_to_swap_out:
-            plan.swap_out.add(src=src, dst=dst)
-        for src, dst in out.blocks_to_copy:
-            plan.copy.add(src=src, dst=dst)
+        for pairs, block_map in ((out.blocks_to_swap_in, plan.swap_in), (out.blocks_to_swap_out, plan.swap_out),
+                                 (out.blocks_to_copy, plan.copy)):
+            for src, dst in pairs:
+                block_map.add(src=src, dst=dst)
         for item in out.scheduled:
             seq, table = item.seq, item.table
             if table is None:
