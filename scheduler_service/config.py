@@ -65,14 +65,12 @@ class SchedulerServiceConfig(SchedulingFlags):
         super().__post_init__()
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}")
-        if self.max_num_queued_requests < 0:
-            raise ValueError(f"max_num_queued_requests must be non-negative (0 = unbounded), got {self.max_num_queued_requests}")
-        if self.max_queued_tokens < 0:
-            raise ValueError(f"max_queued_tokens must be non-negative (0 = unbounded), got {self.max_queued_tokens}")
+        for name in ("max_num_queued_requests", "max_queued_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative (0 = unbounded), got {getattr(self, name)}")
         if not self.lease_ttl_s >= 1:
             raise ValueError(f"lease_ttl_s must be at least 1 second, got {self.lease_ttl_s}")
-        if not self.step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
-        if not self.liveness_timeout_s > 0:
-            raise ValueError(f"liveness_timeout_s must be positive, got {self.liveness_timeout_s}")
+        for name in ("step_timeout_s", "liveness_timeout_s"):
+            if not getattr(self, name) > 0:  # NaN fails too
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self.redis.check_url(self.redis_url)  # its message redacts a password in the URL

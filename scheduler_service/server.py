@@ -195,9 +195,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
 async def _announce(timer: StartupTimer, reporter: HealthReporter, first_owner: asyncio.Future[tuple[str, int]],
                     on_ready: Callable[[StartupReport], None] | None,
                     on_serving: Callable[[StartupReport], None] | None) -> None:
-    """The start-up's two milestones, each logged with its phases and reported once: ready (health SERVING),
-    then serving (an engine loop owns its worker; if one owned it before readiness was published, at once).
-    """
+    """Logs and reports ready, then serving (at once if a loop owned its worker before readiness was published)."""
     await reporter.wait_ready()
     report = timer.report()
     log.info("scheduler ready in %s", report.summary())
