@@ -11,11 +11,14 @@ are not counted in the peak, since the real cache takes its place.
 from __future__ import annotations
 
 import torch
-from kernels import KernelBackend, allocate_kv_cache
-from worker_service.attention import AttentionMetadata
-from worker_service.cache_engine import MemoryProfile
+
+from kernels import KernelBackend
+from shared.sampling_params import SamplingParams
+from worker_service.cache_engine import CacheEngine, CacheSizing, MemoryProfile
+from worker_service.input_builder import build_inputs
 from worker_service.model_loader import ModelShape
 from worker_service.models import CausalLM
+from worker_service.sequence_cache import CachedSequence
 
 # The scheduler's default step budget is max(max_model_len, 2048) tokens (vLLM's); the
 # worker does not know the scheduler's flags, so it profiles that default.
@@ -39,45 +42,23 @@ def profile_step(
 ) -> int:
     """Run one forward pass of dummy prefills over ``num_tokens`` tokens, none longer than ``max_model_len``.
 
-    Like a real step it ends with the LM head on each sequence's last token.
-    Returns the bytes of the temporary paged cache the pass wrote into.
+    Its inputs are built as a real step's (build_inputs), and like one it ends with the LM head on each
+    sequence's last token. Returns the bytes of the temporary paged cache the pass wrote into.
     """
     seq_lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
     blocks = [-(-n // block_size) for n in seq_lens]
-    # Each sequence owns consecutive blocks, so its slots are consecutive from its first block's.
-    first_block = [sum(blocks[:b]) for b in range(len(blocks))]
-    key_caches, value_caches = allocate_kv_cache(
-        shape.num_layers, sum(blocks), shape.num_kv_heads, shape.head_size, block_size, dtype, device
-    )
-    cache_bytes = sum(c.numel() * c.element_size() for c in key_caches + value_caches)
-    width = max(blocks)
-    tables = [[first + min(i, n - 1) for i in range(width)] for first, n in zip(first_block, blocks)]
-    slots = [first * block_size + p for first, n in zip(first_block, seq_lens) for p in range(n)]
-    starts = [sum(seq_lens[:b]) for b in range(len(seq_lens) + 1)]
-
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    meta = AttentionMetadata(
-        backend=backend,
-        key_caches=key_caches,
-        value_caches=value_caches,
-        block_size=block_size,
-        slot_mapping=tensor(slots, torch.int64),
-        num_prefill_tokens=num_tokens,
-        prefill_block_tables=tensor(tables, torch.int32),
-        prefill_query_start_loc=tensor(starts, torch.int32),
-        prefill_seq_lens=tensor(seq_lens, torch.int32),
-        decode_block_tables=torch.zeros(0, width, dtype=torch.int32, device=device),
-        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
-        decode_max_context_len=0,
-    )
-    positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
+    cache = CacheEngine(shape, CacheSizing(sum(blocks), 0), block_size, dtype, device, backend)
+    seqs, first = [], 0
+    for seq_id, (n, num_blocks) in enumerate(zip(seq_lens, blocks)):
+        # Each sequence owns consecutive blocks.
+        table = list(range(first, first + num_blocks))
+        seqs.append(CachedSequence(seq_id, [0] * n, n, table, 0, SamplingParams(), num_new_tokens=n))
+        first += num_blocks
+    inputs = build_inputs(seqs, cache, device)
     with torch.inference_mode():
-        hidden = model.forward(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, meta)
-        last_rows = tensor(starts[1:], torch.int64) - 1
-        model.compute_logits(hidden[last_rows])
-    return cache_bytes
+        hidden = model.forward(inputs.input_ids, inputs.positions, inputs.attn)
+        model.compute_logits(hidden[inputs.sample_indices])
+    return sum(c.numel() * c.element_size() for c in cache.key_caches + cache.value_caches)
 
 
 def profile_gpu_memory(
