@@ -52,13 +52,9 @@ def _rms_norm_row(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
 @numba.njit(inline="always")
 def _add_rms_norm_row(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray,
                       t: int) -> None:
-    width = x.shape[1]
-    for i in range(width):
+    for i in range(x.shape[1]):
         residual[t, i] += x[t, i]
-    total = _sum_of_squares(residual[t])
-    inverse = np.float32(1.0) / np.float32(math.sqrt(np.float32(total / width) + eps))
-    for i in range(width):
-        out[t, i] = weight[i] * (residual[t, i] * inverse)
+    _rms_norm_row(residual, weight, eps, out, t)
 
 
 @numba.njit(inline="always")
