@@ -22,8 +22,6 @@ class WorkerHealth:
     def __init__(self, step_activity: Callable[[], Activity], liveness_timeout_s: float,
                  registered: Callable[[], bool] | None = None) -> None:
         """registered: whether the worker's registration reached Redis; None when it does not register."""
-        if not liveness_timeout_s > 0:
-            raise ValueError(f"liveness_timeout_s must be positive, got {liveness_timeout_s}")
         self._step_activity = step_activity
         self._timeout_s = liveness_timeout_s
         self._registered = registered
