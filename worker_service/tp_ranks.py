@@ -66,18 +66,11 @@ def _runner_fields(config: WorkerConfig) -> dict[str, object]:
 class RankProcesses:
     """Ranks 1..N-1 as seen from rank 0: started, watched, stopped."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
-        self._procs = procs
-        self._stopping = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name="tp-rank-watchdog", daemon=True)
-        self._watchdog.start()
-
-    @classmethod
-    def spawn(cls, config: WorkerConfig, init_method: str) -> RankProcesses:
-        """Starts ranks 1..N-1; their logs go to this process's stdout/stderr."""
+    def __init__(self, config: WorkerConfig, init_method: str) -> None:
+        """Starts ranks 1..N-1 and their watchdog; their logs go to this process's stdout/stderr."""
         config_json = json.dumps(_runner_fields(config)).encode()
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen] = []
         for rank in range(1, config.tensor_parallel_size):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "worker_service.tp_ranks", "--rank", str(rank),
@@ -88,9 +81,10 @@ class RankProcesses:
             assert proc.stdin is not None  # stdin=PIPE above
             proc.stdin.write(config_json)
             proc.stdin.close()
-            procs.append(proc)
+            self._procs.append(proc)
             log.info("started tensor-parallel rank %d of %d (pid %d)", rank, config.tensor_parallel_size, proc.pid)
-        return cls(procs)
+        self._stopping = threading.Event()
+        threading.Thread(target=self._watch, name="tp-rank-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         while not self._stopping.wait(_POLL_S):
@@ -141,7 +135,7 @@ def start_runner(config: WorkerConfig) -> tuple[ModelRunner, RankProcesses | Non
         )
     init_method = f"tcp://127.0.0.1:{free_port()}"
     log.info("starting %d tensor-parallel ranks, group at %s", size, init_method)
-    ranks = RankProcesses.spawn(config, init_method)
+    ranks = RankProcesses(config, init_method)
     try:
         runner = _join_as(config, 0, size, init_method)
     except BaseException:
@@ -167,18 +161,17 @@ def follow(runner: ModelRunner) -> None:
         command, payload = group.receive()
         if command is Command.RESET:
             runner.reset()
-            continue
-        if command is Command.RESUME:
+        elif command is Command.RESUME:
             runner.resume(worker_pb2.ResumeSequencesRequest.FromString(payload))
-            continue
-        plan = plan_from_proto(worker_pb2.StepPlan.FromString(payload))
-        try:
-            runner.execute(plan)
-        except (ValueError, StepAbandonedError) as exc:
-            # A bad plan fails the same check on rank 0, against the same state, before any collective;
-            # rank 0 answers the scheduler. Anything else (a failure inside the forward pass) ends this
-            # process, since the group cannot be trusted to be in step any more.
-            log.debug("step %d dropped: %s", plan.step_id, exc)
+        else:
+            plan = plan_from_proto(worker_pb2.StepPlan.FromString(payload))
+            try:
+                runner.execute(plan)
+            except (ValueError, StepAbandonedError) as exc:
+                # A bad plan fails the same check on rank 0, against the same state, before any collective;
+                # rank 0 answers the scheduler. Anything else (a failure inside the forward pass) ends this
+                # process, since the group cannot be trusted to be in step any more.
+                log.debug("step %d dropped: %s", plan.step_id, exc)
 
 
 def _exit_with_parent() -> None:
@@ -206,8 +199,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level, name=f"worker-rank{args.rank}")
     _exit_with_parent()
     config = WorkerConfig(**json.loads(sys.stdin.read()))
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
     runner = _join_as(config, args.rank, args.world_size, args.init_method)
     log.info("rank %d ready: %d KV blocks of %d KV heads", args.rank, runner.cache.sizing.num_gpu_blocks,
              runner.cache_shape.num_kv_heads)
