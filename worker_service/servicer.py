@@ -96,17 +96,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
         self._metrics = metrics
         self._model_name = model_name
-        self._instance_id = uuid.uuid4().hex
+        self.instance_id = uuid.uuid4().hex
         self._epoch = 0
         self._lock = asyncio.Lock()
         # time.monotonic() when the forward pass now running began (None between steps). Set in the
         # step's thread: a cancelled call (the scheduler's deadline) leaves the thread running, and
         # liveness must see that forward pass, not the call.
         self._step_started: float | None = None
-
-    @property
-    def instance_id(self) -> str:
-        return self._instance_id
 
     @property
     def step_activity(self) -> Activity:
@@ -133,7 +129,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def description(self) -> worker_pb2.WorkerDescription:
         """What the worker is and holds (Describe, and its registration in Redis)."""
-        return describe_runner(self._runner, self._model_name, self._instance_id, self._epoch)
+        return describe_runner(self._runner, self._model_name, self.instance_id, self._epoch)
 
     async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
         # A child of the engine loop's step span: its context comes in the call's metadata.
@@ -182,7 +178,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # On the model thread: after a step still running there (its caller gone), never beside it.
             steps = await self._model_thread.call(self._reset, request.keep_cache)
         log.info("%s by epoch %d", "fenced (cache kept)" if request.keep_cache else "reset", request.epoch)
-        return worker_pb2.ResetResponse(instance_id=self._instance_id, last_steps=steps)
+        return worker_pb2.ResetResponse(instance_id=self.instance_id, last_steps=steps)
 
     def _reset(self, keep_cache: bool) -> list[worker_pb2.ExecutedStep]:
         if not keep_cache:
