@@ -27,17 +27,14 @@ class CheckpointTensors:
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype = dtype
         self.device = device
-        self._files: dict[str, object] = {}
-        self._where: dict[str, str] = {}
+        self._handles: dict[str, object] = {}  # tensor name -> its open safetensors file
         self._state: dict[str, torch.Tensor] | None = None
         directory = Path(path)
         files = _safetensors_files(directory) if directory.is_dir() else []
         if files:
             for file in files:
                 handle = safe_open(str(file), framework="pt")
-                self._files[str(file)] = handle
-                for name in handle.keys():
-                    self._where[name] = str(file)
+                self._handles.update(dict.fromkeys(handle.keys(), handle))
         else:
             source, kwargs = pretrained_source(path)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
@@ -46,8 +43,8 @@ class CheckpointTensors:
     def get(self, name: str) -> torch.Tensor | None:
         if self._state is not None:
             tensor = self._state.get(name)
-        elif name in self._where:
-            tensor = self._files[self._where[name]].get_tensor(name)  # type: ignore[attr-defined]
+        elif name in self._handles:
+            tensor = self._handles[name].get_tensor(name)  # type: ignore[attr-defined]
         else:
             tensor = None
         return None if tensor is None else tensor.to(device=self.device, dtype=self.dtype)
