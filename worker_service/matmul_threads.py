@@ -44,20 +44,16 @@ class MatmulThreads:
         self._active = False
         for module in model.modules():
             if isinstance(module, MATMUL_MODULES):
-                module.register_forward_pre_hook(self._enter_linear)
-                module.register_forward_hook(self._leave_linear)
-
-    def _enter_linear(self, module: torch.nn.Module, args: object) -> None:
-        self.__enter__()
-
-    def _leave_linear(self, module: torch.nn.Module, args: object, output: object) -> None:
-        self.__exit__()
+                # The hooks' arguments (module, inputs[, output]) are ignored; both return None, so they
+                # change neither the inputs nor the output.
+                module.register_forward_pre_hook(self.__enter__)
+                module.register_forward_hook(self.__exit__)
 
     def full(self) -> MatmulThreads:
         """A context giving the calling code every configured thread (a no-op outside `forward()`)."""
         return self
 
-    def __enter__(self) -> None:
+    def __enter__(self, *hook_args: object) -> None:
         if self._active:
             torch.set_num_threads(self._threads)
 
