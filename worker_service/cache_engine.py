@@ -128,17 +128,16 @@ class CacheEngine:
             from kernels.cuda import LayerSwapper  # noqa: PLC0415
 
             self._swapper = LayerSwapper(shape.num_layers, device)
-        args = (shape.num_layers, shape.num_kv_heads, shape.head_size, block_size, dtype)
-        key_caches, value_caches = allocate_kv_cache(args[0], sizing.num_gpu_blocks, *args[1:], device=device)
-        self.key_caches, self.value_caches = key_caches, value_caches
-        # Host blocks are pinned on a GPU so swaps run asynchronously.
-        pin = device.type == "cuda"
+        layout = (shape.num_kv_heads, shape.head_size, block_size, dtype)
+        self.key_caches, self.value_caches = allocate_kv_cache(shape.num_layers, sizing.num_gpu_blocks, *layout,
+                                                               device=device)
         self.cpu_key_caches: list[torch.Tensor] = []
         self.cpu_value_caches: list[torch.Tensor] = []
         if sizing.num_cpu_blocks:
+            # Host blocks are pinned on a GPU so swaps run asynchronously.
             self.cpu_key_caches, self.cpu_value_caches = allocate_kv_cache(
-                args[0], sizing.num_cpu_blocks, *args[1:], device=torch.device("cpu"), pin_memory=pin
-            )
+                shape.num_layers, sizing.num_cpu_blocks, *layout, device=torch.device("cpu"),
+                pin_memory=device.type == "cuda")
 
     def wait_for_layer(self, layer: int) -> None:
         """Make the device's current stream wait until ``layer``'s swapped blocks are in place."""

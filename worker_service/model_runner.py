@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,10 +68,8 @@ def eos_token_ids(config: PretrainedConfig, path: str) -> list[int]:
     generation = None
     source, kwargs = pretrained_source(path)
     if not kwargs:  # a directory; a GGUF file's ids are in its config
-        try:
+        with contextlib.suppress(OSError):  # no generation_config.json
             generation = GenerationConfig.from_pretrained(source)
-        except OSError:  # no generation_config.json
-            generation = None
     for cfg in (generation, config):
         eos = getattr(cfg, "eos_token_id", None)
         if eos is not None:

@@ -61,9 +61,8 @@ def _learn(new: NewSequenceData, num_new_tokens: int) -> CachedSequence:
 class SequenceCache:
     """seq_id -> CachedSequence, updated from each plan.
 
-    It also counts recomputed tokens: positions computed again for a sequence whose KV the worker
-    still held (most tokens ever computed for it, kept until a plan tells the worker to forget it).
-    A change of owner that resumes on the cache computes none; one that recomputes shows here.
+    It also counts recomputed tokens: positions computed again for a sequence whose KV the worker still
+    held (_high). A change of owner that resumes on the cache computes none; one that recomputes shows here.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -121,8 +120,6 @@ class SequenceCache:
     def _mismatch(self, view: NewSequenceData, copies: dict[int, int]) -> str:
         cached = self._seqs.get(view.seq_id)
         if cached is None:
-            # Sent in full by a step the worker never ran (a fork's child): another cached sequence may hold
-            # its computed tokens in the same blocks.
             if view.num_computed_tokens and any(not self._differs(view, other, copies) for other in self._seqs.values()):
                 return ""
             return NOT_CACHED

@@ -51,9 +51,7 @@ class StepAbandonedError(RuntimeError):
 def device_for_rank(device: str, rank: int) -> torch.device:
     """Rank r of a group on ``cuda:k`` uses ``cuda:k+r``; on a CPU every rank uses the CPU."""
     base = torch.device(device)
-    if base.type != "cuda":
-        return base
-    return torch.device("cuda", (base.index or 0) + rank)
+    return torch.device("cuda", (base.index or 0) + rank) if base.type == "cuda" else base
 
 
 @dataclass
