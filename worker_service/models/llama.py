@@ -18,9 +18,8 @@ functions with separate projections, [1, heads, T, D] transposes and several ops
 per norm and rotary; they stay the reference this model is tested against.
 Logits are computed only for the rows asked for (the sampled positions).
 
-Tensor parallelism keeps rank r's share of the heads and MLP features (its rows of
-W_qkv and W_gate_up, its columns of W_o and W_down; see load_llama); the row-parallel
-projections' partial sums are all-reduced, and their bias is added once, after.
+Tensor parallelism keeps rank r's share of the heads and MLP features (the layout: llama_loader);
+the row-parallel projections' partial sums are all-reduced, and their bias is added once, after.
 """
 
 from __future__ import annotations
@@ -84,8 +83,7 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for the step's flat batch."""
         dims = self.dims
-        q_width = dims.num_heads * dims.head_size
-        kv_width = dims.num_kv_heads * dims.head_size
+        heads = (dims.num_heads, dims.num_kv_heads, dims.num_kv_heads)
         tokens = input_ids.shape[0]
         eps = dims.rms_norm_eps
         residual = F.embedding(input_ids, self.embed)
@@ -93,14 +91,11 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             if index:
                 x = add_rms_norm(x, residual, layer.input_norm, eps)
-            qkv = layer.qkv(x)
-            apply_rotary(qkv[:, : q_width + kv_width].view(tokens, dims.num_heads + dims.num_kv_heads, dims.head_size),
-                         positions, self.rotary.cos, self.rotary.sin)
-            q = qkv[:, :q_width].view(tokens, dims.num_heads, dims.head_size)
-            k = qkv[:, q_width : q_width + kv_width].view(tokens, dims.num_kv_heads, dims.head_size)
-            v = qkv[:, q_width + kv_width :].view(tokens, dims.num_kv_heads, dims.head_size)
+            qkv = layer.qkv(x).view(tokens, sum(heads), dims.head_size)
+            apply_rotary(qkv[:, : dims.num_heads + dims.num_kv_heads], positions, self.rotary.cos, self.rotary.sin)
+            q, k, v = qkv.split(heads, dim=1)
             out = attend(attn, index, q, k, v, dims.scaling, layer.sliding_window)
-            x = self._row_parallel(out.view(tokens, q_width), layer.o, layer.o_bias)
+            x = self._row_parallel(out.flatten(1), layer.o, layer.o_bias)
             x = add_rms_norm(x, residual, layer.post_norm, eps)
             x = self._row_parallel(silu_and_mul(layer.gate_up(x)), layer.down, layer.down_bias)
         return add_rms_norm(x, residual, self.norm, eps)
