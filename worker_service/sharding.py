@@ -124,29 +124,22 @@ def _row_parallel(module: nn.Module, rank: int, size: int) -> RowParallelLinear:
 
 def _shard_llama_like(model: nn.Module, shape: ModelShape, rank: int, size: int) -> None:
     """Llama, Mistral, Qwen2: q/k/v/o_proj and gate/up/down_proj (Qwen2's q/k/v biases follow their rows)."""
-    d = shape.head_size
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        _keep_outputs(attn.q_proj, rank_share(shape.num_heads * d, rank, size))
-        _keep_outputs(attn.k_proj, rank_share(shape.num_kv_heads * d, rank, size))
-        _keep_outputs(attn.v_proj, rank_share(shape.num_kv_heads * d, rank, size))
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            _keep_outputs(proj, rank_share(proj.out_features, rank, size))
         attn.o_proj = _row_parallel(attn.o_proj, rank, size)
-        width = mlp.gate_proj.out_features
-        _keep_outputs(mlp.gate_proj, rank_share(width, rank, size))
-        _keep_outputs(mlp.up_proj, rank_share(width, rank, size))
         mlp.down_proj = _row_parallel(mlp.down_proj, rank, size)
 
 
 def _shard_opt(model: nn.Module, shape: ModelShape, rank: int, size: int) -> None:
     """OPT: q/k/v/out_proj and fc1/fc2; its attention reshapes by ``num_heads``, so that shrinks too."""
-    features = shape.num_heads * shape.head_size
     for layer in model.model.decoder.layers:
         attn = layer.self_attn
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            _keep_outputs(proj, rank_share(features, rank, size))
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, layer.fc1):
+            _keep_outputs(proj, rank_share(proj.out_features, rank, size))
         attn.out_proj = _row_parallel(attn.out_proj, rank, size)
         attn.num_heads = shape.num_heads // size
-        _keep_outputs(layer.fc1, rank_share(layer.fc1.out_features, rank, size))
         layer.fc2 = _row_parallel(layer.fc2, rank, size)
 
 
