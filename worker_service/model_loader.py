@@ -1,18 +1,13 @@
-"""Loads a Hugging Face checkpoint with the paged attention function plugged in."""
+"""A Hugging Face checkpoint's config: the architecture check, the shape the KV cache needs, the dtype."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from shared.checkpoint import pretrained_source
-from worker_service import attention
-
-log = logging.getLogger(__name__)
 
 # Architectures whose transformers modules run unchanged over the paged attention function.
 # model_type -> architecture: GGUF checkpoints carry only the model type.
@@ -96,23 +91,3 @@ def load_config(path: str) -> PretrainedConfig:
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return config
-
-
-def load_model(
-    path: str, dtype: torch.dtype, device: torch.device,
-    prepare: Callable[[torch.nn.Module], None] | None = None,
-) -> torch.nn.Module:
-    """Loads the weights with transformers, attention replaced by the paged kernels.
-
-    ``prepare`` runs on the host copy before it moves to ``device`` (tensor-parallel sharding:
-    only this rank's share reaches the device).
-    """
-    impl = attention.register()
-    source, kwargs = pretrained_source(path)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=impl, **kwargs)
-    if prepare is not None:
-        prepare(model)
-    model.to(device)
-    model.eval()
-    log.info("loaded %s (%s) on %s", path, dtype, device)
-    return model

@@ -10,20 +10,32 @@ implementation). On a CPU the small ops between matmuls run on one thread
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from shared.checkpoint import pretrained_source
+from worker_service import attention
 from worker_service.attention import METADATA_KWARG, AttentionMetadata
 from worker_service.matmul_threads import MatmulThreads
-from worker_service.model_loader import load_model
 from worker_service.sharding import shard_model
+
+log = logging.getLogger(__name__)
 
 
 class TransformersModel:
     """A loaded transformers causal LM, called with the step's flat batch."""
 
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device, rank: int = 0, tp_size: int = 1) -> None:
-        self.model = load_model(path, dtype, device, prepare=lambda model: shard_model(model, rank, tp_size))
+        source, kwargs = pretrained_source(path)
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention.register(),
+                                                          **kwargs)
+        # Sharded on the host copy: only this rank's share moves to the device.
+        shard_model(self.model, rank, tp_size)
+        self.model.to(device)
+        self.model.eval()
+        log.info("loaded %s (%s) on %s", path, dtype, device)
         self.decoder = self.model.base_model
         self.lm_head = self.model.get_output_embeddings()
         self._threads = MatmulThreads(self.decoder) if device.type == "cpu" else None
