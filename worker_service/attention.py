@@ -25,10 +25,6 @@ from transformers import AttentionInterface
 from kernels import KernelBackend
 
 ATTN_IMPLEMENTATION = "llmserve_paged"
-
-
-def _no_wait(layer: int) -> None:
-    """Nothing is in flight: every layer's cache is ready."""
 METADATA_KWARG = "llmserve_attn_metadata"
 
 
@@ -53,7 +49,7 @@ class AttentionMetadata:
     decode_max_context_len: int
     # Called with a layer's index before it touches its cache: blocks swapped in this step on a GPU
     # side stream must have landed (CacheEngine.wait_for_layer); a no-op on a CPU.
-    wait_for_layer: Callable[[int], None] = _no_wait
+    wait_for_layer: Callable[[int], None]
     # Entered around the cache write and the attention kernels: on a CPU it gives them every thread
     # while the ops between run on one (MatmulThreads.full); nothing elsewhere.
     kernel_threads: Callable[[], AbstractContextManager[object]] = nullcontext
