@@ -68,17 +68,16 @@ class LlamaDims:
         return self.head_size**-0.5
 
 
+@dataclass(eq=False)
 class LlamaModel:
     """The decoder and LM head of a Llama-family checkpoint, in the fused layout."""
 
-    def __init__(self, dims: LlamaDims, embed: torch.Tensor, layers: list[LlamaLayer], norm: torch.Tensor,
-                 lm_head: Linear, rotary: RotaryTable) -> None:
-        self.dims = dims
-        self.embed = embed  # [vocab, hidden]
-        self.layers = layers
-        self.norm = norm
-        self.lm_head = lm_head  # [vocab, hidden]; the embedding's weights when they are tied
-        self.rotary = rotary
+    dims: LlamaDims
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LlamaLayer]
+    norm: torch.Tensor
+    lm_head: Linear  # [vocab, hidden]; the embedding's weights when they are tied
+    rotary: RotaryTable
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for the step's flat batch."""
