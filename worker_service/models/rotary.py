@@ -35,8 +35,6 @@ class RotaryTable:
 def build_rotary_table(rotary_module_type: type, config: PretrainedConfig, max_positions: int,
                        dtype: torch.dtype, device: torch.device) -> RotaryTable:
     """The table of ``rotary_module_type`` (e.g. LlamaRotaryEmbedding) for positions ``0 .. max_positions - 1``."""
-    if rope_type(config) in DYNAMIC_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type(config)!r} has no fixed table")
     module = rotary_module_type(config=config)
     positions = torch.arange(max_positions).unsqueeze(0)
     # The module returns cat(freqs, freqs) per position: the two halves are the same numbers.
