@@ -93,7 +93,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         hf_config = load_config(config.model)
         self.shape = model_shape(hf_config)
-        # A size that does not divide the heads is refused by start_runner (before any rank starts) and shard_model.
+        # A size that does not divide the heads is refused by start_runner, before any rank starts.
         tp_size = tp.world_size if tp is not None else 1
         # What this rank's attention and KV cache hold; self.shape stays the whole model's.
         self.cache_shape = local_shape(self.shape, tp_size)

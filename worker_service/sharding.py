@@ -172,7 +172,6 @@ def shard_model(model: nn.Module, rank: int, size: int) -> None:
     if size == 1:
         return
     config = model.config
-    check_tensor_parallel(config, size)
     sharder = _SHARDERS.get(config.model_type)
     if sharder is None:
         raise TensorParallelError(
