@@ -23,8 +23,7 @@ class CacheSizeError(ValueError):
 
 def block_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block over all layers, keys and values."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_size * block_size * element
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_size * block_size * dtype.itemsize
 
 
 @dataclass
