@@ -1,37 +1,16 @@
-"""Incremental detokenization (vLLM's prefix/read offsets) plus stop handling.
+"""Incremental detokenization (vLLM's prefix/read offsets); the stop rules are in core/stop_checker.py.
 
-Turns a growing list of token ids into text deltas without re-decoding the
-whole sequence every step, and without ever emitting half a UTF-8 character
-(byte-level BPE splits emoji and CJK characters across several tokens). The
-stop rules live in the pure core and are re-exported here for the engine.
+Turns a growing list of token ids into text deltas without re-decoding the whole sequence every step,
+and without ever emitting half a UTF-8 character (byte-level BPE splits emoji and CJK characters
+across several tokens).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from scheduler_service.core.stop_checker import (
-    CONTINUE,
-    StopDecision,
-    check_stop,
-    find_stop_string,
-    held_back_stop_strings,
-    streamable_text_length,
-)
-
-__all__ = [
-    "CONTINUE",
-    "IncrementalDetokenizer",
-    "StopDecision",
-    "check_stop",
-    "find_stop_string",
-    "held_back_stop_strings",
-    "streamable_text_length",
-]
-
-# Prompt tokens kept as decoding context, as in vLLM: enough for the tokenizer
-# to see word boundaries (e.g. SentencePiece's leading space) at the start of
-# the output without re-decoding the whole prompt.
+# Prompt tokens kept as decoding context, as in vLLM: enough for the tokenizer to see word boundaries
+# (e.g. SentencePiece's leading space) at the start of the output without re-decoding the whole prompt.
 _INITIAL_PREFIX_TOKENS = 5
 
 # What decoding yields for an incomplete UTF-8 sequence.
@@ -45,10 +24,9 @@ class _Tokenizer(Protocol):
 class IncrementalDetokenizer:
     """Detokenizes one sequence's output as tokens arrive.
 
-    Tokens before read_offset have been turned into text; decoding starts at
-    prefix_offset so the text of the pending tokens is computed in context
-    (new text = decode(tokens[prefix:]) minus decode(tokens[prefix:read])).
-    Text is held back while it ends with U+FFFD, i.e. mid-character.
+    Tokens before read_offset have been turned into text; decoding starts at prefix_offset so the text
+    of the pending tokens is computed in context (new text = decode(tokens[prefix:]) minus
+    decode(tokens[prefix:read])). Text is held back while it ends with U+FFFD, i.e. mid-character.
     """
 
     def __init__(self, tokenizer: _Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
@@ -62,8 +40,7 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: list[int]) -> str:
         """Add generated tokens; return the newly decodable text (may be "")."""
         pieces = []
-        # One token at a time, so a multi-token step emits exactly the same
-        # text as the same tokens arriving over several steps.
+        # One token at a time, so a multi-token step emits exactly the text of the same tokens over several steps.
         for token_id in new_token_ids:
             self._token_ids.append(token_id)
             pieces.append(self._decode_newest())
@@ -83,8 +60,8 @@ class IncrementalDetokenizer:
     def _decode_newest(self) -> str:
         prefix_text = self._decode(self._token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self._token_ids[self.prefix_offset :])
-        # Shorter or equal: a skipped special token. Trailing U+FFFD: the
-        # newest bytes do not complete a character yet; retry with more tokens.
+        # Shorter or equal: a skipped special token. Trailing U+FFFD: the newest bytes do not complete a
+        # character yet; retry with more tokens.
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
             return ""
         self.prefix_offset = self.read_offset

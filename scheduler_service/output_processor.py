@@ -13,12 +13,8 @@ from scheduler_service.beam_processor import BeamProcessor, BeamState, PendingFo
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from scheduler_service.detokenizer import (
-    IncrementalDetokenizer,
-    check_stop,
-    held_back_stop_strings,
-    streamable_text_length,
-)
+from scheduler_service.core.stop_checker import check_stop, held_back_stop_strings, streamable_text_length
+from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.request_state import FINISH_REASONS, REASON_LABELS, RequestState, SeqOutput
 from scheduler_service.store import RestoredRequest, StepCommit
 from shared.metrics import RequestTimings

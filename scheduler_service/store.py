@@ -30,7 +30,6 @@ from scheduler_service.store_types import (
     Pickup,
     QueueFullError,
     QueueLimits,
-    QueueStats,
     RestoredRequest,
     StepCommit,
     StoredEngineState,
@@ -49,7 +48,7 @@ log = logging.getLogger(__name__)
 # The records are part of the store's API: callers import them from here with RedisStore.
 __all__ = [
     "INBOX_BATCH", "OUTPUT_TTL_SECONDS", "PREFIX_TTL_SECONDS", "AdmitOutcome", "CacheStats", "DuplicateRequestError",
-    "Pickup", "QueueFullError", "QueueLimits", "QueueStats", "RedisStore", "RestoredRequest", "StepCommit",
+    "Pickup", "QueueFullError", "QueueLimits", "RedisStore", "RestoredRequest", "StepCommit",
     "StoredEngineState", "StreamInfo", "StreamState", "WorkerGoneError",
 ]
 
@@ -159,12 +158,6 @@ class RedisStore:
                 "retry after a short backoff"
             )
         return AdmitOutcome.ADMITTED
-
-    @_unavailable_on_redis_error
-    async def queue_stats(self, worker_id: str) -> QueueStats:
-        """The worker's queue of admitted, not yet scheduled requests (two counters, no scan)."""
-        raw = await self._r.hgetall(keys.queue(worker_id))
-        return QueueStats(int(raw.get(b"requests", 0)), int(raw.get(b"tokens", 0)))
 
     @_unavailable_on_redis_error
     async def route_aborts(self, request_ids: list[str], skip_worker: str = "") -> int:

