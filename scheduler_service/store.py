@@ -1,19 +1,15 @@
 """The Redis state store: requests, queues, step commits, output streams.
 
-Admission writes a request record and pushes it to its worker's inbox. Each
-engine-loop step is committed in one MULTI/EXEC transaction that also picks up
-the next admitted requests and aborts; fenced by the loop's epoch (WATCH and GET
-before it), it costs three round trips, all overlapped with the worker's step.
-Clients read their request's output stream; tokens appear there only once
-their step is committed. The records it takes and returns are in store_types.py,
-its Lua scripts in store_scripts.py, a step's writes in step_writes.py; leases and the worker
-registry have their own small modules.
+Admission writes a request record and pushes it to its worker's inbox. Each engine-loop step is
+committed in one MULTI/EXEC transaction that also picks up the next admitted requests and aborts;
+fenced by the loop's epoch (WATCH and GET before it), it costs three round trips, all overlapped with
+the worker's step. Clients read their request's output stream; tokens appear there only once their
+step is committed. Records: store_types.py; Lua scripts: store_scripts.py; a step's writes: step_writes.py.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
@@ -42,8 +38,6 @@ from scheduler_service.step_writes import OUTPUT_TTL_SECONDS, queue_step_writes
 from shared import redis_client
 from shared.errors import UnavailableError
 from shared.worker_registry import heartbeat_key
-
-log = logging.getLogger(__name__)
 
 # The records are part of the store's API: callers import them from here with RedisStore.
 __all__ = [
@@ -75,7 +69,6 @@ def _unavailable_on_redis_error(method: Callable[_P, Awaitable[_T]]) -> Callable
             raise UnavailableError(f"the state store is unavailable: {exc}") from exc
 
     return wrapper
-
 
 
 def _indexed_messages(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[generation_pb2.GenerateResponse]:
@@ -272,16 +265,12 @@ class RedisStore:
         """
         w = worker_id
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.hgetall(keys.engine(w))
-            pipe.hgetall(keys.seq_states(w))
-            pipe.hgetall(keys.cached_blocks(w))
-            pipe.lrange(keys.waiting(w), 0, -1)
-            pipe.lrange(keys.running(w), 0, -1)
-            pipe.lrange(keys.swapped(w), 0, -1)
-            pipe.hgetall(keys.stats(w))
+            for key in (keys.engine(w), keys.seq_states(w), keys.cached_blocks(w), keys.stats(w)):
+                pipe.hgetall(key)
+            for key in (keys.waiting(w), keys.running(w), keys.swapped(w), keys.inbox(w)):
+                pipe.lrange(key, 0, -1)
             pipe.smembers(keys.live(w))
-            pipe.lrange(keys.inbox(w), 0, -1)
-            engine, seqs, cached, waiting, running, swapped, stats, live, inbox = await pipe.execute()
+            engine, seqs, cached, stats, waiting, running, swapped, inbox, live = await pipe.execute()
         if not engine:
             return None
         queues = [[r.decode() for r in q] for q in (waiting, running, swapped)]
@@ -330,7 +319,7 @@ class RedisStore:
                 for seq_id in record.seq_ids:
                     pipe.lrange(keys.seq_tokens(seq_id), 0, -1)
             token_lists = iter(await pipe.execute())
-        restored = [
+        restored = (
             RestoredRequest(
                 record,
                 {seq_id: [int(t) for t in next(token_lists)] for seq_id in record.seq_ids},
@@ -338,9 +327,8 @@ class RedisStore:
                 {int(k[len(b"cum:"):]): float(v) for k, v in h.items() if k.startswith(b"cum:")},
             )
             for record, h in zip(records, hashes)
-        ]
-        restored.sort(key=lambda r: r.record.arrival_time)
-        return restored
+        )
+        return sorted(restored, key=lambda r: r.record.arrival_time)
 
     # -- clients -----------------------------------------------------------------------------
 
@@ -370,12 +358,10 @@ class RedisStore:
         reply = await self._r.xread(streams, block=block_ms)
         out: dict[str, list[generation_pb2.GenerateResponse]] = {}
         for stream, entries in reply or []:
-            name = stream.decode() if isinstance(stream, bytes) else stream
-            if name == wake_key:
-                last = entries[-1][0]
-                wake_id = last.decode() if isinstance(last, bytes) else last
-                continue
-            out[names[name]] = _indexed_messages(entries)
+            if stream.decode() == wake_key:
+                wake_id = entries[-1][0].decode()
+            else:
+                out[names[stream.decode()]] = _indexed_messages(entries)
         return out, wake_id
 
     @_unavailable_on_redis_error
