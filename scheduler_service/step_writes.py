@@ -59,7 +59,18 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
         pipe.eval(scripts.APPEND_STEP_LUA, *appends)
     for seq_id in c.dropped_seqs:
         pipe.delete(keys.seq_tokens(seq_id))
-    _queue_engine_state(pipe, c)
+    # The scheduler's state of the worker: sequence states, cached blocks, the engine hash (one command each).
+    if c.reset_engine_state:
+        pipe.delete(keys.seq_states(w), keys.cached_blocks(w), keys.engine(w))
+    for key, written, dropped in (
+        (keys.seq_states(w), c.seq_states, c.dropped_seq_states),
+        (keys.cached_blocks(w), c.cached_blocks, c.uncached_blocks),
+        (keys.engine(w), c.engine_fields, c.dropped_engine_fields),
+    ):
+        if dropped:
+            pipe.hdel(key, *dropped)
+        if written:
+            pipe.hset(key, mapping=written)
     for request_id, cumulative in c.cumulative_logprobs.items():
         pipe.hset(keys.request(request_id), mapping={f"cum:{s}": repr(v) for s, v in cumulative.items()})
     for request_id, seqs in c.finished_seqs.items():
@@ -88,23 +99,6 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
                 pipe.rpush(key, *snapshot)
     if c.cache_stats is not None:
         pipe.hset(keys.stats(w), mapping=c.cache_stats.as_hash())
-    if c.num_preemptions:
-        pipe.hincrby(keys.stats(w), "preemptions", c.num_preemptions)
-    if c.num_swaps:
-        pipe.hincrby(keys.stats(w), "swaps", c.num_swaps)
-
-
-def _queue_engine_state(pipe: Pipeline, c: StepCommit) -> None:
-    """The scheduler's state of the worker: sequence states, cached blocks, the engine hash (one command each)."""
-    w = c.worker_id
-    if c.reset_engine_state:
-        pipe.delete(keys.seq_states(w), keys.cached_blocks(w), keys.engine(w))
-    for key, written, dropped in (
-        (keys.seq_states(w), c.seq_states, c.dropped_seq_states),
-        (keys.cached_blocks(w), c.cached_blocks, c.uncached_blocks),
-        (keys.engine(w), c.engine_fields, c.dropped_engine_fields),
-    ):
-        if dropped:
-            pipe.hdel(key, *dropped)
-        if written:
-            pipe.hset(key, mapping=written)
+    for name, count in (("preemptions", c.num_preemptions), ("swaps", c.num_swaps)):
+        if count:
+            pipe.hincrby(keys.stats(w), name, count)
