@@ -1,19 +1,17 @@
-"""The Lua scripts of the state store: each runs atomically inside Redis.
+"""The Lua scripts of the state store, each atomic inside Redis, with its contract (KEYS, ARGV, reply).
 
-Kept apart from scheduler_service/store.py so that the store reads as the list of operations, and
-each script's contract (KEYS, ARGV, reply) sits next to its code.
+Kept apart from scheduler_service/store.py so that the store reads as the list of operations.
 """
 
 from __future__ import annotations
 
-# Admission in one atomic step: find the same request already there (same id and digest, live or
-# finished with its stream kept: the caller re-attaches), refuse a live duplicate id or a full queue,
-# else record and queue the request and count it in the worker's queue totals. Every replica runs the
-# same check on the same counters, so the bound holds across replicas without any scan; and two
-# replicas receiving the same request at once cannot both admit it. With the worker's heartbeat key
-# checked, a request is never queued for a worker that is already gone: a router's view of the
-# workers can be a tick old, and the engine loop of a departed worker hands over only what reached
-# its queue while the worker still counted as alive.
+# Admission in one atomic step: find the same request already there (same id and digest, live or finished
+# with its stream kept: the caller re-attaches), refuse a live duplicate id or a full queue, else record and
+# queue the request and count it in the worker's queue totals. Every replica runs the same check on the same
+# counters, so the bound holds across replicas without any scan, and two replicas receiving the same request
+# at once cannot both admit it. With the heartbeat checked, a request is never queued for a worker already
+# gone: a router's view of the workers can be a tick old, and the engine loop of a departed worker hands over
+# only what reached its queue while the worker still counted as alive.
 #   KEYS: request hash, output stream, live set, inbox, queued hash, queue totals, digest, worker heartbeat
 #   ARGV: record, worker id, request id, prompt tokens, max requests (0 = none), max tokens (0 = none),
 #         digest ("" for a server-chosen id: never re-sent, nothing to remember), "1" to require the heartbeat
@@ -36,9 +34,7 @@ if max_reqs > 0 and reqs >= max_reqs then return {2, reqs, toks} end
 if max_toks > 0 and reqs > 0 and toks + n > max_toks then return {3, reqs, toks} end
 redis.call('DEL', KEYS[2])
 if ARGV[7] == '' then redis.call('DEL', KEYS[7]) else redis.call('SET', KEYS[7], ARGV[7]) end
-redis.call('HSET', KEYS[1], 'request', ARGV[1])
-redis.call('HSET', KEYS[1], 'worker', ARGV[2])
-redis.call('HSET', KEYS[1], 'state', 'queued')
+redis.call('HSET', KEYS[1], 'request', ARGV[1], 'worker', ARGV[2], 'state', 'queued')
 redis.call('SADD', KEYS[3], ARGV[3])
 redis.call('RPUSH', KEYS[4], ARGV[1])
 redis.call('HSET', KEYS[5], ARGV[3], n)
