@@ -28,7 +28,7 @@ async def check_resumable(store: RedisStore, request_id: str, from_index: int) -
     ))
 
 
-Reader = Callable[[str, int, int | None], Awaitable[list[generation_pb2.GenerateResponse]]]
+Reader = Callable[[str, int, int], Awaitable[list[generation_pb2.GenerateResponse]]]
 
 
 async def follow(

@@ -1,16 +1,14 @@
 """One blocking XREAD for all the output streams a replica's clients are reading, instead of one each.
 
-Every Generate / Resume call waits for its request's next committed messages. Read one XREAD per
-call, a step commit of 64 requests wakes 64 Redis connections and 64 replies to parse on the
-replica's event loop, the same loop that runs its engine loops: under load that was a fifth of a
-replica's CPU. Here one task reads every followed stream from the index its readers wait for, and
-hands each reader its messages.
+Every Generate / Resume call waits for its request's next committed messages. With one XREAD per call,
+a step commit of 64 requests wakes 64 Redis connections and 64 replies to parse on the replica's event
+loop, the one that runs its engine loops: under load that was a fifth of a replica's CPU. Here one task
+reads every followed stream from the index its readers wait for, and hands each reader its messages.
 
-After handing a reader its messages the next XREAD goes on reading that stream from the following
-index, where the reader will be back for more (a hint, dropped when the stream ends, when its
-messages find no reader, or after HINT_SECONDS without one). A reader the XREAD in flight does not
-cover (a new request) wakes it through a stream of the replica's own (`keys.reader_wake`), so its
-first token is not held back.
+After handing a reader its messages the next XREAD goes on reading that stream from the following index,
+where the reader will be back for more (a hint, dropped when the stream ends, when its messages find no
+reader, or after HINT_SECONDS without one). A reader the XREAD in flight does not cover (a new request)
+wakes it through a stream of the replica's own (`keys.reader_wake`), so its first token is not held back.
 """
 
 from __future__ import annotations
@@ -52,12 +50,8 @@ class StreamMux:
         self._reading: dict[str, int] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def read_from(
-        self, request_id: str, from_index: int, block_ms: int | None
-    ) -> list[generation_pb2.GenerateResponse]:
+    async def read_from(self, request_id: str, from_index: int, block_ms: int) -> list[generation_pb2.GenerateResponse]:
         """Committed messages of a request from `from_index` on, waiting up to `block_ms` for the first."""
-        if block_ms is None:
-            return await self._store.read_from(request_id, from_index, None)
         reader = _Reader(from_index)
         self._readers.setdefault(request_id, []).append(reader)
         try:
