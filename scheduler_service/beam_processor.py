@@ -1,25 +1,22 @@
 """Applies beam-search steps to the scheduler and the step's Redis commit.
 
-vLLM's original mechanism: the worker returns, for each beam, its most likely
-next tokens (top_logprobs); core.beam_search picks the next beams; here the
-beams without a surviving child leave the group (blocks freed), a parent with
-several children continues as the first and is forked for the others (its
-blocks shared, the last one copied on write when it grows), and finished
-hypotheses join the group as finished sequences without blocks.
+vLLM's original mechanism: the worker returns, for each beam, its most likely next tokens (top_logprobs);
+core.beam_search picks the next beams; here the beams without a surviving child leave the group (blocks
+freed), a parent with several children continues as the first and is forked for the others (its blocks
+shared, the last one copied on write when it grows), and finished hypotheses join the group as finished
+sequences without blocks.
 
-A request owns 2 * best_of sequence ids (SamplingParams.num_sequences): at
-most best_of running beams and best_of hypotheses exist at once, so the ids
-of dropped beams are reused. A reused id is wiped in Redis and forgotten by
-the worker in the same commit and plan that introduce its new sequence.
+A request owns 2 * best_of sequence ids (SamplingParams.num_sequences): at most best_of running beams and
+best_of hypotheses exist at once, so the ids of dropped beams are reused. A reused id is wiped in Redis and
+forgotten by the worker in the same commit and plan that introduce its new sequence.
 
-Everything a new owner needs to continue is in Redis: each live beam's and
-hypothesis's tokens, status and cumulative logprob. A sequence id with no
-tokens and no status is unused (restore_beam_ids).
+Everything a new owner needs to continue is in Redis: each live beam's and hypothesis's tokens, status and
+cumulative logprob. A sequence id with no tokens and no status is unused (restore_beam_ids).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protos import common_pb2, generation_pb2
 from scheduler_service.core.beam_search import BeamParams, Hypothesis, RunningBeam, beam_step, hypothesis_score
@@ -27,16 +24,9 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import ScheduledSequence
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.request_state import RequestState
 from scheduler_service.store import StepCommit
 from shared.sampling_params import SamplingParams
-
-
-@dataclass
-class BeamState:
-    """The beam search of one request: its id pool and each live sequence's cumulative logprob."""
-
-    seq_id_pool: list[int]
-    cumulative: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,26 +71,26 @@ class BeamProcessor:
 
     def step(
         self,
-        group: SequenceGroup,
-        state: BeamState,
+        state: RequestState,
         items: list[ScheduledSequence],
         candidates: dict[int, list[tuple[int, float]]],
         sampled: dict[int, int],
         commit: StepCommit,
     ) -> list[PendingFork]:
-        """One beam step for `group`, whose beams in `items` just computed their last token.
+        """One beam step for the request, whose beams in `items` just computed their last token.
 
-        Edits `sampled` (the token each continuing beam appends; dropped beams
-        removed) for update_after_step, and returns the forks to make after it.
+        Edits `sampled` (the token each continuing beam appends; dropped beams removed) for
+        update_after_step, and returns the forks to make after it.
         """
+        group, cumulative = state.group, state.cumulative
         prompt = group.seqs[0].prompt_token_ids
         params = beam_params(group.sampling_params, len(prompt), self._scheduler.max_seq_len, self._eos_token_id)
         by_id = {s.seq_id: s for s in group.seqs}
         # Best first; ties keep the group's order (a stable sort).
-        beams = sorted((item.seq for item in items), key=lambda s: -state.cumulative.get(s.seq_id, 0.0))
-        running = [RunningBeam(s.seq_id, state.cumulative.get(s.seq_id, 0.0), candidates[s.seq_id]) for s in beams]
+        beams = sorted((item.seq for item in items), key=lambda s: -cumulative.get(s.seq_id, 0.0))
+        running = [RunningBeam(s.seq_id, cumulative.get(s.seq_id, 0.0), candidates[s.seq_id]) for s in beams]
         hypotheses = [
-            Hypothesis(s.seq_id, state.cumulative.get(s.seq_id, 0.0), len(s.output_token_ids))
+            Hypothesis(s.seq_id, cumulative.get(s.seq_id, 0.0), len(s.output_token_ids))
             for s in group.seqs
             if s.is_finished
         ]
@@ -117,12 +107,12 @@ class BeamProcessor:
         drop += [by_id[seq_id] for seq_id in result.dropped_hypotheses]
         for seq in drop:
             sampled.pop(seq.seq_id, None)
-            state.cumulative.pop(seq.seq_id, None)
+            cumulative.pop(seq.seq_id, None)
         for child in result.running:
             if continuing.get(child.parent_id) == child.token_id:
-                state.cumulative[child.parent_id] = child.cumulative_logprob
+                cumulative[child.parent_id] = child.cumulative_logprob
         kept = {s.seq_id for s in group.seqs} - {s.seq_id for s in drop}
-        free_ids = iter(seq_id for seq_id in state.seq_id_pool if seq_id not in kept)
+        free_ids = iter(seq_id for seq_id in state.record.seq_ids if seq_id not in kept)
         request_id = group.request_id
 
         new_hypotheses = []
@@ -134,7 +124,7 @@ class BeamProcessor:
             )
             seq = Sequence(next(free_ids), prompt, outputs, status=status)
             new_hypotheses.append(seq)
-            state.cumulative[seq.seq_id] = child.cumulative_logprob
+            cumulative[seq.seq_id] = child.cumulative_logprob
             commit.new_tokens[seq.seq_id] = outputs
             commit.finished_seqs.setdefault(request_id, {})[seq.seq_id] = status.name
         forks = []
@@ -142,7 +132,7 @@ class BeamProcessor:
             parent = by_id[child.parent_id]
             seq = Sequence(next(free_ids), prompt, parent.output_token_ids + [child.token_id])
             forks.append(PendingFork(group, parent, seq))
-            state.cumulative[seq.seq_id] = child.cumulative_logprob
+            cumulative[seq.seq_id] = child.cumulative_logprob
             commit.new_tokens[seq.seq_id] = seq.output_token_ids
 
         # Wiped before this commit's writes: a reused id's new tokens land in an empty list.
@@ -151,13 +141,14 @@ class BeamProcessor:
             sampled[seq_id] = token
             commit.new_tokens[seq_id] = [token]
         self._scheduler.replace_beams(group, drop, new_hypotheses)
-        commit.cumulative_logprobs[request_id] = dict(state.cumulative)
+        commit.cumulative_logprobs[request_id] = dict(cumulative)
         return forks
 
     def final_outputs(
-        self, group: SequenceGroup, state: BeamState, tokenizer: object, msg: generation_pb2.GenerateResponse
+        self, state: RequestState, tokenizer: object, msg: generation_pb2.GenerateResponse
     ) -> list[Sequence]:
         """The n best hypotheses, best first, as the request's outputs."""
+        group = state.group
         params = group.sampling_params
         prompt = group.seqs[0].prompt_token_ids
         ranked = sorted(

@@ -1,7 +1,7 @@
 """Turns sampled tokens into client-visible outputs: detokenize, stop, finish.
 
-Runs in the engine loop right after a step; everything it produces goes into
-the step's StepCommit, so clients see it only once Redis has it.
+Runs in the engine loop right after a step; everything it produces goes into the step's StepCommit, so
+clients see it only once Redis has it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
-from scheduler_service.beam_processor import BeamProcessor, BeamState, PendingFork, restore_beam_ids
+from scheduler_service.beam_processor import BeamProcessor, PendingFork, restore_beam_ids
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -100,20 +100,17 @@ class OutputProcessor:
     def _state_for(self, restored: RestoredRequest, group: SequenceGroup) -> RequestState:
         """A request's streaming state after the outputs committed for it: the stream goes on right after them."""
         record, params = restored.record, group.sampling_params
-        prompt = list(record.prompt_token_ids)
+        cumulative = {s.seq_id: restored.cumulative_logprobs.get(s.seq_id, 0.0) for s in group.seqs}
         # Outputs were committed only after the response that carried the prompt logprobs.
-        state = RequestState(record, group, prompt_logprobs_sent=any(restored.outputs.values()))
+        state = RequestState(record, group, cumulative, prompt_logprobs_sent=any(restored.outputs.values()))
         if params.use_beam_search:
-            state.beams = BeamState(
-                list(record.seq_ids), {s.seq_id: restored.cumulative_logprobs.get(s.seq_id, 0.0) for s in group.seqs}
-            )
             return state
+        prompt = list(record.prompt_token_ids)
         for index, seq in enumerate(group.seqs):
             detokenizer = IncrementalDetokenizer(self._tokenizer, prompt, params.skip_special_tokens)
             detokenizer.step(seq.output_token_ids)
             sent = streamable_text_length(detokenizer.output_text, held_back_stop_strings(params), finished=False)
-            cumulative = restored.cumulative_logprobs.get(seq.seq_id, 0.0)
-            state.seqs[seq.seq_id] = SeqOutput(index, detokenizer, sent, cumulative)
+            state.seqs[seq.seq_id] = SeqOutput(index, detokenizer, sent)
         return state
 
     def abort(self, request_id: str, commit: StepCommit) -> bool:
@@ -148,7 +145,7 @@ class OutputProcessor:
         finished = {seq.seq_id: seq.status.name for seq in group.seqs if seq.is_finished}
         self._scheduler.abort_request(group.request_id)
         del self._requests[group.request_id]
-        self.restore(RestoredRequest(state.record, outputs, finished, state.cumulative_logprobs()))
+        self.restore(RestoredRequest(state.record, outputs, finished, dict(state.cumulative)))
         self._requests[group.request_id].worker_failures = state.worker_failures
 
     def hand_over(self, group: SequenceGroup) -> state_pb2.AdmittedRequest | None:
@@ -171,7 +168,6 @@ class OutputProcessor:
         self._finish_request(group, commit, error=message)
 
     def _finish_request(self, group: SequenceGroup, commit: StepCommit, error: str) -> None:
-        self._requests.pop(group.request_id, None)
         msg = generation_pb2.GenerateResponse(request_id=group.request_id, error=error)
         # Clients know indices 0..n-1 only (with best_of > n the extra sequences are never shown).
         for index, seq in enumerate(group.seqs[: group.sampling_params.n]):
@@ -182,6 +178,8 @@ class OutputProcessor:
     def _add_final(
         self, group: SequenceGroup, msg: generation_pb2.GenerateResponse, commit: StepCommit, returned: list[Sequence]
     ) -> None:
+        """Ends the request with `msg`, its final message (the one with usage)."""
+        self._requests.pop(group.request_id, None)
         msg.usage.prompt_tokens = len(group.seqs[0].prompt_token_ids)
         msg.usage.completion_tokens = sum(len(s.output_token_ids) for s in returned)
         if self.record_timings:
@@ -233,11 +231,11 @@ class OutputProcessor:
             seq, group = item.seq, item.group
             token = sampled.get(seq.seq_id)
             state = self._requests.get(group.request_id)
-            if token is None or state is None or seq.is_finished or state.beams is not None:
+            if token is None or state is None or seq.is_finished or group.sampling_params.use_beam_search:
                 continue
             # A commit may carry several steps (a new owner lands the last owner's steps into one).
             commit.new_tokens.setdefault(seq.seq_id, []).append(token)
-            state.seqs[seq.seq_id].cumulative_logprob += by_seq[seq.seq_id].logprob
+            state.cumulative[seq.seq_id] += by_seq[seq.seq_id].logprob
             delta = self._on_token(state, group, seq, token)
             if group.sampling_params.logprobs is not None:
                 delta.logprobs.add(logprob=by_seq[seq.seq_id].logprob, top=by_seq[seq.seq_id].top_logprobs)
@@ -256,7 +254,6 @@ class OutputProcessor:
             if streams or group.is_finished():
                 state.attach_prompt_logprobs(msg)
             if group.is_finished():
-                del self._requests[request_id]
                 returned = group.seqs if streams else state.best(msg)
                 self._add_final(group, msg, commit, returned)
                 continue
@@ -265,7 +262,7 @@ class OutputProcessor:
             else:
                 # Kept in Redis so that a new owner ranks the sequences on their whole history.
                 commit.cumulative_logprobs.setdefault(request_id, {}).update({
-                    s.seq_id: state.seqs[s.seq_id].cumulative_logprob for s in group.seqs if s.seq_id in sampled
+                    s.seq_id: state.cumulative[s.seq_id] for s in group.seqs if s.seq_id in sampled
                 })
             # n > 1: a sequence that ended while its siblings go on must stay ended after a restart.
             ended_now = {s.seq_id: s.status.name for s in group.seqs if s.is_finished and s.seq_id in sampled}
@@ -279,24 +276,22 @@ class OutputProcessor:
         """Beam-search groups whose beams sampled: pick the next beams, finish the searches that are done."""
         items_by_request: dict[str, list] = {}
         for item in out.scheduled:
-            state = self._requests.get(item.group.request_id)
-            if state is not None and state.beams is not None and item.samples and not item.seq.is_finished:
+            searching = item.group.sampling_params.use_beam_search and item.samples and not item.seq.is_finished
+            if searching and item.group.request_id in self._requests:
                 items_by_request.setdefault(item.group.request_id, []).append(item)
         forks: list[PendingFork] = []
         for request_id, items in items_by_request.items():
             state = self._requests[request_id]
-            assert state.beams is not None
             group = state.group
             candidates = {
                 item.seq.seq_id: [(t.token_id, t.logprob) for t in by_seq[item.seq.seq_id].top_logprobs]
                 for item in items
             }
-            forks += self._beams.step(group, state.beams, items, candidates, sampled, commit)
+            forks += self._beams.step(state, items, candidates, sampled, commit)
             if group.is_finished():
-                del self._requests[request_id]
                 msg = generation_pb2.GenerateResponse(request_id=request_id)
                 state.attach_prompt_logprobs(msg)
-                best = self._beams.final_outputs(group, state.beams, self._tokenizer, msg)
+                best = self._beams.final_outputs(state, self._tokenizer, msg)
                 self._add_final(group, msg, commit, best)
         return forks
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
-from scheduler_service.beam_processor import BeamState
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.detokenizer import IncrementalDetokenizer
 
@@ -29,8 +28,6 @@ class SeqOutput:
     index: int
     detokenizer: IncrementalDetokenizer
     sent_chars: int = 0
-    # Sum of the sampled tokens' logprobs: ranks the sequences when best_of > n.
-    cumulative_logprob: float = 0.0
     stop_reason: str = ""
 
 
@@ -40,20 +37,17 @@ class RequestState:
 
     record: state_pb2.AdmittedRequest
     group: SequenceGroup
+    # seq id -> sum of its sampled tokens' logprobs: ranks the sequences when best_of > n, and the beams
+    # and hypotheses of a beam search (only its live sequences have one).
+    cumulative: dict[int, float]
+    # Per-sequence streaming state; none for beam search, which streams nothing before the end.
     seqs: dict[int, SeqOutput] = field(default_factory=dict)
     # Steps of this request that a worker failed; past MAX_WORKER_FAILURES it ends with an error.
     worker_failures: int = 0
-    # Beam search requests only (their sequences have no per-sequence streaming state).
-    beams: BeamState | None = None
     # prompt_logprobs requests: prompt index -> entry, gathered over the prefill's chunks until the
     # first response takes them (after which `prompt_logprobs_sent`).
     prompt_logprobs: dict[int, common_pb2.TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs_sent: bool = False
-
-    def cumulative_logprobs(self) -> dict[int, float]:
-        if self.beams is not None:
-            return dict(self.beams.cumulative)
-        return {seq_id: out.cumulative_logprob for seq_id, out in self.seqs.items()}
 
     def gather_prompt_logprobs(self, piece: worker_pb2.PromptLogprobs) -> None:
         """Keeps prompt logprobs a step computed, by prompt index, until the first response takes them.
@@ -80,7 +74,7 @@ class RequestState:
     def best(self, msg: generation_pb2.GenerateResponse) -> list[Sequence]:
         """best_of > n: the n most likely sequences, whole, added to msg as the request's only outputs."""
         group = self.group
-        ranked = sorted(group.seqs, key=lambda s: self.seqs[s.seq_id].cumulative_logprob, reverse=True)
+        ranked = sorted(group.seqs, key=lambda s: self.cumulative[s.seq_id], reverse=True)
         best = ranked[: group.sampling_params.n]
         for index, seq in enumerate(best):
             out = self.seqs[seq.seq_id]
