@@ -103,14 +103,12 @@ class BeamProcessor:
                 extra.append(child)
             else:
                 continuing[child.parent_id] = child.token_id
+                cumulative[child.parent_id] = child.cumulative_logprob
         drop = [s for s in beams if s.seq_id not in continuing]
         drop += [by_id[seq_id] for seq_id in result.dropped_hypotheses]
         for seq in drop:
             sampled.pop(seq.seq_id, None)
             cumulative.pop(seq.seq_id, None)
-        for child in result.running:
-            if continuing.get(child.parent_id) == child.token_id:
-                cumulative[child.parent_id] = child.cumulative_logprob
         kept = {s.seq_id for s in group.seqs} - {s.seq_id for s in drop}
         free_ids = iter(seq_id for seq_id in state.record.seq_ids if seq_id not in kept)
         request_id = group.request_id
