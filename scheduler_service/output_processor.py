@@ -47,10 +47,8 @@ class OutputProcessor:
 
     def mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
         """Notes the first step each request was scheduled in (its time in queue ends there)."""
-        times = self._times
         for item in out.scheduled:
-            if item.group.request_id not in times:
-                times[item.group.request_id] = [now, 0.0]
+            self._times.setdefault(item.group.request_id, [now, 0.0])
 
     def take_finished(self) -> list[tuple[str, RequestTimings]]:
         """(request id, timings) of the requests finished since the last call."""
@@ -64,11 +62,8 @@ class OutputProcessor:
         self.restore(RestoredRequest(record, {}))
 
     def restore(self, restored: RestoredRequest) -> None:
-        """Queues a request with the outputs already committed for it (after a change of owner).
-
-        Its sequences are recomputed from prompt + committed outputs; the detokenizers replay
-        those outputs so the stream continues exactly after the text clients were sent.
-        """
+        """Queues a request with the outputs already committed for it (after a change of owner), to be
+        recomputed from prompt + those outputs; the stream continues exactly after the text clients were sent."""
         record = restored.record
         prompt = list(record.prompt_token_ids)
         params = sampling_from_proto(record.sampling)
@@ -90,11 +85,8 @@ class OutputProcessor:
         self._requests[record.request_id] = state
 
     def adopt(self, restored: RestoredRequest, group: SequenceGroup) -> None:
-        """Takes on a request the scheduler already holds as the last owner of the worker left it.
-
-        Its detokenizers replay the committed outputs, as restore() does; its sequences are not
-        recomputed (scheduler_service/takeover.py).
-        """
+        """Takes on a request the scheduler already holds as the last owner of the worker left it: its
+        detokenizers replay the committed outputs, its sequences are not recomputed (takeover.py)."""
         self._requests[group.request_id] = self._state_for(restored, group)
 
     def _state_for(self, restored: RestoredRequest, group: SequenceGroup) -> RequestState:
@@ -124,8 +116,8 @@ class OutputProcessor:
     def requeue(self, group: SequenceGroup, commit: StepCommit, message: str) -> None:
         """The worker lost the group's KV (it failed or restarted): recompute it from prompt + outputs.
 
-        Its client sees nothing of this. A request that was running at every one of several
-        worker failures ends with `message` instead, so one poisonous request cannot stall the rest.
+        A request that was running at every one of several worker failures ends with `message`
+        instead, so one poisonous request cannot stall the rest.
         """
         state = self._requests.get(group.request_id)
         if state is None:
@@ -151,8 +143,8 @@ class OutputProcessor:
     def hand_over(self, group: SequenceGroup) -> state_pb2.AdmittedRequest | None:
         """Lets go of a request that continues on another worker; returns its record (None if unknown).
 
-        Its client sees nothing of this: the outputs committed so far stay in Redis (the step's
-        ones in the commit that moves it), and the new loop recomputes from prompt + outputs.
+        Its client sees nothing of this: the outputs committed so far stay in Redis (the step's ones in the
+        commit that moves it), and the new loop recomputes from prompt + outputs.
         """
         state = self._requests.pop(group.request_id, None)
         if state is None:
@@ -207,8 +199,8 @@ class OutputProcessor:
                 advanced: bool = False) -> None:
         """Applies a step's sampled tokens and emits deltas for every request that advanced.
 
-        advanced: the scheduler already advanced the step (Scheduler.advance, async scheduling):
-        only its in-flight tokens are resolved here.
+        advanced: the scheduler already advanced the step (Scheduler.advance, async scheduling): only its
+        in-flight tokens are resolved here.
         """
         if result.prompt_logprobs:
             groups = {item.seq.seq_id: item.group for item in out.scheduled}
