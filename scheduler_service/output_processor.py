@@ -267,24 +267,21 @@ class OutputProcessor:
     ) -> list[PendingFork]:
         """Beam-search groups whose beams sampled: pick the next beams, finish the searches that are done."""
         items_by_request: dict[str, list] = {}
+        candidates: dict[int, list[tuple[int, float]]] = {}
         for item in out.scheduled:
             searching = item.group.sampling_params.use_beam_search and item.samples and not item.seq.is_finished
             if searching and item.group.request_id in self._requests:
                 items_by_request.setdefault(item.group.request_id, []).append(item)
+                candidates[item.seq.seq_id] = [(t.token_id, t.logprob) for t in by_seq[item.seq.seq_id].top_logprobs]
         forks: list[PendingFork] = []
         for request_id, items in items_by_request.items():
             state = self._requests[request_id]
-            group = state.group
-            candidates = {
-                item.seq.seq_id: [(t.token_id, t.logprob) for t in by_seq[item.seq.seq_id].top_logprobs]
-                for item in items
-            }
             forks += self._beams.step(state, items, candidates, sampled, commit)
-            if group.is_finished():
+            if state.group.is_finished():
                 msg = generation_pb2.GenerateResponse(request_id=request_id)
                 state.attach_prompt_logprobs(msg)
                 best = self._beams.final_outputs(state, self._tokenizer, msg)
-                self._add_final(group, msg, commit, best)
+                self._add_final(state.group, msg, commit, best)
         return forks
 
     def _on_token(self, state: RequestState, group: SequenceGroup, seq: Sequence, token: int) -> generation_pb2.CompletionDelta:
