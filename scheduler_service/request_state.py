@@ -54,10 +54,8 @@ class RequestState:
 
         A prefill recomputed after a preemption sends some again: same values, overwritten.
         """
-        if self.prompt_logprobs_sent:
-            return
-        for offset, entry in enumerate(piece.positions):
-            self.prompt_logprobs[piece.start + offset] = entry
+        if not self.prompt_logprobs_sent:
+            self.prompt_logprobs.update(enumerate(piece.positions, piece.start))
 
     def attach_prompt_logprobs(self, msg: generation_pb2.GenerateResponse) -> None:
         """The request's first response with outputs carries its prompt logprobs."""
@@ -74,8 +72,7 @@ class RequestState:
     def best(self, msg: generation_pb2.GenerateResponse) -> list[Sequence]:
         """best_of > n: the n most likely sequences, whole, added to msg as the request's only outputs."""
         group = self.group
-        ranked = sorted(group.seqs, key=lambda s: self.cumulative[s.seq_id], reverse=True)
-        best = ranked[: group.sampling_params.n]
+        best = sorted(group.seqs, key=lambda s: self.cumulative[s.seq_id], reverse=True)[: group.sampling_params.n]
         for index, seq in enumerate(best):
             out = self.seqs[seq.seq_id]
             msg.outputs.add(
