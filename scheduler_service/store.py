@@ -204,8 +204,7 @@ class RedisStore:
         return await self._pickup([], [value])
 
     async def _pickup(self, admitted: list[bytes], aborts: list[bytes]) -> Pickup:
-        """Requests and aborts as taken off a worker's queues; handed-over requests are loaded with their
-        outputs (rare) and kept apart from the newly admitted."""
+        """What was taken off a worker's queues; handed-over requests are loaded with their outputs (rare)."""
         records = [state_pb2.AdmittedRequest.FromString(v) for v in admitted]
         moved = [r.request_id for r in records if r.handed_over]
         return Pickup(
@@ -336,10 +335,8 @@ class RedisStore:
     async def read_from(
         self, request_id: str, from_index: int, block_ms: int | None
     ) -> list[generation_pb2.GenerateResponse]:
-        """Committed messages of a request from index `from_index` on, each with its `index` set.
-
-        Waits up to `block_ms` for the first one when there is none yet (None: does not wait).
-        """
+        """Committed messages of a request from index `from_index` on, each with its `index` set; waits up to
+        `block_ms` for the first one when there is none yet (None: does not wait)."""
         cursor = {keys.output_stream(request_id): stream_index.read_cursor(from_index)}
         reply = await self._r.xread(cursor, block=block_ms)
         return [msg for _stream, entries in reply or [] for msg in _indexed_messages(entries)]
