@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protos import common_pb2, generation_pb2
+from protos import generation_pb2
 from scheduler_service.core.beam_search import BeamParams, Hypothesis, RunningBeam, beam_step, hypothesis_score
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import ScheduledSequence
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.request_state import RequestState
+from scheduler_service.request_state import FINISH_REASONS, RequestState
 from scheduler_service.store import StepCommit
 from shared.sampling_params import SamplingParams
 
@@ -149,23 +149,18 @@ class BeamProcessor:
         group = state.group
         params = group.sampling_params
         prompt = group.seqs[0].prompt_token_ids
-        ranked = sorted(
+        best = sorted(
             (s for s in group.seqs if s.is_finished and s.status is not SequenceStatus.FINISHED_ABORTED),
             key=lambda s: -hypothesis_score(state.cumulative.get(s.seq_id, 0.0), len(s.output_token_ids),
                                             params.length_penalty),
-        )
-        best = ranked[: params.n]
+        )[: params.n]
         for index, seq in enumerate(best):
             detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens)  # type: ignore[arg-type]
             detokenizer.step(seq.output_token_ids)
             last = seq.output_token_ids[-1] if seq.output_token_ids else None
             stop_reason = str(last) if last in params.stop_token_ids else ""
-            reason = (
-                common_pb2.FINISH_REASON_STOP if seq.status is SequenceStatus.FINISHED_STOPPED
-                else common_pb2.FINISH_REASON_LENGTH
-            )
             msg.outputs.add(
                 index=index, text=detokenizer.output_text, token_ids=seq.output_token_ids,
-                finish_reason=reason, stop_reason=stop_reason,
+                finish_reason=FINISH_REASONS[seq.status], stop_reason=stop_reason,
             )
         return best
