@@ -1,8 +1,8 @@
 """Reading a request's committed output stream from any index, on any replica.
 
-Generate (the admitting call and idempotent re-sends) and Resume both stream through `follow`; only
-Redis is needed, so a client can re-attach to any scheduler replica. Messages carry their index
-(see stream_index), so a resumed stream continues with no message lost or repeated.
+Generate (the admitting call and idempotent re-sends) and Resume both stream through `follow`; only Redis
+is needed, so a client can re-attach to any scheduler replica. Messages carry their index (stream_index),
+so a resumed stream continues with no message lost or repeated.
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ async def follow(
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """The request's messages from `from_index` up to its final one (the one with usage), in order.
 
-    Waits for messages not committed yet. Every `block_ms` without a message it checks that the
-    request still exists, so a reader never waits forever on a stream that expired or ended before
-    its index. `read_from`: how the messages are read (a replica's StreamMux; the store's own XREAD
-    by default).
+    Waits for messages not committed yet. Every `block_ms` without a message it checks that the request
+    still exists, so a reader never waits forever on a stream that expired or ended before its index.
+    `read_from`: how the messages are read (a replica's StreamMux; the store's own XREAD by default).
     """
     read = read_from if read_from is not None else store.read_from
     next_index = from_index

@@ -1,8 +1,6 @@
-"""What one engine-loop step writes to Redis, queued on the commit's MULTI/EXEC pipeline.
+"""What one engine-loop step writes to Redis, queued on the fenced MULTI/EXEC pipeline of RedisStore.commit.
 
-RedisStore.commit wraps these writes in the fenced transaction (WATCH epoch, GET, MULTI ... EXEC) and
-adds the pickup of new requests and aborts. The order matters where writes touch the same keys:
-resets before the appends, dropped sequences after them.
+The order matters where writes touch the same keys: resets before the appends, dropped sequences after them.
 """
 
 from __future__ import annotations

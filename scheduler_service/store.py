@@ -217,9 +217,8 @@ class RedisStore:
     async def commit(self, c: StepCommit) -> Pickup:
         """Writes one step in one transaction and picks up new requests and aborts.
 
-        A commit with an epoch is fenced: it applies only while the worker's epoch is still that one
-        (WATCH, then MULTI/EXEC), else it raises LeaseLostError and writes nothing. The two extra
-        round trips overlap the worker's step like the commit itself.
+        A commit with an epoch is fenced: it applies only while the worker's epoch is still that one (WATCH,
+        then MULTI/EXEC), else it raises LeaseLostError and writes nothing.
         """
         w = c.worker_id
         async with self._r.pipeline(transaction=True) as pipe:
@@ -243,11 +242,9 @@ class RedisStore:
 
     @_unavailable_on_redis_error
     async def load_picked_up(self, worker_id: str) -> list[RestoredRequest]:
-        """Live requests of the worker that left its inbox: what a new owner must continue, FCFS.
-
-        Requests still in the inbox are not returned; the new owner picks them up as usual. Both are
-        read in one transaction: a request queued in between would otherwise count as picked up.
-        """
+        """Live requests of the worker that left its inbox (those still there are picked up as usual): what a
+        new owner must continue, FCFS. Both are read in one transaction: a request queued in between would
+        otherwise count as picked up."""
         async with self._r.pipeline(transaction=True) as pipe:
             pipe.smembers(keys.live(worker_id))
             pipe.lrange(keys.inbox(worker_id), 0, -1)
@@ -258,9 +255,9 @@ class RedisStore:
     async def load_engine_state(self, worker_id: str) -> StoredEngineState | None:
         """The worker's scheduler state as its last owner committed it; None when none was stored.
 
-        Read in one transaction, so that it is one commit's state (commits are transactions too);
-        the records and token lists of its requests follow (no commit can change them meanwhile:
-        the caller holds the worker's new epoch, which fences every older loop).
+        Read in one transaction, so that it is one commit's state (commits are transactions too); the records
+        and token lists of its requests follow (no commit can change them meanwhile: the caller holds the
+        worker's new epoch, which fences every older loop).
         """
         w = worker_id
         async with self._r.pipeline(transaction=True) as pipe:
