@@ -100,8 +100,8 @@ class StepCommit:
     reset_engine_state: bool = False
     # Sequences whose token list is dropped (their request finished).
     dropped_seqs: list[int] = field(default_factory=list)
-    # request id -> seq_ids whose stored tokens, blocks, status and logprob are wiped before this
-    # step's writes (beam search drops beams and reuses their ids).
+    # request id -> seq_ids whose stored tokens, status and logprob are wiped before this step's writes
+    # (beam search drops beams and reuses their ids).
     reset_seqs: dict[str, list[int]] = field(default_factory=dict)
     # (request id, message) to publish to the request's output stream.
     outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
@@ -115,11 +115,10 @@ class StepCommit:
     cumulative_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # (record, worker id): requests moved to another worker's inbox, to be recomputed there.
     handed_over: list[tuple[state_pb2.AdmittedRequest, str]] = field(default_factory=list)
-    # Queue snapshots; None when unchanged.
+    # Queue snapshots and cache stats; None when unchanged since the last commit.
     waiting: list[str] | None = None
     running: list[str] | None = None
     swapped: list[str] | None = None
-    # None when unchanged since the last commit.
     cache_stats: CacheStats | None = None
     num_preemptions: int = 0
     # Of those, preemptions by swapping out (the rest recompute).
