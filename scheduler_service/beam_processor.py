@@ -69,14 +69,8 @@ class BeamProcessor:
         self._scheduler = scheduler
         self._eos_token_id = eos_token_id
 
-    def step(
-        self,
-        state: RequestState,
-        items: list[ScheduledSequence],
-        candidates: dict[int, list[tuple[int, float]]],
-        sampled: dict[int, int],
-        commit: StepCommit,
-    ) -> list[PendingFork]:
+    def step(self, state: RequestState, items: list[ScheduledSequence], candidates: dict[int, list[tuple[int, float]]],
+             sampled: dict[int, int], commit: StepCommit) -> list[PendingFork]:
         """One beam step for the request, whose beams in `items` just computed their last token.
 
         Edits `sampled` (the token each continuing beam appends; dropped beams removed) for
@@ -89,11 +83,8 @@ class BeamProcessor:
         # Best first; ties keep the group's order (a stable sort).
         beams = sorted((item.seq for item in items), key=lambda s: -cumulative.get(s.seq_id, 0.0))
         running = [RunningBeam(s.seq_id, cumulative.get(s.seq_id, 0.0), candidates[s.seq_id]) for s in beams]
-        hypotheses = [
-            Hypothesis(s.seq_id, cumulative.get(s.seq_id, 0.0), len(s.output_token_ids))
-            for s in group.seqs
-            if s.is_finished
-        ]
+        hypotheses = [Hypothesis(s.seq_id, cumulative.get(s.seq_id, 0.0), len(s.output_token_ids))
+                      for s in group.seqs if s.is_finished]
         result = beam_step(params, running, hypotheses, len(beams[0].output_token_ids))
 
         continuing: dict[int, int] = {}
@@ -116,10 +107,8 @@ class BeamProcessor:
         new_hypotheses = []
         for child in result.finished:
             outputs = by_id[child.parent_id].output_token_ids + [child.token_id]
-            status = (
-                SequenceStatus.FINISHED_STOPPED if child.token_id in params.stop_token_ids
-                else SequenceStatus.FINISHED_LENGTH
-            )
+            stopped = child.token_id in params.stop_token_ids
+            status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
             seq = Sequence(next(free_ids), prompt, outputs, status=status)
             new_hypotheses.append(seq)
             cumulative[seq.seq_id] = child.cumulative_logprob
