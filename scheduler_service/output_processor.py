@@ -77,33 +77,27 @@ class OutputProcessor:
         group = SequenceGroup(
             request_id=record.request_id, seqs=seqs, sampling_params=params, arrival_time=record.arrival_time,
         )
-        state = self._state_for(restored, group)
         self._scheduler.add_request(group)
         for seq in seqs:
             if seq.seq_id in restored.finished:
                 self._scheduler.finish_sequence(group, seq, SequenceStatus[restored.finished[seq.seq_id]])
-        self._requests[record.request_id] = state
+        self.adopt(restored, group)
 
     def adopt(self, restored: RestoredRequest, group: SequenceGroup) -> None:
-        """Takes on a request the scheduler already holds as the last owner of the worker left it: its
-        detokenizers replay the committed outputs, its sequences are not recomputed (takeover.py)."""
-        self._requests[group.request_id] = self._state_for(restored, group)
-
-    def _state_for(self, restored: RestoredRequest, group: SequenceGroup) -> RequestState:
-        """A request's streaming state after the outputs committed for it: the stream goes on right after them."""
+        """Takes on a request the scheduler holds (as restore() queued it, or as the last owner of the worker
+        left it: takeover.py); its detokenizers replay the committed outputs, so the stream goes on right after."""
         record, params = restored.record, group.sampling_params
         cumulative = {s.seq_id: restored.cumulative_logprobs.get(s.seq_id, 0.0) for s in group.seqs}
         # Outputs were committed only after the response that carried the prompt logprobs.
         state = RequestState(record, group, cumulative, prompt_logprobs_sent=any(restored.outputs.values()))
-        if params.use_beam_search:
-            return state
-        prompt = list(record.prompt_token_ids)
-        for index, seq in enumerate(group.seqs):
-            detokenizer = IncrementalDetokenizer(self._tokenizer, prompt, params.skip_special_tokens)
-            detokenizer.step(seq.output_token_ids)
-            sent = streamable_text_length(detokenizer.output_text, held_back_stop_strings(params), finished=False)
-            state.seqs[seq.seq_id] = SeqOutput(index, detokenizer, sent)
-        return state
+        if not params.use_beam_search:
+            prompt = list(record.prompt_token_ids)
+            for index, seq in enumerate(group.seqs):
+                detokenizer = IncrementalDetokenizer(self._tokenizer, prompt, params.skip_special_tokens)
+                detokenizer.step(seq.output_token_ids)
+                sent = streamable_text_length(detokenizer.output_text, held_back_stop_strings(params), finished=False)
+                state.seqs[seq.seq_id] = SeqOutput(index, detokenizer, sent)
+        self._requests[group.request_id] = state
 
     def abort(self, request_id: str, commit: StepCommit) -> bool:
         """Client-requested abort: frees blocks, ends the stream with FINISH_REASON_ABORT; False for a request
