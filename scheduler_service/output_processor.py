@@ -240,16 +240,14 @@ class OutputProcessor:
             if streams or group.is_finished():
                 state.attach_prompt_logprobs(msg)
             if group.is_finished():
-                returned = group.seqs if streams else state.best(msg)
-                self._add_final(group, msg, commit, returned)
+                self._add_final(group, msg, commit, group.seqs if streams else state.best(msg))
                 continue
             if streams:
                 commit.outputs.append((request_id, msg))
             else:
                 # Kept in Redis so that a new owner ranks the sequences on their whole history.
-                commit.cumulative_logprobs.setdefault(request_id, {}).update({
-                    s.seq_id: state.cumulative[s.seq_id] for s in group.seqs if s.seq_id in sampled
-                })
+                cumulative = {s.seq_id: state.cumulative[s.seq_id] for s in group.seqs if s.seq_id in sampled}
+                commit.cumulative_logprobs.setdefault(request_id, {}).update(cumulative)
             # n > 1: a sequence that ended while its siblings go on must stay ended after a restart.
             ended_now = {s.seq_id: s.status.name for s in group.seqs if s.is_finished and s.seq_id in sampled}
             if ended_now:
