@@ -84,13 +84,9 @@ class BeamStep:
     done: bool
 
 
-def _f32(value: float) -> np.float32:
-    return np.float32(value)
-
-
 def hypothesis_score(cumulative_logprob: float, num_generated: int, length_penalty: float) -> float:
     """Length-penalized score of a finished beam (float32, as transformers computes it)."""
-    return float(_f32(cumulative_logprob) / _f32(float(num_generated) ** length_penalty))
+    return float(np.float32(cumulative_logprob) / np.float32(float(num_generated) ** length_penalty))
 
 
 def beam_step(
@@ -103,10 +99,10 @@ def beam_step(
     """
     if not beams:
         raise ValueError("beam_step needs at least one running beam.")
-    width = params.width
+    width, penalty = params.width, params.length_penalty
     # Every candidate of every beam, ranked; the beam index breaks ties like a flattened top-k would.
     pool = [
-        (_f32(_f32(beam.cumulative_logprob) + _f32(logprob)), index, token, beam.seq_id)
+        (np.float32(np.float32(beam.cumulative_logprob) + np.float32(logprob)), index, token, beam.seq_id)
         for index, beam in enumerate(beams)
         for token, logprob in beam.candidates
     ]
@@ -120,15 +116,13 @@ def beam_step(
 
     running = [BeamChild(parent, token, float(total)) for total, _, token, parent in top if not ends(token)][:width]
 
-    kept = sorted(
-        ((hypothesis_score(h.cumulative_logprob, h.num_generated, params.length_penalty), True, h) for h in hypotheses),
-        key=lambda item: -item[0],
-    )
-    full = len(kept) >= width
+    kept = sorted(((hypothesis_score(h.cumulative_logprob, h.num_generated, penalty), True, h) for h in hypotheses),
+                  key=lambda item: -item[0])
     new_finished: list[BeamChild] = []
-    if not (full and params.early_stopping is True):
+    dropped: list[int] = []
+    if not (len(kept) >= width and params.early_stopping is True):
         candidates = [
-            (hypothesis_score(float(total), new_len, params.length_penalty), False, BeamChild(parent, token, float(total)))
+            (hypothesis_score(float(total), new_len, penalty), False, BeamChild(parent, token, float(total)))
             for rank, (total, _, token, parent) in enumerate(top)
             if rank < width and ends(token)
         ]
@@ -138,20 +132,11 @@ def beam_step(
         new_finished = [item[2] for item in merged if not item[1]]
         dropped = [item[2].seq_id for item in kept if id(item) not in kept_ids]
         kept = merged
-    else:
-        dropped = []
 
-    all_end = all(ends(token) for _, _, token, _ in top)
-    done = all_end or not running
     full = len(kept) >= width
-    if full and params.early_stopping is True:
-        done = True
+    done = not running or all(ends(token) for _, _, token, _ in top) or (full and params.early_stopping is True)
     if not done and full:
-        if params.early_stopping == "never" and params.length_penalty > 0.0:
-            best_len = params.max_generated
-        else:
-            best_len = new_len
-        best_possible = _f32(running[0].cumulative_logprob) / _f32(float(best_len) ** params.length_penalty)
-        worst_kept = min(score for score, _, _ in kept)
-        done = not best_possible > _f32(worst_kept)
+        best_len = params.max_generated if params.early_stopping == "never" and penalty > 0.0 else new_len
+        best_possible = hypothesis_score(running[0].cumulative_logprob, best_len, penalty)
+        done = not best_possible > min(score for score, _, _ in kept)
     return BeamStep([] if done else running, new_finished, dropped, done)
