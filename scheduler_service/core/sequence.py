@@ -93,9 +93,7 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         """The newest token: last output token, or last prompt token before any output."""
-        if self.output_token_ids:
-            return self.output_token_ids[-1]
-        return self.prompt_token_ids[-1]
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
@@ -112,8 +110,7 @@ class Sequence:
         if self.num_inflight_tokens < 1:
             raise ValueError(f"seq {self.seq_id} has no token in flight.")
         if token_id is not None:
-            _validate_token_ids("token_id", [token_id])
-            self.output_token_ids.append(token_id)
+            self.append_token(token_id)
         self.num_inflight_tokens -= 1
 
     def reset_for_recompute(self) -> None:
@@ -130,13 +127,8 @@ class Sequence:
 class SequenceGroup:
     """One request: its sequences share the prompt and the sampling params.
 
-    Parallel sampling (n > 1) puts n sequences with the same prompt in one
-    group. The scheduler computes the prompt once: while no sequence has
-    output yet, only the first unfinished one (the parent) is admitted and
-    prefills all but the last prompt token; the others stay WAITING, without
-    KV blocks ("pending fork"), until the scheduler forks them from the
-    parent (they share its blocks and diverge by copy-on-write).
-    arrival_time is carried for metrics only: priority is the order in which
+    Parallel sampling (n > 1) puts n sequences in one group, whose prompt the scheduler computes once before
+    forking them (group_fork.py). arrival_time is carried for metrics only: priority is the order in which
     groups were added to the scheduler.
     """
 
@@ -156,10 +148,8 @@ class SequenceGroup:
         if any(seq.prompt_token_ids != self.seqs[0].prompt_token_ids for seq in self.seqs):
             raise ValueError(f"seqs of request {self.request_id!r} must share one prompt.")
 
-    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
-        """Sequences with the given status (all when status is None)."""
-        if status is None:
-            return list(self.seqs)
+    def get_seqs(self, status: SequenceStatus) -> list[Sequence]:
+        """Sequences with the given status."""
         return [seq for seq in self.seqs if seq.status is status]
 
     def unfinished_seqs(self) -> list[Sequence]:
@@ -171,12 +161,10 @@ class SequenceGroup:
         return all(seq.is_finished for seq in self.seqs)
 
     def pending_fork_seqs(self) -> list[Sequence]:
-        """Sequences waiting to be forked from the group's prefilling parent.
+        """Sequences waiting to be forked from the group's prefilling parent; empty for any other group.
 
-        A group is RUNNING and WAITING at once only in that state: its parent
-        (the one RUNNING sequence) computes the prompt for everyone and the
-        WAITING ones, holding no KV blocks, fork from it once it has computed
-        all but the last prompt token. Empty for any other group.
+        A group is RUNNING and WAITING at once only in that state: its parent (the one RUNNING sequence)
+        computes the prompt for everyone, the WAITING ones hold no KV blocks until they fork.
         """
         if not any(seq.status is SequenceStatus.RUNNING for seq in self.seqs):
             return []
@@ -185,9 +173,8 @@ class SequenceGroup:
     def forks_on_admission(self) -> bool:
         """True when admission prefills one parent and forks the other sequences from it.
 
-        That is when several sequences are unfinished and none has output yet
-        (they all hold just the prompt). Once outputs exist (a group preempted
-        after its fork) the sequences differ, and each is prefilled on its own.
+        That is when several sequences are unfinished and none has output yet (they all hold just the prompt).
+        Once outputs exist (a group preempted after its fork) the sequences differ: each is prefilled on its own.
         """
         unfinished = self.unfinished_seqs()
         return len(unfinished) > 1 and not any(seq.output_token_ids for seq in unfinished)
