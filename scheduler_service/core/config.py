@@ -10,10 +10,11 @@ from shared import defaults
 _MAX_BLOCK_SIZE = 256
 
 
-def _require_positive_int(name: str, value: object) -> None:
+def _require_int(name: str, value: object, minimum: int = 1) -> None:
     # bool is an int subclass; True as a size is always a caller bug.
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} integer, got {value!r}.")
 
 
 def _require_bool(name: str, value: object) -> None:
@@ -44,9 +45,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
-        _require_positive_int("max_num_seqs", self.max_num_seqs)
-        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _require_positive_int("max_model_len", self.max_model_len)
+        _require_int("max_num_seqs", self.max_num_seqs)
+        _require_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_int("max_model_len", self.max_model_len)
         _require_bool("enable_chunked_prefill", self.enable_chunked_prefill)
 
 
@@ -76,26 +77,18 @@ class CacheConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        _require_positive_int("block_size", self.block_size)
+        _require_int("block_size", self.block_size)
         if self.block_size > _MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
-            raise ValueError(
-                f"block_size must be a power of two in [1, {_MAX_BLOCK_SIZE}], "
-                f"got {self.block_size}."
-            )
-        _require_positive_int("num_gpu_blocks", self.num_gpu_blocks)
+            raise ValueError(f"block_size must be a power of two in [1, {_MAX_BLOCK_SIZE}], got {self.block_size}.")
+        _require_int("num_gpu_blocks", self.num_gpu_blocks)
         if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
             raise ValueError(f"watermark must be a number in [0, 1), got {self.watermark!r}.")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
         _require_bool("enable_prefix_caching", self.enable_prefix_caching)
-        if (
-            not isinstance(self.num_cpu_blocks, int)
-            or isinstance(self.num_cpu_blocks, bool)
-            or self.num_cpu_blocks < 0
-        ):
-            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}.")
+        _require_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
         if self.sliding_window is not None:
-            _require_positive_int("sliding_window", self.sliding_window)
+            _require_int("sliding_window", self.sliding_window)
 
     @property
     def watermark_blocks(self) -> int:
