@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from scheduler_service.core.block_pool import AllocStatus, BlockPool, NoFreeBlocksError, alloc_status
@@ -77,11 +78,8 @@ class BlockSwapper:
         return alloc_status(needed, needed, device.num_gpu_blocks, device.num_free_gpu_blocks, device.watermark_blocks)
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move the group's SWAPPED sequences back to fresh device blocks; returns (cpu, device) pairs.
-
-        Frees the CPU blocks. The device blocks are unhashed (never reused by the prefix cache). Statuses are
-        left to the caller.
-        """
+        """Move the group's SWAPPED sequences back to fresh device blocks, freeing their CPU blocks; returns
+        (cpu, device) pairs. Statuses are left to the caller."""
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
         counts = _distinct(self.cpu_tables, seqs)
         pool = self._device.block_pool
@@ -108,11 +106,7 @@ class BlockSwapper:
         """Start over with these swapped-out tables (their ids already checked against the pool)."""
         self.cpu_tables = {seq_id: list(table) for seq_id, table in cpu_tables.items()}
         if self.cpu_pool is not None:  # without one, a CPU table failed the caller's range check
-            refs: dict[int, int] = {}
-            for table in cpu_tables.values():
-                for block_id in table:
-                    refs[block_id] = refs.get(block_id, 0) + 1
-            self.cpu_pool.restore(refs)
+            self.cpu_pool.restore(dict(Counter(b for table in cpu_tables.values() for b in table)))
 
     def _cpu(self) -> BlockPool:
         if self.cpu_pool is None:
@@ -122,13 +116,12 @@ class BlockSwapper:
 
 def _distinct(tables: dict[int, list[int]], seqs: list[Sequence]) -> dict[int, int]:
     """Distinct blocks of the sequences' tables (first-appearance order) -> how many of them hold it."""
-    counts: dict[int, int] = {}
+    counts: Counter[int] = Counter()
     for seq in seqs:
         table = tables.get(seq.seq_id)
         if table is None:
             raise ValueError(f"seq {seq.seq_id} has no block table here.")
-        for block_id in table:
-            counts[block_id] = counts.get(block_id, 0) + 1
+        counts.update(table)
     return counts
 
 
