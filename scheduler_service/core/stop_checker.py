@@ -60,13 +60,12 @@ def check_stop(
         raise ValueError(f"seq {seq.seq_id} has no output token to check.")
     if not 0 <= num_new_chars <= len(output_text):
         raise ValueError(f"num_new_chars must be in [0, {len(output_text)}], got {num_new_chars}.")
-    if len(seq.output_token_ids) >= params.min_tokens:
+    num_outputs = len(seq.output_token_ids)
+    if num_outputs >= params.min_tokens:
         decision = _check_stop_tokens_and_strings(seq.last_token_id, params, output_text, num_new_chars, eos_token_id)
         if decision is not None:
             return decision
-    if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
-        return StopDecision(True, SequenceStatus.FINISHED_LENGTH)
-    if seq.num_tokens >= max_model_len:
+    if (params.max_tokens is not None and num_outputs >= params.max_tokens) or seq.num_tokens >= max_model_len:
         return StopDecision(True, SequenceStatus.FINISHED_LENGTH)
     return CONTINUE
 
