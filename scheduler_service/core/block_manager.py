@@ -93,13 +93,9 @@ class BlockManager:
     """Owns the block tables of all sequences that hold KV cache.
 
     block_tables[seq_id][i] is the physical block holding tokens [i * block_size, (i + 1) * block_size)
-    (modulo the ring). Tables may share blocks (reference counted): fork() gives a sequence a copy of another's
-    table, prefix-cache hits are shared with whoever else holds them, and writing into a shared block goes
-    through copy-on-write in append_slot.
-
-    With prefix caching, allocate() reuses the cached blocks of the longest matching prefix and mark_computed()
-    registers blocks once their KV is written, extending each sequence's chain of block hashes. Unreferenced
-    cached blocks count as free (they are evicted on demand). The pool's logical clock ticks once per operation.
+    (modulo the ring). Tables share blocks, reference counted (fork, prefix-cache hits); a write into a shared
+    block is copied first (append_slot). Unreferenced cached blocks count as free (evicted on demand). The
+    pool's logical clock ticks once per operation.
     """
 
     def __init__(
@@ -173,7 +169,9 @@ class BlockManager:
         The table itself without a sliding window (not a copy: read it, never keep it); with one, ring entries
         repeated over the sequence's length.
         """
-        return self._logical(self._table(seq), seq.num_tokens)
+        table = self._table(seq)
+        num_logical = self._num_logical(table, seq.num_tokens)
+        return table if num_logical == len(table) else [table[i % len(table)] for i in range(num_logical)]
 
     def has_block_table(self, seq: Sequence) -> bool:
         return seq.seq_id in self.block_tables
@@ -185,22 +183,20 @@ class BlockManager:
     # -- admission -------------------------------------------------------------
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the group's WAITING sequences fit in the cache.
-
-        Counted, for a group that forks on admission (see SequenceGroup.forks_on_admission): the parent's table
-        plus one block per other sequence, the block each will need when its first decode after the fork copies
-        the shared last block on write (the parent, appending last, writes in place); counting them now keeps
-        admission from promising those blocks to others. For any other group: one table per WAITING sequence,
-        sized for all its tokens (a recomputed sequence re-prefills prompt + outputs), nothing shared.
-
-        The watermark keeps a few blocks free so running sequences can still decode. Prefix-cache hits on blocks
-        another table uses cost nothing; hits revived from the evictor cost a free block each, once however many
-        tables take them. NEVER ignores hits: they may be evicted later.
-        """
+        """Whether the group's WAITING sequences fit in the cache, the watermark kept free (see plan_admission)."""
         return self.plan_admission(group).status
 
     def plan_admission(self, group: SequenceGroup) -> AdmissionPlan:
-        """The tables allocate() would create for the group now, and can_allocate's verdict on them."""
+        """The tables allocate() would create for the group now, and whether they fit.
+
+        A group that forks on admission (SequenceGroup.forks_on_admission) counts the parent's table plus one
+        block per other sequence, for the copy-on-write of the shared last block at its first decode after the
+        fork (the parent, appending last, writes in place): counting them now keeps admission from promising
+        them to others. Any other group: one table per WAITING sequence, sized for all its tokens (a recomputed
+        one re-prefills prompt + outputs). Prefix-cache hits on blocks another table uses cost nothing; hits
+        revived from the evictor a free block each, once however many tables take them. NEVER ignores hits:
+        they may be evicted later.
+        """
         waiting = group.get_seqs(SequenceStatus.WAITING)
         if not waiting:
             raise ValueError(f"request {group.request_id!r} has no WAITING sequence.")
@@ -412,13 +408,11 @@ class BlockManager:
         table, so its blocks tie in LRU order and the evictor takes the deepest first.
         """
         self.swapper.free(seq)
-        if seq.seq_id not in self.block_tables:
-            self._block_hashes.pop(seq.seq_id, None)
-            return
-        table = self.take_table(seq.seq_id)
-        self.block_pool.tick()
-        for block_id in table:
-            self.block_pool.free(block_id)
+        if seq.seq_id in self.block_tables:  # a hash chain exists only beside a table
+            table = self.take_table(seq.seq_id)
+            self.block_pool.tick()
+            for block_id in table:
+                self.block_pool.free(block_id)
 
     def take_table(self, seq_id: int) -> list[int]:
         """Remove a sequence's table, its blocks still referenced (KeyError when it has none).
@@ -557,7 +551,3 @@ class BlockManager:
         if self.ring_blocks is None or len(table) < self.ring_blocks or num_logical <= len(table):
             return len(table)
         return num_logical
-
-    def _logical(self, table: list[int], num_tokens: int) -> list[int]:
-        num_logical = self._num_logical(table, num_tokens)
-        return table if num_logical == len(table) else [table[i % len(table)] for i in range(num_logical)]
