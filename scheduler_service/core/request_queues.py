@@ -1,11 +1,8 @@
 """The requests a Scheduler holds and the verbs that move them in and out.
 
-RequestQueues owns the scheduler's state: the FCFS waiting, running and
-swapped queues, the request and seq ids in use, and the BlockManager that
-holds their KV blocks. Its verbs are the request lifecycle the engine loop
-drives between steps (add, abort, finish, beam-search forks and drops),
-views of the KV cache and its prefix-cache reset. Planning a step is the Scheduler's, which
-builds on this class.
+RequestQueues owns the scheduler's state (the FCFS queues, the ids in use, the BlockManager holding their KV
+blocks) and the request lifecycle the engine loop drives between steps: add, abort, finish, beam-search forks
+and drops. Planning a step is the Scheduler's, which builds on this class.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ from scheduler_service.core.token_budget import sliding_window_ring_blocks
 class RequestQueues:
     """Requests by queue (waiting, running, swapped), their seq ids and KV blocks.
 
-    Every request is in exactly one queue until it finishes, is aborted or is
-    ignored; then it leaves the queues and its ids may be reused.
+    Every request is in exactly one queue until it finishes, is aborted or is ignored; then it leaves the
+    queues and its ids may be reused.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:

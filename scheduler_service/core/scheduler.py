@@ -45,11 +45,7 @@ class Scheduler(RequestQueues):
 
     @property
     def max_seq_len(self) -> int:
-        """Longest sequence that can always be (re)prefilled: stop sequences at this length.
-
-        Pass it as max_model_len to check_stop, or a preempted long sequence
-        would come back as ignored (see token_budget.max_seq_len).
-        """
+        """Longest sequence that can always be (re)prefilled: the max_model_len for check_stop (token_budget)."""
         return max_seq_len(self.scheduler_config, self.cache_config, self.block_manager.ring_blocks)
 
     # -- stepping ------------------------------------------------------------
@@ -57,18 +53,14 @@ class Scheduler(RequestQueues):
     def schedule(self) -> SchedulerOutput:
         """Plan one step: decodes of running groups first, then new prefills.
 
-        Never exceeds max_num_batched_tokens tokens or max_num_seqs running
-        sequences. When a decode cannot get a KV slot the latest-arrived
-        running group is preempted (recompute or swap, see the module doc);
-        no group is swapped in or admitted in a step that preempted (the
-        cache is under pressure). Otherwise swapped groups come back first,
-        and prompts are admitted only when nothing is swapped out.
+        Never exceeds max_num_batched_tokens tokens or max_num_seqs running sequences. When a decode cannot get
+        a KV slot the latest-arrived running group is preempted (preemption.py); no group is swapped in or
+        admitted in a step that preempted (the cache is under pressure). Otherwise swapped groups come back
+        first, and prompts are admitted only when nothing is swapped out.
 
-        With chunked prefill the budget goes, in this order, to the decodes
-        (one token each), to the next chunk of running sequences still in
-        prefill, then to the first chunk of newly admitted prompts; a chunk
-        is min(uncomputed tokens, budget left) and samples only when it
-        reaches the sequence's last token.
+        With chunked prefill the budget goes, in this order, to the decodes (one token each), to the next chunk
+        of running sequences still in prefill, then to the first chunk of newly admitted prompts; a chunk samples
+        only when it reaches the sequence's last token.
         """
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
@@ -204,11 +196,9 @@ class Scheduler(RequestQueues):
                 self._ignore(group, out)
                 continue
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if (
-                status is AllocStatus.LATER
-                or num_running_seqs + len(seqs) > self.scheduler_config.max_num_seqs
-                or len(seqs) > budget
-            ):
+            if status is AllocStatus.LATER or len(seqs) > budget:
+                break
+            if num_running_seqs + len(seqs) > self.scheduler_config.max_num_seqs:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
@@ -240,23 +230,19 @@ class Scheduler(RequestQueues):
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting groups in FCFS order until one does not fit."""
         config = self.scheduler_config
-        chunked = config.enable_chunked_prefill
         # Pending-fork sequences count: they run as soon as their group forks.
         num_running_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
         while self.waiting:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
             forks = group.forks_on_admission()
-            # These can never run; drop them instead of letting them block the
-            # queue forever.
+            # A group that can never run is dropped instead of blocking the queue forever.
             params = group.sampling_params
             # A beam search grows to best_of running beams after its prompt.
             too_wide = params.use_beam_search and (params.best_of or 1) > config.max_num_seqs
             if too_wide or can_never_run(seqs, forks, config):
                 self._ignore(group, out)
                 continue
-            # One plan serves the verdict, the token count and the allocation: the
-            # prompt's prefix is matched (and hashed) once.
             plan = self.block_manager.plan_admission(group)
             if plan.status is AllocStatus.NEVER:
                 self._ignore(group, out)
@@ -266,17 +252,14 @@ class Scheduler(RequestQueues):
                 break
             if num_running_seqs + len(seqs) > config.max_num_seqs:
                 break
-            # Only the tokens to compute count against the budget, not the
-            # ones allocate() will take from the prefix cache.
+            # Only the tokens to compute count against the budget, not those allocate() takes from the prefix cache.
             num_new = self._admission_tokens(seqs, forks, plan)
-            if chunked:
+            if config.enable_chunked_prefill:
                 chunk = chunk_size(num_new, budget)
-                if chunk == 0:
-                    break
-            else:
-                if sum(num_new) > budget:
-                    break
-                chunk = max(num_new)
+            else:  # the whole prefill fits, or nothing
+                chunk = max(num_new) if sum(num_new) <= budget else 0
+            if chunk == 0:
+                break
             self.waiting.popleft()
             self.block_manager.allocate(group, plan)
             for seq in seqs[:1] if forks else seqs:

@@ -1,10 +1,6 @@
 """Token and slot arithmetic of a scheduling step: pure functions of configs and sequences.
 
-How many tokens each sequence may compute now, how a step's token budget is
-split between the sequences of a group (chunked prefill), which waiting
-sequences can never fit a step, how many blocks a sliding-window sequence
-cycles through, and the longest sequence that can always come back. Nothing here changes a sequence or a queue; the Scheduler
-decides with these numbers.
+Nothing here changes a sequence or a queue; the Scheduler decides with these numbers.
 """
 
 from __future__ import annotations
@@ -14,15 +10,13 @@ from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceSta
 
 
 def sliding_window_ring_blocks(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> int | None:
-    """Blocks a sliding-window sequence cycles through, or None to keep every block.
+    """Blocks a sliding-window sequence cycles through (BlockManager's ring), or None to keep every block.
 
-    One step computes at most max_num_batched_tokens tokens of a sequence
-    and each of them reads the window before it, so a ring of window +
-    max_num_batched_tokens - 1 slots never overwrites a key that the step
-    still reads. Without chunked prefill the budget is usually as large as
-    the context and the ring saves nothing; with it, a sequence holds at
-    most that many slots however long it grows. Not with prefix caching:
-    a reused block would no longer hold what its hash says.
+    One step computes at most max_num_batched_tokens tokens of a sequence and each of them reads the window
+    before it, so a ring of window + max_num_batched_tokens - 1 slots never overwrites a key that the step
+    still reads. Without chunked prefill the budget is usually as large as the context and the ring saves
+    nothing; with it, a sequence holds at most that many slots however long it grows. Never with prefix caching
+    (see BlockManager).
     """
     window = cache_config.sliding_window
     if window is None or cache_config.enable_prefix_caching:
@@ -38,11 +32,9 @@ def sliding_window_ring_blocks(scheduler_config: SchedulerConfig, cache_config: 
 def max_seq_len(scheduler_config: SchedulerConfig, cache_config: CacheConfig, ring_blocks: int | None) -> int:
     """Longest sequence that can always be (re)prefilled; ring_blocks as the BlockManager uses it.
 
-    A recomputed sequence must fit the cache and, without chunked prefill,
-    the token budget of one step, so the engine should stop sequences at
-    this length (pass it as max_model_len to check_stop); otherwise a
-    preempted long sequence would come back as ignored. With chunked
-    prefill the budget does not matter: prompts are split across steps.
+    A recomputed sequence must fit the cache and, without chunked prefill, the token budget of one step, so
+    the engine should stop sequences at this length (pass it as max_model_len to check_stop); otherwise a
+    preempted long sequence would come back as ignored. With chunked prefill prompts are split across steps.
     """
     usable_blocks = cache_config.num_gpu_blocks - cache_config.watermark_blocks
     if ring_blocks is not None and ring_blocks <= usable_blocks:
@@ -58,9 +50,8 @@ def max_seq_len(scheduler_config: SchedulerConfig, cache_config: CacheConfig, ri
 def chunk_size(num_uncomputed: list[int], budget: int) -> int:
     """Most tokens per sequence of a group's next chunk (one entry per sequence); 0 when the budget is out.
 
-    The group's sequences prefill side by side: each computes min(its
-    tokens, chunk), with the largest chunk that fits the budget, so the
-    budget is split evenly between the sequences that still need it.
+    The group's sequences prefill side by side: each computes min(its tokens, chunk), with the largest chunk
+    that fits the budget, so the budget is split evenly between the sequences that still need it.
     """
     needs = sorted(num_uncomputed)
     for i, need in enumerate(needs):
@@ -83,11 +74,9 @@ def tokens_before_fork(parent: Sequence, num_computed: int) -> int:
 def tokens_to_compute(group: SequenceGroup) -> list[tuple[Sequence, int, bool]]:
     """(seq, tokens it may compute now, whether that is a 1-token decode) per sequence to run.
 
-    That is every RUNNING sequence, except in a group that has not forked:
-    its parent stops before the last prompt token (a capped prefill never
-    samples, so it is never a decode, even for its last token), and once
-    it got there, every unfinished sequence of the group, parent first,
-    decodes that last token (the pending ones after group_fork.fork_if_ready).
+    That is every RUNNING sequence, except in a group that has not forked (group_fork.py): its parent stops
+    before the last prompt token (a capped prefill never samples, so it is never a decode, even for its last
+    token), then every unfinished sequence of the group, parent first, decodes that last token.
     """
     pending = group.pending_fork_seqs()
     if pending:
@@ -105,11 +94,10 @@ def tokens_to_compute(group: SequenceGroup) -> list[tuple[Sequence, int, bool]]:
 def can_never_run(seqs: list[Sequence], forks: bool, config: SchedulerConfig) -> bool:
     """True for waiting sequences that no step could ever admit.
 
-    Without chunking, what admission computes must fit one step's budget
-    whole: the parent's prefill (the whole prompt, see below) and then the n forked decodes, or every
-    sequence's full prefill (cache hits are not counted on: they may be
-    evicted by the time a preempted sequence comes back). With chunking
-    each sequence needs at least one token of a step.
+    Without chunking, what admission computes must fit one step's budget whole: the parent's prefill (the whole
+    prompt, see below) and then the n forked decodes, or every sequence's full prefill (cache hits are not
+    counted on: they may be evicted by the time a preempted sequence comes back). With chunking each sequence
+    needs at least one token of a step.
     """
     if max(seq.num_tokens for seq in seqs) > config.max_model_len or len(seqs) > config.max_num_seqs:
         return True
