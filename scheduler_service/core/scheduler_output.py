@@ -24,14 +24,11 @@ class TableUpdate:
 
 @dataclass
 class ScheduledSequence:
-    """One sequence in a step: compute num_new_tokens tokens of it.
+    """One sequence in a step: compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of it.
 
-    The step computes tokens [num_computed_tokens, num_computed_tokens +
-    num_new_tokens) of seq.all_token_ids. num_computed_tokens and
-    num_tokens are snapshots taken when the step was planned, so is_prefill
-    and samples keep their meaning after update_after_step mutates seq.
-    table: what the worker learns of the sequence's block table, set by
-    schedule() once every slot of the step is reserved.
+    num_computed_tokens and num_tokens are snapshots taken when the step was planned, so is_prefill and samples
+    keep their meaning after update_after_step mutates seq. table: what the worker learns of the sequence's
+    block table, set by schedule() once every slot of the step is reserved.
     """
 
     group: SequenceGroup
@@ -81,29 +78,24 @@ class SchedulerOutput:
     """The plan of one step.
 
     scheduled: sequences to compute, prefills and decodes mixed, FCFS order.
-    preempted: groups whose sequences the worker must forget (drop its
-        per-sequence state and cached block table). Recompute ones are WAITING
-        again and come back with num_computed_tokens 0; swapped ones (status
-        SWAPPED, their blocks in blocks_to_swap_out) come back, in a later
-        step, with their KV moved back (blocks_to_swap_in), a completely new
-        block table and num_computed_tokens kept: the engine re-sends them in
-        full, like sequences it has never seen.
-    ignored: groups that can never run (too long); already FINISHED_IGNORED
-        and forgotten by the scheduler, the engine must report them.
-    swap_failed: groups that had to be preempted by swap but found no room in
-        the CPU swap space; already FINISHED_IGNORED, freed and forgotten by
-        the scheduler. The engine must end them with an error ("out of CPU
-        swap space") and make the worker forget their sequences.
+    preempted: groups whose sequences the worker must forget (drop its per-sequence state and cached block
+        table). Recompute ones are WAITING again and come back with num_computed_tokens 0; swapped ones (status
+        SWAPPED, their blocks in blocks_to_swap_out) come back, in a later step, with their KV moved back
+        (blocks_to_swap_in), a completely new block table and num_computed_tokens kept: the engine re-sends
+        them in full, like sequences it has never seen.
+    ignored: groups that can never run (too long); already FINISHED_IGNORED and forgotten by the scheduler, the
+        engine must report them.
+    swap_failed: groups that had to be preempted by swap but found no room in the CPU swap space; already
+        FINISHED_IGNORED, freed and forgotten by the scheduler. The engine must end them with an error ("out of
+        CPU swap space") and make the worker forget their sequences.
     blocks_to_swap_out: (device block, cpu block) pairs, copy device -> host.
     blocks_to_swap_in: (cpu block, device block) pairs, copy host -> device.
-    blocks_to_copy: (src, dst) device copy-on-write pairs (the first decodes
-        after a parallel-sampling fork or after a swap-in).
-    The worker applies them before the forward pass in this order: swap_out,
+    blocks_to_copy: (src, dst) device copy-on-write pairs (the first decodes after a parallel-sampling fork or
+        after a swap-in). The worker applies the pairs before the forward pass in this order: swap_out,
         swap_in, copy. A step never has both swap_out and swap_in pairs.
     num_batched_tokens: sum of num_new_tokens over scheduled.
-    released_seq_ids: sequences whose KV left the device since the last
-        schedule() (finished, aborted, preempted, swapped out, dropped
-        beams): the worker forgets them before this step.
+    released_seq_ids: sequences whose KV left the device since the last schedule() (finished, aborted,
+        preempted, swapped out, dropped beams): the worker forgets them before this step.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -118,10 +110,6 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """True when the workers have nothing to do this step.
-
-        ignored, swap_failed and preempted groups may still need the engine's attention.
-        """
-        return not (
-            self.scheduled or self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy
-        )
+        """True when the workers have nothing to do this step (ignored, swap_failed and preempted groups may
+        still need the engine's attention)."""
+        return not (self.scheduled or self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy)
