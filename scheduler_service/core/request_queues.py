@@ -53,8 +53,7 @@ class RequestQueues:
     def abort_request(self, request_id: str) -> SequenceGroup | None:
         """Abort a request: free its blocks (CPU ones too) and drop it. None if unknown or done.
 
-        Safe between schedule() and update_after_step(): aborted sequences of
-        the in-flight step are skipped by the update.
+        Safe between schedule() and update_after_step(): aborted sequences of the in-flight step are skipped.
         """
         group = self._requests.get(request_id)
         if group is None:
@@ -64,10 +63,9 @@ class RequestQueues:
         return group
 
     def finish_sequence(self, group: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
-        """Mark seq finished with status and free its blocks.
+        """Mark seq finished with status and free its blocks (those shared with forked siblings stay theirs).
 
-        Blocks shared with siblings (forked) stay theirs: only the reference
-        is dropped. When the whole group is finished it leaves the scheduler.
+        When the whole group is finished it leaves the scheduler.
         """
         if not status.is_finished:
             raise ValueError(f"status must be a FINISHED_* status, got {status.name}.")
@@ -77,8 +75,7 @@ class RequestQueues:
             raise ValueError(f"seq {seq.seq_id} is already finished ({seq.status.name}).")
         pending = group.pending_fork_seqs()
         if pending and seq.status is SequenceStatus.RUNNING:
-            # The parent of a group that has not forked yet: its first pending
-            # sibling takes over its table and its prefill.
+            # The parent of a group that has not forked yet: its first pending sibling takes over its table and prefill.
             heir = pending[0]
             self.block_manager.fork(seq, heir)
             heir.status = SequenceStatus.RUNNING
@@ -115,11 +112,9 @@ class RequestQueues:
     def replace_beams(self, group: SequenceGroup, drop: list[Sequence], add_finished: list[Sequence]) -> None:
         """Beam search bookkeeping after a step, before update_after_step.
 
-        drop: the group's sequences that leave it (beams without a surviving
-        child, hypotheses pushed out of the best ones): their blocks are freed
-        and their seq_ids may be reused. add_finished: new finished hypotheses
-        (they hold no blocks). A group left with nothing unfinished leaves
-        the scheduler.
+        drop: the group's sequences that leave it (beams without a surviving child, hypotheses pushed out of the
+        best ones): their blocks are freed and their seq_ids may be reused. add_finished: new finished
+        hypotheses (they hold no blocks). A group left with nothing unfinished leaves the scheduler.
         """
         self._check_member(group)
         for seq in drop:
@@ -144,8 +139,7 @@ class RequestQueues:
     def fork_seq(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
         """Add child to the group as a RUNNING copy of parent's blocks (beam search), after update_after_step.
 
-        child holds parent's tokens up to its last one and a token of its
-        own instead; the shared last block is copied on write when it grows.
+        child holds parent's tokens up to its last one and a token of its own instead (copied on write).
         """
         self._check_member(group)
         if parent.status is not SequenceStatus.RUNNING or not any(s is parent for s in group.seqs):
@@ -179,8 +173,8 @@ class RequestQueues:
     def kv_occupancy(self) -> tuple[int, int]:
         """(slots in allocated device blocks, tokens those slots hold): internal fragmentation.
 
-        A block shared by several tables counts once, as full as its fullest
-        holder makes it. O(allocated blocks): for profiling, not every step.
+        A block shared by several tables counts once, as full as its fullest holder makes it. O(allocated
+        blocks): for profiling, not every step.
         """
         bm = self.block_manager
         filled: dict[int, int] = {}

@@ -1,11 +1,9 @@
 """FCFS continuous-batching scheduler with a token budget, preemption, chunked prefill and prefix caching.
 
-vLLM v0 semantics. The parts, each in its own file: request_queues.py holds the queues and the
-request lifecycle, token_budget.py the token arithmetic (chunked prefill splits each step's budget
-between decodes, prompt chunks and new prompts), group_fork.py how a parallel-sampling group
-computes its prompt once and forks, preemption.py what a preempted group becomes (recompute or
-swap); Scheduler plans the steps (schedule) and records their results (update_after_step, or
-advance then resolve under async scheduling).
+vLLM v0 semantics. The parts, each in its own file: request_queues.py holds the queues and the request lifecycle,
+token_budget.py the token arithmetic, group_fork.py how a parallel-sampling group computes its prompt once and
+forks, preemption.py what a preempted group becomes (recompute or swap); Scheduler plans the steps (schedule)
+and records their results (update_after_step, or advance then resolve under async scheduling).
 """
 
 from __future__ import annotations
@@ -30,17 +28,14 @@ from scheduler_service.core.token_budget import (
 class Scheduler(RequestQueues):
     """Decides, step by step, which sequences run and which tokens they compute.
 
-    Priority is the order of add_request (first come, first served); the
-    running list and the waiting queue both stay in that order, so the last
-    running group is always the latest arrival, the one preempted first.
+    Priority is the order of add_request (first come, first served); the running list and the waiting queue
+    both stay in that order, so the last running group is always the latest arrival, the one preempted first.
 
-    Engine loop contract: schedule() -> run the step -> update_after_step()
-    -> check stops and finish_sequence(). Calling schedule() again without
-    update_after_step() re-plans the same tokens (nothing is lost).
+    Engine loop contract: schedule() -> run the step -> update_after_step() -> check stops and
+    finish_sequence(). Calling schedule() again without update_after_step() re-plans the same tokens.
 
-    max_num_seqs counts sequences, not groups: every unfinished sequence of a
-    running group, pending-fork ones included; a group is admitted only when
-    all its sequences fit. The token budget counts each sequence's tokens.
+    max_num_seqs counts sequences, not groups: every unfinished sequence of a running group, pending-fork ones
+    included; a group is admitted only when all its sequences fit. The token budget counts each one's tokens.
     """
 
     @property
@@ -77,9 +72,8 @@ class Scheduler(RequestQueues):
     def update_after_step(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
         """Record a finished step: advance computed tokens, append sampled ones (advance, then resolve).
 
-        sampled maps seq_id -> token id for every scheduled sequence whose
-        `samples` is True. Sequences finished meanwhile (aborted mid-step) are
-        skipped. Validates everything before changing anything.
+        sampled maps seq_id -> token id for every scheduled sequence whose `samples` is True. Sequences finished
+        meanwhile (aborted mid-step) are skipped. Validates everything before changing anything.
         """
         live = [s for s in output.scheduled if not s.seq.is_finished]
         sampling = [s for s in live if s.samples]
@@ -91,11 +85,10 @@ class Scheduler(RequestQueues):
     def advance(self, output: SchedulerOutput) -> None:
         """The worker runs the step: its tokens count as computed and its samples as in flight.
 
-        With async scheduling the engine calls this as soon as the step is sent and plans
-        the next step before the result is back: each sampling sequence holds a token in
-        flight (Sequence.num_inflight_tokens), decoded by the next step on the worker's own
-        sample; resolve() fills in its value. Computed blocks are registered in the prefix
-        cache now: a later step that reuses one runs on the worker after this one wrote it.
+        With async scheduling the engine calls this as soon as the step is sent and plans the next step before
+        the result is back: each sampling sequence holds a token in flight (Sequence.num_inflight_tokens),
+        decoded by the next step on the worker's own sample; resolve() fills in its value. Computed blocks are
+        registered in the prefix cache now: a later step that reuses one runs on the worker after this one wrote it.
         """
         live = [s for s in output.scheduled if not s.seq.is_finished]
         self._check_unchanged(live)
@@ -148,10 +141,8 @@ class Scheduler(RequestQueues):
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule decodes in FCFS order, preempting from the back. Returns the budget left.
 
-        A group whose parent has computed all but its last prompt token forks
-        here, once its n decodes fit the step, and they are scheduled at once.
-        With chunked prefill, sequences still in prefill are set aside and get
-        their next chunk after every decode (see _schedule_prefill_chunks).
+        A pending-fork group forks here once its n decodes fit the step (group_fork.py). With chunked prefill,
+        sequences still in prefill are set aside and get their next chunk after every decode.
         """
         running = self.running
         chunked = self.scheduler_config.enable_chunked_prefill
@@ -277,11 +268,8 @@ class Scheduler(RequestQueues):
             num_running_seqs += len(seqs)
 
     def _admission_tokens(self, seqs: list[Sequence], forks: bool, plan: AdmissionPlan) -> list[int]:
-        """Tokens each sequence admitted now would compute (one entry per scheduled sequence).
-
-        A forking group schedules its parent's prefill up to the last prompt
-        token or, when nothing is left before it, its n decodes (1 each).
-        """
+        """Tokens each sequence admitted now would compute (one entry per scheduled sequence): for a forking group
+        its parent's prefill up to the last prompt token or, when nothing is left before it, its n decodes."""
 
         def num_computed(seq: Sequence) -> int:
             # allocate() sets num_computed_tokens to the cached prefix.
