@@ -1,14 +1,12 @@
 """The physical KV blocks of one pool: free list, reference counts and, for the device, the prefix cache.
 
-Block ids are 0..num_blocks-1. allocate() always returns the SMALLEST free id
-(tests and debugging rely on it): freed ids go back into a min-heap, so the
-order in which blocks are freed never changes which id comes next.
+Block ids are 0..num_blocks-1. allocate() always returns the SMALLEST free id (tests and debugging rely on it):
+freed ids go back into a min-heap, so the order in which blocks are freed never changes which id comes next.
 
-With caching on, a fully computed block can be registered under its chained
-hash (see prefix_hash). When its last owner releases it, it does not go back
-to the free list: it waits in an LRU evictor, KV intact, so a later request
-with the same prefix can take it back (acquire). Fresh allocations use the
-free list first and only then evict the least recently used cached block.
+With caching on, a fully computed block can be registered under its chained hash (see prefix_hash). When its
+last owner releases it, it does not go back to the free list: it waits in an LRU evictor, KV intact, so a later
+request with the same prefix can take it back (acquire). Fresh allocations use the free list first and only
+then evict the least recently used cached block.
 """
 
 from __future__ import annotations
@@ -60,11 +58,10 @@ class CachedBlockEntry:
 class LRUEvictor:
     """Unreferenced cached blocks, ordered for eviction.
 
-    Order (as vLLM's): smallest last_accessed first; on a tie the block holding
-    the MOST hashed tokens, the deepest of a prefix chain (a lookup walks a chain
-    from its root and stops at the first miss, so evicting a parent first would
-    strand its cached descendants); last the smallest block id. last_accessed
-    is a logical clock value (the pure core never reads wall time).
+    Order (as vLLM's): smallest last_accessed first; on a tie the block holding the MOST hashed tokens, the
+    deepest of a prefix chain (a lookup walks a chain from its root and stops at the first miss, so evicting a
+    parent first would strand its cached descendants); last the smallest block id. last_accessed is a logical
+    clock value (the pure core never reads wall time).
     """
 
     def __init__(self) -> None:
@@ -121,11 +118,9 @@ class LRUEvictor:
 class BlockPool:
     """Reference-counted block ids, with a content-addressed cache of computed blocks when caching is on.
 
-    num_free_blocks counts evictable blocks too: they can be handed out at any
-    time, so admission control must see them as free capacity. clock is a
-    logical clock the block manager ticks once per operation; a block entering
-    the evictor is stamped with it, so blocks released by one operation tie and
-    the deepest goes first.
+    num_free_blocks counts evictable blocks too: they can be handed out at any time, so admission control must
+    see them as free capacity. clock is a logical clock the block manager ticks once per operation; a block
+    entering the evictor is stamped with it, so blocks released by one operation tie and the deepest goes first.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
@@ -234,9 +229,8 @@ class BlockPool:
     def register(self, block_id: int, block_hash: BlockHash, num_hashed_tokens: int) -> bool:
         """Register an in-use, fully computed block under block_hash.
 
-        Returns False and changes nothing when the hash already names a block (the
-        first copy stays the cached one; this one is freed normally) or this block
-        already has a hash.
+        Returns False and changes nothing when the hash already names a block (the first copy stays the cached
+        one; this one is freed normally) or this block already has a hash.
         """
         self._check_allocated(block_id, "register")
         if not self.enable_caching:
@@ -278,13 +272,10 @@ class BlockPool:
     def restore(self, ref_counts: dict[int, int], cached: tuple[CachedBlockEntry, ...] = (), clock: int = 0) -> None:
         """Start over with these blocks in use and these registered; the rest are free.
 
-        An entry with a stamp is an evictable block (no reference), one without is held by a table.
-        Restored from a snapshot, nothing differs from it: there is no change to journal.
+        ref_counts come from the caller's checked tables. An entry with a stamp is an evictable block (no
+        reference), one without is held by a table. Restored from a snapshot, nothing differs from it: there is
+        no change to journal.
         """
-        for block_id, count in ref_counts.items():
-            self._check_block_id(block_id)
-            if count < 1:
-                raise ValueError(f"block {block_id}: a reference count must be positive, got {count}.")
         if cached and not self.enable_caching:
             raise ValueError("the snapshot has prefix-cached blocks, the configuration no prefix caching.")
         self._changed = set()
