@@ -91,12 +91,10 @@ class RequestQueues:
     def restore_queues(
         self, waiting: list[SequenceGroup], running: list[SequenceGroup], swapped: list[SequenceGroup]
     ) -> None:
-        """Hold these groups, in these queues and orders (a scheduler restored from a snapshot).
+        """Hold these groups, in these queues and orders (a new scheduler restored from a snapshot).
 
         Their block tables are the block manager's to restore; here only the ids are checked.
         """
-        if self._requests:
-            raise ValueError("queues can only be restored into an empty scheduler.")
         for group in [*waiting, *running, *swapped]:
             if group.request_id in self._requests:
                 raise ValueError(f"request_id {group.request_id!r} appears twice.")
@@ -186,10 +184,6 @@ class RequestQueues:
                     tokens = min(bm.block_size, max(0, seq.num_tokens - index * bm.block_size))
                     filled[block_id] = max(filled.get(block_id, 0), tokens)
         return bm.get_num_used_blocks() * bm.block_size, sum(filled.values())
-
-    def get_block_table(self, seq: Sequence) -> list[int]:
-        """Physical block ids of a scheduled sequence (for the step plan)."""
-        return self.block_manager.get_block_table(seq)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached KV block (call after the worker lost its cache)."""

@@ -365,7 +365,7 @@ def test_recompute_preemption_of_a_forked_group_prefills_each_sequence() -> None
     assert plan(step(sched)) == [("a", 8), ("g", 5)]
     out = sched.schedule()
     assert out.blocks_to_copy == [(3, 5)]
-    assert (tables(sched, group), sched.get_block_table(a.seqs[0])) == ([[2, 3], [2, 5]], [0, 1, 4])
+    assert (tables(sched, group), sched.block_manager.get_block_table(a.seqs[0])) == ([[2, 3], [2, 5]], [0, 1, 4])
     sched.update_after_step(out, distinct(out, 10))
     for base in (20, 30):
         sched.update_after_step(out := sched.schedule(), distinct(out, base))

@@ -124,7 +124,7 @@ def test_decodes_go_as_deltas_with_new_blocks_only_when_the_table_grows() -> Non
     assert built.step_id == 3
     assert deltas(built) == {1: ([], 1), 2: ([3], 1)}
     assert added(built) == {2: [3]}
-    assert sched.get_block_table(gb.seqs[0]) == [2, 3]
+    assert sched.block_manager.get_block_table(gb.seqs[0]) == [2, 3]
     sched.update_after_step(out, {1: 102, 2: 202})  # a: 9 tokens -> a needs a third block
 
     out = sched.schedule()
@@ -132,7 +132,7 @@ def test_decodes_go_as_deltas_with_new_blocks_only_when_the_table_grows() -> Non
     assert built.step_id == 4
     assert deltas(built) == {1: ([4], 1), 2: ([], 1)}
     assert added(built) == {1: [4]}
-    assert sched.get_block_table(ga.seqs[0]) == [0, 1, 4]
+    assert sched.block_manager.get_block_table(ga.seqs[0]) == [0, 1, 4]
     # Deltas never repeat what a NewSequence carries.
     for d in built.cached_sequences:
         assert len(d.replaced_blocks) == 0
@@ -268,8 +268,8 @@ def _forked_group() -> tuple[Scheduler, SequenceGroup, Planner, worker_pb2.StepP
     sched.update_after_step(out, {})
     out = sched.schedule()
     assert out.blocks_to_copy == [(0, 1)]
-    assert sched.get_block_table(group.seqs[0]) == [0]
-    assert sched.get_block_table(group.seqs[1]) == [1]
+    assert sched.block_manager.get_block_table(group.seqs[0]) == [0]
+    assert sched.block_manager.get_block_table(group.seqs[1]) == [1]
     return sched, group, planner, build(planner, sched, out)
 
 

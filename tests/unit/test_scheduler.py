@@ -75,7 +75,7 @@ def step(sched: Scheduler) -> SchedulerOutput:
 
 
 def table(sched: Scheduler, group: SequenceGroup) -> list[int]:
-    return sched.get_block_table(group.seqs[0])
+    return sched.block_manager.get_block_table(group.seqs[0])
 
 
 # -- configs and sequences -----------------------------------------------------
