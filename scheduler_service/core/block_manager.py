@@ -261,17 +261,13 @@ class BlockManager:
         Needs no free block.
         """
         table = self._table(parent)
-        if child.seq_id in self.block_tables:
-            raise ValueError(f"seq {child.seq_id} already has a block table.")
         num_computed = parent.num_computed_tokens
         if child.num_tokens < num_computed or child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]:
-            raise ValueError(
-                f"seq {child.seq_id} does not hold the {num_computed} tokens computed for seq "
-                f"{parent.seq_id}; it cannot share their KV."
-            )
+            raise ValueError(f"seq {child.seq_id} does not hold the {num_computed} tokens computed for seq "
+                             f"{parent.seq_id}; it cannot share their KV.")
+        self.put_table(child, list(table))  # first: it refuses a child that has a table before any incref
         for block_id in table:
             self.block_pool.incref(block_id)
-        self.put_table(child, list(table))
         hashes = self._block_hashes.get(parent.seq_id)
         if hashes is not None:
             self._block_hashes[child.seq_id] = list(hashes)
@@ -394,8 +390,6 @@ class BlockManager:
 
     def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
         """End every unfinished sequence of the group with status (a FINISHED_* one) and free its blocks."""
-        if not status.is_finished:
-            raise ValueError(f"status must be a FINISHED_* status, got {status.name}.")
         for seq in group.unfinished_seqs():
             seq.status = status
             self.free(seq)
