@@ -1,24 +1,18 @@
 """One step of beam search: which beams continue, which finish, when the search stops.
 
-Pure and id-based; the output processor applies the result to the scheduler
-(frees beams without a surviving child, forks parents with several, adds the
-finished hypotheses). The rules are those of transformers'
-``generate(num_beams=width, do_sample=False)``, so outputs match it token for
-token:
+Pure and id-based; the output processor applies the result to the scheduler (frees beams without a surviving
+child, forks parents with several, adds the finished hypotheses). The rules are those of transformers'
+``generate(num_beams=width, do_sample=False)``, so outputs match it token for token:
 
-- every running beam offers its most likely next tokens; a candidate's
-  score is the beam's cumulative logprob plus the token's, summed in float32
-  as transformers does (ties then break the same way);
-- of the best ``num_candidates`` candidates overall, those ranked below
-  ``width`` that end the beam (a stop token, or the length limit) become
-  finished hypotheses scored ``cumulative / generated_len ** length_penalty``;
+- every running beam offers its most likely next tokens; a candidate's score is the beam's cumulative logprob
+  plus the token's, summed in float32 as transformers does (ties then break the same way);
+- of the best ``num_candidates`` candidates overall, those ranked below ``width`` that end the beam (a stop
+  token, or the length limit) become finished hypotheses scored ``cumulative / generated_len ** length_penalty``;
   only the ``width`` best hypotheses are kept;
 - the ``width`` best candidates that do not end continue as the running beams;
-- the search stops when every candidate ends, when ``width`` hypotheses
-  exist and ``early_stopping`` is True, or when the best running beam can no
-  longer beat the worst kept hypothesis (scored at its current length; with
-  ``early_stopping="never"`` and a positive length penalty, at the longest
-  length it could reach).
+- the search stops when every candidate ends, when ``width`` hypotheses exist and ``early_stopping`` is True,
+  or when the best running beam can no longer beat the worst kept hypothesis (scored at its current length;
+  with ``early_stopping="never"`` and a positive length penalty, at the longest length it could reach).
 """
 
 from __future__ import annotations
@@ -94,8 +88,8 @@ def beam_step(
 ) -> BeamStep:
     """Advance a beam search by one token.
 
-    beams: the running beams, best cumulative logprob first (a single one,
-    the prompt, at the first step); all have generated num_generated tokens.
+    beams: the running beams, best cumulative logprob first (a single one, the prompt, at the first step); all
+    have generated num_generated tokens.
     """
     if not beams:
         raise ValueError("beam_step needs at least one running beam.")

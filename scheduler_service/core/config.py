@@ -28,15 +28,12 @@ class SchedulerConfig:
     """Limits on what one scheduling step may contain.
 
     max_num_seqs: most sequences running (holding KV blocks) at once.
-    max_num_batched_tokens: most tokens computed in one step (prefill + decode).
+    max_num_batched_tokens: most tokens computed in one step (prefill + decode). It may be smaller than
+        max_model_len: with chunked prefill such long prompts are prefilled over several steps; without it they
+        can never run and are ignored.
     max_model_len: longest sequence (prompt + output) the model accepts.
-    enable_chunked_prefill: split prompts into chunks that share each step's
-        token budget with the running decodes (decodes are scheduled first, so
-        a long prompt never stalls them).
-
-    max_num_batched_tokens may be smaller than max_model_len. With chunked
-    prefill such long prompts are prefilled over several steps; without it
-    they can never run and are ignored.
+    enable_chunked_prefill: split prompts into chunks that share each step's token budget with the running
+        decodes (decodes are scheduled first, so a long prompt never stalls them).
     """
 
     max_num_seqs: int = defaults.MAX_NUM_SEQS
@@ -57,16 +54,14 @@ class CacheConfig:
 
     block_size: tokens per KV block, a power of two in [1, 256].
     num_gpu_blocks: physical KV blocks available on the device.
-    watermark: fraction of blocks kept free when admitting new prompts, so
-        running sequences can keep decoding without immediate preemption.
-    enable_prefix_caching: reuse the KV blocks of full, already computed
-        blocks whose token prefix matches (content-addressed by a chained
-        hash); unreferenced cached blocks stay resident until evicted (LRU).
-    num_cpu_blocks: host (CPU) KV blocks for swap preemption; 0 disables
-        swapping (a group that would be swapped out then fails instead).
-    sliding_window: the model attends to this many most recent tokens in
-        every layer (None: full attention). Blocks of older tokens are then
-        reused (see BlockManager), unless prefix caching is on.
+    watermark: fraction of blocks kept free when admitting new prompts, so running sequences can keep decoding
+        without immediate preemption.
+    enable_prefix_caching: reuse the KV blocks of full, already computed blocks whose token prefix matches
+        (content-addressed by a chained hash); unreferenced cached blocks stay resident until evicted (LRU).
+    num_cpu_blocks: host (CPU) KV blocks for swap preemption; 0 disables swapping (a group that would be
+        swapped out then fails instead).
+    sliding_window: the model attends to this many most recent tokens in every layer (None: full attention).
+        Blocks of older tokens are then reused (see BlockManager), unless prefix caching is on.
     """
 
     num_gpu_blocks: int

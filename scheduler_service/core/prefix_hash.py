@@ -16,9 +16,8 @@ from collections.abc import Sequence
 
 BlockHash = bytes
 
-# Parent of a sequence's first block. Same length as every real digest, so
-# the byte string fed to sha256 always splits the same way into parent and
-# tokens.
+# Parent of a sequence's first block. Same length as every real digest, so the byte string fed to sha256 always
+# splits the same way into parent and tokens.
 ROOT_BLOCK_HASH: BlockHash = bytes(hashlib.sha256().digest_size)
 
 

@@ -9,11 +9,8 @@ from shared.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    """Lifecycle of a sequence.
-
-    WAITING covers new sequences and ones preempted by recompute; SWAPPED ones
-    were preempted by swapping their KV blocks out to CPU memory (not finished).
-    """
+    """Lifecycle of a sequence: WAITING covers new sequences and ones preempted by recompute; SWAPPED ones were
+    preempted by swapping their KV blocks out to CPU memory (not finished)."""
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -41,13 +38,12 @@ def _validate_token_ids(name: str, token_ids: list[int]) -> None:
 class Sequence:
     """One stream of tokens: the prompt followed by what has been generated.
 
-    num_computed_tokens counts leading tokens whose KV is in the cache; the
-    remaining ones are computed by the next step that schedules this sequence.
+    num_computed_tokens counts leading tokens whose KV is in the cache; the next step that schedules this
+    sequence computes the rest.
 
-    num_inflight_tokens counts tokens sampled by a step whose result has not come
-    back yet (the engine plans the next step while the worker runs this one, see
-    Scheduler.advance): they count in num_tokens, so the next step is planned as if
-    they were known, but not in the token lists, which hold known tokens only.
+    num_inflight_tokens counts tokens sampled by a step whose result has not come back yet (the engine plans
+    the next step while the worker runs this one, see Scheduler.advance): they count in num_tokens, so the next
+    step is planned as if they were known, but not in the token lists, which hold known tokens only.
     """
 
     seq_id: int
@@ -114,11 +110,8 @@ class Sequence:
         self.num_inflight_tokens -= 1
 
     def reset_for_recompute(self) -> None:
-        """Forget the KV cache after preemption by recompute.
-
-        Output tokens are kept: the next prefill recomputes prompt + outputs, so
-        generation resumes exactly where it stopped.
-        """
+        """Forget the KV cache after preemption by recompute. Output tokens are kept: the next prefill
+        recomputes prompt + outputs, so generation resumes exactly where it stopped."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
 

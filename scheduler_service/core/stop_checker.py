@@ -16,10 +16,10 @@ class StopDecision:
     """Outcome of check_stop.
 
     status: FINISHED_STOPPED or FINISHED_LENGTH when finished, else None.
-    reason: the stop string or stop token id that matched (as vLLM's
-        stop_reason); None for EOS, length limits and when not finished.
-    truncate_text_to: cut output_text to this many characters (stop string
-        or stop token text must not be returned); None keeps it as is.
+    reason: the stop string or stop token id that matched (as vLLM's stop_reason); None for EOS, length limits
+        and when not finished.
+    truncate_text_to: cut output_text to this many characters (stop string or stop token text must not be
+        returned); None keeps it as is.
     """
 
     finished: bool
@@ -48,12 +48,10 @@ def check_stop(
 ) -> StopDecision:
     """Decide whether seq finishes now that its newest token was appended.
 
-    output_text is the detokenized output so far, including the
-    num_new_chars characters the newest token produced. Rules in priority
-    order: EOS (unless ignore_eos) and stop_token_ids, whose text is dropped;
-    stop strings, cutting the text just before the match; max_tokens and
-    max_model_len, as FINISHED_LENGTH. With include_stop_str_in_output the
-    stop token's text stays and a stop string is cut after its end instead.
+    output_text is the detokenized output so far, including the num_new_chars characters the newest token
+    produced. Rules in priority order: EOS (unless ignore_eos) and stop_token_ids, whose text is dropped; stop
+    strings, cutting the text just before the match; max_tokens and max_model_len, as FINISHED_LENGTH. With
+    include_stop_str_in_output the stop token's text stays and a stop string is cut after its end instead.
     Before min_tokens outputs only the length limits apply (as vLLM).
     """
     if not seq.output_token_ids:
@@ -92,10 +90,9 @@ def _check_stop_tokens_and_strings(
 def find_stop_string(output_text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
     """Earliest stop string that ends inside the newest num_new_chars characters.
 
-    Older text was searched on earlier tokens, so a new match must overlap the
-    new text: each string is only searched from len(stop_str) - 1 characters
-    before it. Returns (stop_str, start index) or None; ties go to the string
-    listed first.
+    Older text was searched on earlier tokens, so a new match must overlap the new text: each string is only
+    searched from len(stop_str) - 1 characters before it. Returns (stop_str, start index) or None; ties go to
+    the string listed first.
     """
     if not num_new_chars or not stop:
         return None
@@ -119,11 +116,10 @@ def held_back_stop_strings(params: SamplingParams) -> list[str]:
 def streamable_text_length(output_text: str, stop: list[str], finished: bool) -> int:
     """How many leading characters of output_text may be sent to the client.
 
-    While running, a tail that could be the beginning of a stop string is held
-    back until later tokens show it is not one. This holds back only the
-    longest tail that is a proper prefix of some stop string (never more than
-    len(longest stop) - 1 characters, vLLM's fixed hold-back), so the result
-    never decreases and never exceeds where a later stop match would cut.
+    While running, a tail that could be the beginning of a stop string is held back until later tokens show it
+    is not one. This holds back only the longest tail that is a proper prefix of some stop string (never more
+    than len(longest stop) - 1 characters, vLLM's fixed hold-back), so the result never decreases and never
+    exceeds where a later stop match would cut.
     """
     if finished or not stop:
         return len(output_text)
