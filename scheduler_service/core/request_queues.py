@@ -199,11 +199,9 @@ class RequestQueues:
 
     def _remove(self, group: SequenceGroup) -> None:
         """Forget a finished group, wherever it is queued."""
-        if group in self.running:
-            self.running.remove(group)
-        elif group in self.waiting:
-            self.waiting.remove(group)
-        elif group in self.swapped:
-            self.swapped.remove(group)
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+                break
         del self._requests[group.request_id]
         self._seq_ids.difference_update(seq.seq_id for seq in group.seqs)

@@ -311,8 +311,6 @@ class Scheduler(RequestQueues):
             self._remove(group)
             out.swap_failed.append(group)
             return
-        if preemption is Preemption.SWAP:
-            self.swapped.appendleft(group)
-        else:
-            self.waiting.appendleft(group)
+        queue = self.swapped if preemption is Preemption.SWAP else self.waiting
+        queue.appendleft(group)
         out.preempted.append(group)
