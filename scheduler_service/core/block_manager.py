@@ -216,8 +216,7 @@ class BlockManager:
         plan: the group's plan_admission() result, when the caller made one since the last change to the block
         manager (it is not recomputed). A group that forks on admission gets a table for its parent only; the
         others stay without one until fork(). With prefix caching each table starts with the cached blocks of
-        the longest matching prefix (never the block holding the last token, so every sequence computes at least
-        one token into a block of its own) and num_computed_tokens is set to the tokens they hold.
+        the longest matching prefix (see _max_hit_blocks) and num_computed_tokens is set to the tokens they hold.
         """
         pool = self.block_pool
         if plan is None:
@@ -441,9 +440,8 @@ class BlockManager:
         logical entries appended and the copy-on-write replacements since the last update."""
         num_held = self._num_held.get(seq.seq_id)
         if num_held is None:
-            view = list(self.logical_block_table(seq))
-            self._num_held[seq.seq_id] = len(view)
-            return TableUpdate(view, in_full=True)
+            self.mark_held(seq)
+            return TableUpdate(list(self.logical_block_table(seq)), in_full=True)
         return self._changes.pop(seq.seq_id, None) or TableUpdate([], start=num_held)
 
     def mark_held(self, seq: Sequence) -> None:

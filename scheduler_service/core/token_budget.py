@@ -85,10 +85,8 @@ def tokens_to_compute(group: SequenceGroup) -> list[tuple[Sequence, int, bool]]:
         if to_fork > 0:
             return [(parent, to_fork, False)]
         return [(seq, 1, True) for seq in [parent, *pending]]
-    return [
-        (seq, seq.num_uncomputed_tokens, seq.num_uncomputed_tokens == 1)
-        for seq in group.get_seqs(SequenceStatus.RUNNING)
-    ]
+    running = group.get_seqs(SequenceStatus.RUNNING)
+    return [(seq, seq.num_uncomputed_tokens, seq.num_uncomputed_tokens == 1) for seq in running]
 
 
 def can_never_run(seqs: list[Sequence], forks: bool, config: SchedulerConfig) -> bool:
