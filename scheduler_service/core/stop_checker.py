@@ -106,10 +106,8 @@ def find_stop_string(output_text: str, num_new_chars: int, stop: list[str]) -> t
 
 
 def held_back_stop_strings(params: SamplingParams) -> list[str]:
-    """Stop strings whose possible beginnings are held back while streaming.
-
-    None when a matched stop string is part of the output anyway (include_stop_str_in_output), as vLLM.
-    """
+    """Stop strings whose possible beginnings are held back while streaming: none when a matched stop string is
+    part of the output anyway (include_stop_str_in_output), as vLLM."""
     return [] if params.include_stop_str_in_output else params.stop
 
 
