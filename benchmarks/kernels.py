@@ -5,7 +5,7 @@
 For each (batch, context) of a grid it times, on one device and in one run:
 
 - ``paged_attention`` of the device's backend (Numba-CUDA on a GPU, Numba on a
-  CPU) and, on a CPU, its torch twin (``kernels.cpu.attention``, the fallback);
+  CPU) and, on a CPU, its torch twin (``llmserve.kernels.cpu.attention``, the fallback);
 - ``gather+sdpa``: gathering the paged K/V into contiguous tensors, then
   ``torch.nn.functional.scaled_dot_product_attention``;
 - ``sdpa (contiguous)``: SDPA alone on a cache that is already contiguous;
@@ -49,10 +49,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import kernels
+from llmserve import kernels
 from benchmarks._timing import copy_bandwidth_gbs, time_ms
-from kernels.backend import ContextAttentionFn, PagedAttentionFn
-from kernels.cpu import attention as cpu_attention
+from llmserve.kernels.backend import ContextAttentionFn, PagedAttentionFn
+from llmserve.kernels.cpu import attention as cpu_attention
 
 # SmolLM2-135M's attention shape (the default model): GQA 9 / 3 heads of 64.
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 4
@@ -297,7 +297,7 @@ def prefill_markdown(rows: list[PrefillRow]) -> list[str]:
         "## Prefill (context) attention",
         "",
         "The CPU backend's Numba kernel (`kernels/cpu/_numba_prefill.py`) against the torch kernel it replaced",
-        "(`kernels.cpu.attention.context_attention`, still the fallback), called in turn in the same run;",
+        "(`llmserve.kernels.cpu.attention.context_attention`, still the fallback), called in turn in the same run;",
         "medians of 7 calls each. GFLOP/s counts the causal attention's useful work: 4 flops per query head,",
         "key it sees and head dim (QK and PV).",
         "",

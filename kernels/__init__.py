@@ -10,9 +10,9 @@ The package-level kernel functions are the CPU versions, for convenience.
 The cache layout is described in :mod:`kernels.layout`.
 """
 
-from kernels.backend import KernelBackend, get_backend
-from kernels.cpu import context_attention, copy_blocks, paged_attention, reshape_and_cache, swap_blocks
-from kernels.layout import allocate_kv_cache, key_cache_shape, kv_pack_factor, value_cache_shape
+from llmserve.kernels.backend import KernelBackend, get_backend
+from llmserve.kernels.cpu import context_attention, copy_blocks, paged_attention, reshape_and_cache, swap_blocks
+from llmserve.kernels.layout import allocate_kv_cache, key_cache_shape, kv_pack_factor, value_cache_shape
 
 __all__ = [
     "KernelBackend",

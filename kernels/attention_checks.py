@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from kernels.metadata_memo import reduce_once
-from kernels.validation import (
+from llmserve.kernels.metadata_memo import reduce_once
+from llmserve.kernels.validation import (
     KVCacheDims,
     check_block_id_range,
     check_int_tensor,

@@ -106,8 +106,8 @@ def _cpu_backend() -> KernelBackend:
     # backend without pulling in the CPU implementation. Importing the Numba
     # kernels compiles them or loads them from Numba's on-disk cache; doing it
     # here puts that cost at worker start (get_backend), not in the first step.
-    from kernels import cpu
-    from kernels.cpu import numba_attention, numba_cache_ops
+    from llmserve.kernels import cpu
+    from llmserve.kernels.cpu import numba_attention, numba_cache_ops
 
     # Decode and prefill attention read the cache in place with Numba (faster than
     # gathering copies with torch ops: docs/kernels-cpu.md), and new keys/values are
@@ -121,7 +121,7 @@ def _cpu_backend() -> KernelBackend:
 @functools.cache
 def _cuda_backend() -> KernelBackend:
     # Imported on first use: it imports numba.cuda, which CPU-only workers never need.
-    from kernels import cuda
+    from llmserve.kernels import cuda
 
     return _backend_of("cuda", cuda)
 
@@ -130,7 +130,7 @@ def get_backend(device: torch.device | str) -> KernelBackend:
     """Return the kernel backend for tensors on ``device`` (``"cpu"``, ``"cuda:0"``, ...).
 
     ``cpu`` gets the torch kernels with Numba attention and cache writes, ``cuda`` the Numba-CUDA kernels (whose
-    swaps can also run per layer on a side stream: :class:`kernels.cuda.LayerSwapper`).
+    swaps can also run per layer on a side stream: :class:`llmserve.kernels.cuda.LayerSwapper`).
     Raises NotImplementedError for other device types, ValueError for an
     unparsable device.
     """

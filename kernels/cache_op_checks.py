@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata_memo import reduce_once
-from kernels.validation import (
+from llmserve.kernels.metadata_memo import reduce_once
+from llmserve.kernels.validation import (
     KVCacheDims,
     check_block_ids,
     check_block_mapping,

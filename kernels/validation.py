@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import kv_pack_factor
+from llmserve.kernels.layout import kv_pack_factor
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import zlib
 
 import torch
 
-import kernels
-from kernels.backend import ContextAttentionFn, PagedAttentionFn
+from llmserve import kernels
+from llmserve.kernels.backend import ContextAttentionFn, PagedAttentionFn
 from tests.kernels_reference import ref_context_attention, ref_paged_attention, ref_reshape_and_cache
 
 # Max-abs error relative to the reference's max-abs value. fp32 computes in fp32;

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from kernels import KernelBackend
+from llmserve.kernels import KernelBackend
 
 ATTN_IMPLEMENTATION = "llmserve_paged"
 METADATA_KWARG = "llmserve_attn_metadata"

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import KernelBackend, allocate_kv_cache
+from llmserve.kernels import KernelBackend, allocate_kv_cache
 from worker_service.model_loader import ModelShape
 from worker_service.plan import check_pairs
 
 if TYPE_CHECKING:
-    from kernels.cuda import LayerSwapper
+    from llmserve.kernels.cuda import LayerSwapper
 
 _GIB = 1 << 30
 
@@ -103,7 +103,7 @@ def size_cache(
 class CacheEngine:
     """Owns the per-layer key/value caches on the device and in host memory.
 
-    On a GPU, swaps run on a side stream (:class:`kernels.cuda.LayerSwapper`)
+    On a GPU, swaps run on a side stream (:class:`llmserve.kernels.cuda.LayerSwapper`)
     with one event per layer, so a step's swaps overlap with its forward pass
     and layer ``i`` waits (:meth:`wait_for_layer`) only for its own blocks. On a
     CPU, swaps are synchronous and waits return at once.
@@ -124,7 +124,7 @@ class CacheEngine:
         self._swapper: LayerSwapper | None = None
         if device.type == "cuda":
             # Imported only on a GPU: it imports numba.cuda, which CPU workers never need.
-            from kernels.cuda import LayerSwapper  # noqa: PLC0415
+            from llmserve.kernels.cuda import LayerSwapper  # noqa: PLC0415
 
             self._swapper = LayerSwapper(shape.num_layers, device)
         layout = (shape.num_kv_heads, shape.head_size, block_size, dtype)

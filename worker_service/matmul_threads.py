@@ -8,7 +8,7 @@ its ~230 in such ops (multiplies, adds, powers, sums, SiLU averaging 50-160 us e
 forward pass this runs everything on one thread except the matmul layers (MATMUL_MODULES) and the attention
 kernels (`full()`, entered by the attention function), which get the configured count back for
 their call (torch.set_num_threads costs ~0.1 us). The Numba decode kernel sizes its OpenMP team
-by torch's count (kernels.cpu.numba_attention.kernel_threads), so it needs the count back too.
+by torch's count (llmserve.kernels.cpu.numba_attention.kernel_threads), so it needs the count back too.
 
 Only steps of up to ONE_THREAD_MAX_TOKENS tokens: larger elementwise ops earn their wake-up. On 2
 cores, one thread against two for an RMSNorm / SiLU-and-multiply / rotary embedding: 261 / 700 /

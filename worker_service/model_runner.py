@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
-from kernels import get_backend
+from llmserve.kernels import get_backend
 from protos import worker_pb2
 from shared.checkpoint import pretrained_source
 from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_bytes, size_cache

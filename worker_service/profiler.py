@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import KernelBackend
+from llmserve.kernels import KernelBackend
 from shared.sampling_params import SamplingParams
 from worker_service.cache_engine import CacheEngine, CacheSizing, MemoryProfile
 from worker_service.input_builder import build_inputs

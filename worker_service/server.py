@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import get_backend
+from llmserve.kernels import get_backend
 from protos import worker_pb2, worker_pb2_grpc
 from shared import grpc_server, redis_client
 from shared.health_probes import HealthReporter, watch_health

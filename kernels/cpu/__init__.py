@@ -1,7 +1,7 @@
 """CPU kernel backend: the paged KV-cache kernels written with torch ops."""
 
-from kernels.cpu.attention import context_attention, paged_attention
-from kernels.cpu.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
+from llmserve.kernels.cpu.attention import context_attention, paged_attention
+from llmserve.kernels.cpu.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 
 __all__ = [
     "context_attention",

@@ -13,7 +13,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from kernels.cpu._numba_llvm import fma_sum_lanes
+from llmserve.kernels.cpu._numba_llvm import fma_sum_lanes
 
 
 def as_float32(block: np.ndarray, bits: np.ndarray) -> np.ndarray:

@@ -34,9 +34,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.cpu._numba_blocks import flat_block, weighted_sum
-from kernels.cpu._numba_exp import exp_f32
-from kernels.cpu._numba_llvm import fetch_add, row_sums
+from llmserve.kernels.cpu._numba_blocks import flat_block, weighted_sum
+from llmserve.kernels.cpu._numba_exp import exp_f32
+from llmserve.kernels.cpu._numba_llvm import fetch_add, row_sums
 
 # Only contraction (a*b+c as one FMA, which rounds once instead of twice). No
 # reassociation: the hot loops are written without reductions, so they vectorize

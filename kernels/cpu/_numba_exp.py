@@ -16,7 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.cpu._numba_llvm import float_from_bits
+from llmserve.kernels.cpu._numba_llvm import float_from_bits
 
 # Below this exp underflows float32's normal range; the result is 0 (exactly, for -inf:
 # masked scores must weigh nothing).

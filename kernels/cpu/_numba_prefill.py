@@ -1,6 +1,6 @@
 """The Numba prefill (context) attention kernel: flash-attention tiles over the paged cache, one block at a time.
 
-Signatures are explicit and ``cache=True``, as in :mod:`kernels.cpu._numba_decode`:
+Signatures are explicit and ``cache=True``, as in :mod:`llmserve.kernels.cpu._numba_decode`:
 importing this module compiles the kernel once per machine, later worker starts load it.
 
 Work items are (sequence, kv head, query tile). An item computes the ``G`` query heads
@@ -28,9 +28,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.cpu._numba_blocks import as_float32, finite_slots
-from kernels.cpu._numba_exp import exp_f32
-from kernels.cpu._numba_llvm import fetch_add, gemm_tile
+from llmserve.kernels.cpu._numba_blocks import as_float32, finite_slots
+from llmserve.kernels.cpu._numba_exp import exp_f32
+from llmserve.kernels.cpu._numba_llvm import fetch_add, gemm_tile
 
 _FASTMATH = {"contract"}
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_checks import check_context_attention_args, check_paged_attention_args
-from kernels.cpu._block_gather import compute_dtype_for, contiguous_as, gather_blocks, unwritten_slots
-from kernels.validation import KVCacheDims
+from llmserve.kernels.attention_checks import check_context_attention_args, check_paged_attention_args
+from llmserve.kernels.cpu._block_gather import compute_dtype_for, contiguous_as, gather_blocks, unwritten_slots
+from llmserve.kernels.validation import KVCacheDims
 
 # Sequences per decode chunk are chosen so that one chunk gathers about this many
 # key elements (4 MiB in float32). Padding every sequence to the longest context

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cache_op_checks import check_copy_blocks_args, check_reshape_and_cache_args, check_swap_blocks_args
+from llmserve.kernels.cache_op_checks import check_copy_blocks_args, check_reshape_and_cache_args, check_swap_blocks_args
 
 
 def reshape_and_cache(

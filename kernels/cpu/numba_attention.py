@@ -1,7 +1,7 @@
 """CPU attention with Numba, decode and prefill: the paged cache read in place, no gathered copies.
 
-Same signatures and semantics as :func:`kernels.cpu.attention.paged_attention` and
-:func:`kernels.cpu.attention.context_attention` (the torch twins), which stay the
+Same signatures and semantics as :func:`llmserve.kernels.cpu.attention.paged_attention` and
+:func:`llmserve.kernels.cpu.attention.context_attention` (the torch twins), which stay the
 fallback for what these kernels do not cover: float16 and float64 caches, caches
 that are not contiguous, a query whose dtype is not the cache's, tensors off the
 CPU, and (prefill) block sizes that are not a multiple of 4. float32 caches are
@@ -12,7 +12,7 @@ widening it by bit manipulation (subnormals, infinities) is not worth a third
 compiled variant for a dtype CPU workers do not pick by default.
 
 Importing this module compiles the kernels or loads them from Numba's cache
-(see :mod:`kernels.cpu._numba_decode`, :mod:`kernels.cpu._numba_prefill`).
+(see :mod:`llmserve.kernels.cpu._numba_decode`, :mod:`llmserve.kernels.cpu._numba_prefill`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import numba
 import numpy as np
 import torch
 
-from kernels.attention_checks import check_context_attention_args, check_paged_attention_args
-from kernels.cpu import attention as torch_attention
-from kernels.cpu._numba_decode import decode_attention
-from kernels.cpu._numba_prefill import context_attention as prefill_attention
-from kernels.cpu._numba_prefill import plan_tiles
-from kernels.cpu.numpy_views import numpy_view
-from kernels.metadata_memo import arguments_layout, reduce_once
+from llmserve.kernels.attention_checks import check_context_attention_args, check_paged_attention_args
+from llmserve.kernels.cpu import attention as torch_attention
+from llmserve.kernels.cpu._numba_decode import decode_attention
+from llmserve.kernels.cpu._numba_prefill import context_attention as prefill_attention
+from llmserve.kernels.cpu._numba_prefill import plan_tiles
+from llmserve.kernels.cpu.numpy_views import numpy_view
+from llmserve.kernels.metadata_memo import arguments_layout, reduce_once
 
 # Cache dtypes the Numba kernel reads, and the dtype it sees each one as.
 _KERNEL_VIEW = {torch.float32: torch.float32, torch.bfloat16: torch.int16}
@@ -94,7 +94,7 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> None:
-    """Decode attention, as :func:`kernels.cpu.attention.paged_attention`; writes ``out`` in place."""
+    """Decode attention, as :func:`llmserve.kernels.cpu.attention.paged_attention`; writes ``out`` in place."""
 
     def validate() -> tuple[np.ndarray, np.ndarray, int] | None:
         if not supports(query, key_cache, value_cache):
@@ -180,7 +180,7 @@ def context_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> None:
-    """Prefill attention, as :func:`kernels.cpu.attention.context_attention`; writes ``out`` in place."""
+    """Prefill attention, as :func:`llmserve.kernels.cpu.attention.context_attention`; writes ``out`` in place."""
     # The kernel's loops take 4 slots of a block per pass (vLLM's block sizes are 8, 16, 32).
     if not supports(query, key_cache, value_cache) or key_cache.dim() != 5 or key_cache.shape[3] % 4:
         torch_attention.context_attention(

@@ -1,6 +1,6 @@
 """CPU ``reshape_and_cache`` with Numba: each token's keys/values copied straight into its cache slot.
 
-Same signature and semantics as :func:`kernels.cpu.cache_ops.reshape_and_cache`
+Same signature and semantics as :func:`llmserve.kernels.cpu.cache_ops.reshape_and_cache`
 (the torch twin, which stays the fallback for tensors it does not cover). The
 torch version is advanced-index assignments with their index tensors rebuilt per
 call: ~120 us for one token and ~3.3 ms for 512 on one core, paid by every layer
@@ -19,10 +19,10 @@ import numba
 import numpy as np
 import torch
 
-from kernels.cache_op_checks import check_reshape_and_cache_args
-from kernels.cpu import cache_ops as torch_cache_ops
-from kernels.cpu.numpy_views import numpy_view
-from kernels.metadata_memo import arguments_layout, reduce_once
+from llmserve.kernels.cache_op_checks import check_reshape_and_cache_args
+from llmserve.kernels.cpu import cache_ops as torch_cache_ops
+from llmserve.kernels.cpu.numpy_views import numpy_view
+from llmserve.kernels.metadata_memo import arguments_layout, reduce_once
 
 # Element size -> the integer dtype the copy sees.
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -2,7 +2,7 @@
 
 Design
 ------
-Attention (:mod:`kernels.cuda.attention_kernels`) follows vLLM's paged_attention:
+Attention (:mod:`llmserve.kernels.cuda.attention_kernels`) follows vLLM's paged_attention:
 
 - **Grid** ``(query rows, heads, partitions)``, 128 threads (4 warps) per block.
   A decode row is a sequence; prefill (``context_attention``) makes every query
@@ -20,33 +20,33 @@ Attention (:mod:`kernels.cuda.attention_kernels`) follows vLLM's paged_attention
   longest context spans more than one partition and either the grid has
   <= 512 blocks (too few to fill the GPU: long contexts, small batches) or the
   context exceeds 8192 positions (scores would not fit shared memory);
-  see :func:`kernels.cuda.attention.partition_size_for`.
+  see :func:`llmserve.kernels.cuda.attention.partition_size_for`.
 - **dtypes**: fp16 / bf16 / fp32 in, float32 math. bf16 tensors are passed as
   int16 bit patterns and converted in-kernel (``bits << 16``; round to nearest
-  even on the way back), see :mod:`kernels.cuda._dtypes`. Kernels are
+  even on the way back), see :mod:`llmserve.kernels.cuda._dtypes`. Kernels are
   specialized per (head size, block size, partition size, dtypes) and compiled
   on first use.
 
-Cache ops (:mod:`kernels.cuda.cache_ops`) copy raw bits: ``reshape_and_cache``
+Cache ops (:mod:`llmserve.kernels.cuda.cache_ops`) copy raw bits: ``reshape_and_cache``
 uses one thread block per token; ``copy_blocks`` one launch over
 (pairs x layers' caches) for up to 32 layers.
 
-Swaps (:mod:`kernels.cuda.swap`) are DMA copies: ``swap_blocks`` copies runs of
+Swaps (:mod:`llmserve.kernels.cuda.swap`) are DMA copies: ``swap_blocks`` copies runs of
 consecutive blocks on the current stream; :class:`LayerSwapper` owns a
 dedicated stream and one CUDA event per layer, so the model waits for each
 layer's blocks just before that layer reads them.
 
-Tensors and streams (:mod:`kernels.cuda._device`): kernels take torch tensors
+Tensors and streams (:mod:`llmserve.kernels.cuda._device`): kernels take torch tensors
 without copies via ``__cuda_array_interface__`` and launch on torch's current
 stream. Under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, used by the
 tests on machines without a GPU) the same kernels take CPU tensors through
-NumPy views, and :mod:`kernels.cuda._simulator` supplies the warp shuffles the
+NumPy views, and :mod:`llmserve.kernels.cuda._simulator` supplies the warp shuffles the
 simulator lacks.
 """
 
-from kernels.cuda.attention import context_attention, paged_attention
-from kernels.cuda.cache_ops import copy_blocks, reshape_and_cache
-from kernels.cuda.swap import LayerSwapper, swap_blocks
+from llmserve.kernels.cuda.attention import context_attention, paged_attention
+from llmserve.kernels.cuda.cache_ops import copy_blocks, reshape_and_cache
+from llmserve.kernels.cuda.swap import LayerSwapper, swap_blocks
 
 __all__ = [
     "LayerSwapper",

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cuda._device import check_kernel_device
-from kernels.cuda._dtypes import SUPPORTED_DTYPES
-from kernels.validation import KVCacheDims
+from llmserve.kernels.cuda._device import check_kernel_device
+from llmserve.kernels.cuda._dtypes import SUPPORTED_DTYPES
+from llmserve.kernels.validation import KVCacheDims
 
 _WARP_SIZE = 32
 

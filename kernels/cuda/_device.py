@@ -13,7 +13,7 @@ when it is first imported):
   strided ones) nor loses in-place writes.
 
 bfloat16 has no NumPy/Numba type, so bf16 tensors are viewed as int16 and the
-kernels convert the bits themselves (see :mod:`kernels.cuda._dtypes`).
+kernels convert the bits themselves (see :mod:`llmserve.kernels.cuda._dtypes`).
 """
 
 from __future__ import annotations

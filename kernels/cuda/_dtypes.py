@@ -19,7 +19,7 @@ import torch
 from numba import float32, int16, int32
 from numba.types import float16
 
-from kernels.cuda._device import SIMULATOR, device_function
+from llmserve.kernels.cuda._device import SIMULATOR, device_function
 
 if SIMULATOR:
 

@@ -7,10 +7,10 @@ under the simulator (see ``device_function``).
 
 from __future__ import annotations
 
-from kernels.cuda._device import SIMULATOR, device_function
+from llmserve.kernels.cuda._device import SIMULATOR, device_function
 
 if SIMULATOR:
-    from kernels.cuda._simulator import shfl_sync, shfl_xor_sync
+    from llmserve.kernels.cuda._simulator import shfl_sync, shfl_xor_sync
 else:
     from numba.cuda import shfl_sync, shfl_xor_sync
 

@@ -1,6 +1,6 @@
-"""Numba-CUDA attention over the paged KV cache: decode and prefill, same API as :mod:`kernels.cpu.attention`.
+"""Numba-CUDA attention over the paged KV cache: decode and prefill, same API as :mod:`llmserve.kernels.cpu.attention`.
 
-Both run :func:`kernels.cuda.attention_kernels.attention_kernel` over *query
+Both run :func:`llmserve.kernels.cuda.attention_kernels.attention_kernel` over *query
 rows*: a decode row is a sequence with its context length; a prefill row is one
 query token, whose context is every position up to and including its own (the
 causal mask is just a per-row context length). Each row names the block table
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cuda import attention_kernels as ak
-from kernels.attention_checks import check_context_attention_args, check_paged_attention_args
-from kernels.cuda._checks import check_attention_kernel_shape, check_dtypes, check_on_kernel_device
-from kernels.cuda._device import kernel_array, launch_on
-from kernels.validation import KVCacheDims
+from llmserve.kernels.cuda import attention_kernels as ak
+from llmserve.kernels.attention_checks import check_context_attention_args, check_paged_attention_args
+from llmserve.kernels.cuda._checks import check_attention_kernel_shape, check_dtypes, check_on_kernel_device
+from llmserve.kernels.cuda._device import kernel_array, launch_on
+from llmserve.kernels.validation import KVCacheDims
 
 # vLLM's v2 choice: partitions of 512 positions, used when a long context
 # would otherwise leave the GPU idle or overflow shared memory.
@@ -59,7 +59,7 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> None:
-    """Decode attention, one query per sequence; semantics of :func:`kernels.cpu.paged_attention`.
+    """Decode attention, one query per sequence; semantics of :func:`llmserve.kernels.cpu.paged_attention`.
 
     fp16 / bf16 / fp32 tensors (any mix), computed in float32; ``block_size``
     must divide 32. Long contexts with few sequences use the partitioned kernel
@@ -93,7 +93,7 @@ def context_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> None:
-    """Prefill attention over the paged cache; semantics of :func:`kernels.cpu.context_attention`.
+    """Prefill attention over the paged cache; semantics of :func:`llmserve.kernels.cpu.context_attention`.
 
     Query ``i`` of sequence ``b`` sits at position ``p = seq_lens[b] - q_len_b + i``
     and becomes one kernel row with context ``p + 1`` over block table row ``b``.

@@ -43,8 +43,8 @@ import math
 import torch
 from numba import cuda, float32
 
-from kernels.cuda._dtypes import LOADERS, STORERS
-from kernels.cuda._warp import FULL_MASK, WARP_SIZE, shfl_sync, xor_max, xor_sum
+from llmserve.kernels.cuda._dtypes import LOADERS, STORERS
+from llmserve.kernels.cuda._warp import FULL_MASK, WARP_SIZE, shfl_sync, xor_max, xor_sum
 
 NUM_THREADS = 128
 NUM_WARPS = NUM_THREADS // WARP_SIZE

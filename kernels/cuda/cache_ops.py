@@ -1,6 +1,6 @@
 """Numba-CUDA cache maintenance: write new tokens into their slots, copy blocks.
 
-Same API and semantics as :mod:`kernels.cpu.cache_ops`. Both kernels move raw
+Same API and semantics as :mod:`llmserve.kernels.cpu.cache_ops`. Both kernels move raw
 element bits (int16 / int32 views), so one specialization serves every dtype
 of a size and copies are exact. Slot arithmetic is pictured in :mod:`kernels.layout`.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from numba import cuda
 
-from kernels.cache_op_checks import check_copy_blocks_args, check_reshape_and_cache_args
-from kernels.cuda._checks import check_on_kernel_device
-from kernels.cuda._device import bits_array, kernel_array, launch_on
+from llmserve.kernels.cache_op_checks import check_copy_blocks_args, check_reshape_and_cache_args
+from llmserve.kernels.cuda._checks import check_on_kernel_device
+from llmserve.kernels.cuda._device import bits_array, kernel_array, launch_on
 
 _MAX_THREADS = 256
 # Caches per copy_blocks launch. Each cache is a 1-D array argument of 56 bytes
@@ -62,7 +62,7 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each token's key/value into its cache slot; semantics of :func:`kernels.cpu.reshape_and_cache`.
+    """Write each token's key/value into its cache slot; semantics of :func:`llmserve.kernels.cpu.reshape_and_cache`.
 
     One thread block per token; negative slots (padding) return at once.
     """
@@ -84,7 +84,7 @@ def copy_blocks(
     value_caches: list[torch.Tensor],
     block_mapping: torch.Tensor,
 ) -> None:
-    """For every layer, copy block ``src`` to ``dst`` for each ``(src, dst)`` row; see :func:`kernels.cpu.copy_blocks`.
+    """For every layer, copy block ``src`` to ``dst`` for each ``(src, dst)`` row; see :func:`llmserve.kernels.cpu.copy_blocks`.
 
     One launch over (pairs x caches), for up to 32 layers. All sources are read
     before any destination is written: when a destination is also a source

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cache_op_checks import check_swap_blocks_args
+from llmserve.kernels.cache_op_checks import check_swap_blocks_args
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Set ``dst[d] = src[s]`` for each ``(s, d)`` row; semantics of :func:`kernels.cpu.swap_blocks`."""
+    """Set ``dst[d] = src[s]`` for each ``(s, d)`` row; semantics of :func:`llmserve.kernels.cpu.swap_blocks`."""
     ids = check_swap_blocks_args(src, dst, block_mapping)
     if ids is None:
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from llmserve import kernels
 from worker_service.cache_engine import CacheEngine, CacheSizing
 from worker_service.model_loader import ModelShape
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import kernels
+from llmserve import kernels
 from worker_service.cache_engine import CacheSizeError, MemoryProfile, block_bytes, gpu_cache_bytes, size_cache
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import ModelShape, model_shape

@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels.backend import ContextAttentionFn, PagedAttentionFn
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import numba_attention, numba_cache_ops
+from llmserve import kernels
+from llmserve.kernels.backend import ContextAttentionFn, PagedAttentionFn
+from llmserve.kernels.cpu import attention as cpu_attention
+from llmserve.kernels.cpu import numba_attention, numba_cache_ops
 from tests import kernel_cases
 from tests.kernel_cases import (
     TOLERANCE,

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.cpu import _numba_prefill
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import numba_attention
+from llmserve.kernels.cpu import _numba_prefill
+from llmserve.kernels.cpu import attention as cpu_attention
+from llmserve.kernels.cpu import numba_attention
 from tests import kernel_cases
 from tests.kernel_cases import TOLERANCE, PagedCache, alibi_slopes_for, nan_like, rel_error
 from tests.kernels_reference import ref_context_attention

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import cache_ops, numba_cache_ops
-from kernels.layout import allocate_kv_cache
+from llmserve.kernels.cpu import cache_ops, numba_cache_ops
+from llmserve.kernels.layout import allocate_kv_cache
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 

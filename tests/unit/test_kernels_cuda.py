@@ -45,10 +45,10 @@ if not cuda.jit.__module__.startswith("numba.cuda.simulator"):
         allow_module_level=True,
     )
 
-import kernels  # noqa: E402
-import kernels.cuda as kcuda  # noqa: E402
-from kernels.cuda import _dtypes, _warp, attention, cache_ops  # noqa: E402
-from kernels.cuda._device import SIMULATOR  # noqa: E402
+from llmserve import kernels  # noqa: E402
+import llmserve.kernels.cuda as kcuda  # noqa: E402
+from llmserve.kernels.cuda import _dtypes, _warp, attention, cache_ops  # noqa: E402
+from llmserve.kernels.cuda._device import SIMULATOR  # noqa: E402
 from tests import kernel_cases  # noqa: E402
 from tests.kernel_cases import TOLERANCE, PagedCache, config_id, feature_id, rel_error, stable_seed  # noqa: E402
 from tests.kernels_reference import ref_paged_attention, ref_reshape_and_cache  # noqa: E402

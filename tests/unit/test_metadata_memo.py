@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.attention_checks import check_context_attention_args, check_paged_attention_args
-from kernels.cache_op_checks import check_reshape_and_cache_args
-from kernels.metadata_memo import reduce_once
+from llmserve import kernels
+from llmserve.kernels.attention_checks import check_context_attention_args, check_paged_attention_args
+from llmserve.kernels.cache_op_checks import check_reshape_and_cache_args
+from llmserve.kernels.metadata_memo import reduce_once
 
 NUM_BLOCKS, KV_HEADS, HEAD, BLOCK = 8, 2, 16, 4
 

@@ -10,7 +10,7 @@ import numba
 import pytest
 import torch
 
-from kernels.cpu import numba_attention
+from llmserve.kernels.cpu import numba_attention
 from shared.sampling_params import SamplingParams
 from tests import kernel_cases
 from worker_service.sampler import sample

@@ -34,7 +34,7 @@ def _full_team() -> None:
     """Numba's threads for the next parallel kernel: the worker's count (torch's), all of them.
 
     Numba's count is per calling thread and the decode-attention kernel lowers it for small
-    calls (kernels.cpu.numba_attention.kernel_threads); reading it costs ~1 us, setting it ~6 us.
+    calls (llmserve.kernels.cpu.numba_attention.kernel_threads); reading it costs ~1 us, setting it ~6 us.
     """
     want = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != want:
