@@ -116,28 +116,12 @@ def snapshot_scheduler(scheduler: Scheduler) -> SchedulerSnapshot:
 def restore_scheduler(
     scheduler_config: SchedulerConfig, cache_config: CacheConfig, snapshot: SchedulerSnapshot
 ) -> Scheduler:
-    """A Scheduler in exactly the snapshot's state (see load_snapshot)."""
-    scheduler = Scheduler(scheduler_config, cache_config)
-    load_snapshot(scheduler, snapshot)
-    return scheduler
-
-
-def load_snapshot(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
-    """Puts a scheduler that holds nothing yet into exactly the snapshot's state.
+    """A Scheduler in exactly the snapshot's state.
 
     Raises ValueError when the snapshot contradicts itself or the configuration (a block id out of
-    range, a block in a table and in the evictor, a chain longer than its table, a seq id twice), and
-    leaves the scheduler as it was: the caller then recomputes instead of trusting it.
+    range, a block in a table and in the evictor, a chain longer than its table, a seq id twice).
     """
-    if scheduler.has_unfinished_requests() or scheduler.block_manager.block_tables:
-        raise ValueError("a snapshot can only be loaded into a scheduler that holds nothing.")
-    staged = Scheduler(scheduler.scheduler_config, scheduler.cache_config)
-    _fill(staged, snapshot)
-    # Only a snapshot that loaded whole replaces the scheduler's parts.
-    scheduler.__dict__.update(staged.__dict__)
-
-
-def _fill(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
+    scheduler = Scheduler(scheduler_config, cache_config)
     queues: list[list[SequenceGroup]] = [[], [], []]
     tables: list[tuple[Sequence, list[int]]] = []
     cpu_tables: dict[int, list[int]] = {}
@@ -157,12 +141,23 @@ def _fill(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
                     cpu_tables[s.seq_id] = list(s.cpu_block_table)
                 if s.num_hashed_blocks is not None:
                     chains.append((seq, s.num_hashed_blocks))
-    waiting, running, swapped = queues
-    scheduler.restore_queues(waiting, running, swapped)
+    scheduler.restore_queues(*queues)
     bm = scheduler.block_manager
     bm.restore(tables, cpu_tables, snapshot.cached_blocks, snapshot.clock, chains)
     bm.prefix_cache_stats.queries = snapshot.prefix_cache_queries
     bm.prefix_cache_stats.hits = snapshot.prefix_cache_hits
+    return scheduler
+
+
+def load_snapshot(scheduler: Scheduler, snapshot: SchedulerSnapshot) -> None:
+    """Puts a scheduler that holds nothing yet into exactly the snapshot's state (see restore_scheduler).
+
+    On ValueError the scheduler is left as it was: the caller then recomputes instead of trusting it.
+    """
+    if scheduler.has_unfinished_requests() or scheduler.block_manager.block_tables:
+        raise ValueError("a snapshot can only be loaded into a scheduler that holds nothing.")
+    # Only a snapshot that loaded whole replaces the scheduler's parts.
+    scheduler.__dict__.update(restore_scheduler(scheduler.scheduler_config, scheduler.cache_config, snapshot).__dict__)
 
 
 def restore_step(
@@ -174,16 +169,13 @@ def restore_step(
     Its sequences' computed counts are still those it was planned from, so the output is the one
     schedule() returned (its groups and sequences are the restored scheduler's objects).
     """
-    seqs = {s.seq_id: (g, s) for g in (*scheduler.running, *scheduler.swapped, *scheduler.waiting) for s in g.seqs}
-    out = SchedulerOutput(
-        blocks_to_swap_in=list(blocks_to_swap_in), blocks_to_swap_out=list(blocks_to_swap_out),
-        blocks_to_copy=list(blocks_to_copy),
-    )
+    seqs = _seqs_by_id(scheduler)
+    out = SchedulerOutput(blocks_to_swap_in=list(blocks_to_swap_in), blocks_to_swap_out=list(blocks_to_swap_out),
+                          blocks_to_copy=list(blocks_to_copy))
     for seq_id, num_new_tokens in scheduled:
         if seq_id not in seqs:
             raise ValueError(f"the step schedules seq {seq_id}, which the restored scheduler does not hold.")
-        group, seq = seqs[seq_id]
-        out.scheduled.append(ScheduledSequence(group, seq, num_new_tokens))
+        out.scheduled.append(ScheduledSequence(*seqs[seq_id], num_new_tokens))
     out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
     return out
 
@@ -196,7 +188,7 @@ def restore_inflight_step(scheduler: Scheduler, scheduled: list[tuple[int, int, 
     planned: it samples exactly when the sequence holds a token in flight, which only this step can have added
     (the one before it landed first). Sequences the restored scheduler no longer holds are left out.
     """
-    seqs = {s.seq_id: (g, s) for g in (*scheduler.running, *scheduler.swapped, *scheduler.waiting) for s in g.seqs}
+    seqs = _seqs_by_id(scheduler)
     out = SchedulerOutput()
     for seq_id, num_new_tokens, num_computed_tokens in scheduled:
         if seq_id in seqs:
@@ -206,3 +198,7 @@ def restore_inflight_step(scheduler: Scheduler, scheduled: list[tuple[int, int, 
                                                               num_tokens))
     out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
     return out
+
+
+def _seqs_by_id(scheduler: Scheduler) -> dict[int, tuple[SequenceGroup, Sequence]]:
+    return {s.seq_id: (g, s) for g in (*scheduler.running, *scheduler.swapped, *scheduler.waiting) for s in g.seqs}
