@@ -27,18 +27,18 @@ from scheduler_service.core.sequence import Sequence
 from scheduler_service.store import CacheStats, StepCommit
 
 _TABLE = state_pb2.SequenceState.Table
+# The SequenceState fields of a sequence's key (StateJournal._seq_key), in its order.
+_SEQ_FIELDS = ("status", "num_computed_tokens", "table", "block_table", "num_hashed_blocks", "num_inflight_tokens")
 
 
 def step_record(plan: worker_pb2.StepPlan, out: SchedulerOutput) -> state_pb2.StepRecord:
     """What a new owner needs of a step sent and not landed: its sequences' token counts and block operations."""
-    record = state_pb2.StepRecord(epoch=plan.epoch, step_id=plan.step_id)
+    record = state_pb2.StepRecord(epoch=plan.epoch, step_id=plan.step_id, swap_in=plan.swap_in, swap_out=plan.swap_out,
+                                  copy=plan.copy)
     for item in out.scheduled:
         if not item.seq.is_finished:
             record.scheduled.add(seq_id=item.seq.seq_id, num_new_tokens=item.num_new_tokens,
                                  num_computed_tokens=item.num_computed_tokens)
-    record.swap_in.extend(plan.swap_in)
-    record.swap_out.extend(plan.swap_out)
-    record.copy.extend(plan.copy)
     return record
 
 
@@ -46,9 +46,8 @@ class StateJournal:
     """Writes into each commit the parts of the scheduler's state that changed since the last one."""
 
     def __init__(self) -> None:
-        self._waiting: list[str] | None = None
-        self._running: list[str] | None = None
-        self._swapped: list[str] | None = None
+        # Request ids of the waiting, running and swapped queues as last written (None: not yet).
+        self._queues: tuple[list[str] | None, ...] = (None, None, None)
         self._stats: CacheStats | None = None
         # seq id -> what was last written of it (compared before a SequenceState is built).
         self._seqs: dict[int, tuple] = {}
@@ -87,7 +86,8 @@ class StateJournal:
             changed_blocks = pool.take_changes()
         for seq_id, key in keyed.items():
             if self._seqs.get(seq_id) != key:
-                commit.seq_states[seq_id] = _sequence_state(seq_id, key).SerializeToString()
+                state = state_pb2.SequenceState(seq_id=seq_id, **dict(zip(_SEQ_FIELDS, key)))
+                commit.seq_states[seq_id] = state.SerializeToString()
         commit.dropped_seq_states.extend(s for s in self._seqs if s not in keyed)
         self._seqs = keyed
         for block_id in sorted(changed_blocks):
@@ -122,24 +122,15 @@ class StateJournal:
     def _write_queues(self, scheduler: Scheduler, commit: StepCommit) -> None:
         """Queue order and free blocks go into a commit only when they changed (an idle loop writes nothing)."""
         bm = scheduler.block_manager
-        waiting = [g.request_id for g in scheduler.waiting]
-        running = [g.request_id for g in scheduler.running]
-        swapped = [g.request_id for g in scheduler.swapped]
+        queues = tuple([g.request_id for g in q] for q in (scheduler.waiting, scheduler.running, scheduler.swapped))
         # Only the requests that just started running leave the admission queue count: sending the whole
         # running list would cost Redis a lookup per running request whenever the list changes.
-        before = set(self._running or ()) | set(self._swapped or ())
-        commit.newly_scheduled.extend(r for r in running + swapped if r not in before)
-        commit.waiting = waiting if waiting != self._waiting else None
-        commit.running = running if running != self._running else None
-        commit.swapped = swapped if swapped != self._swapped else None
-        self._waiting, self._running, self._swapped = waiting, running, swapped
+        before = {r for q in self._queues[1:] if q is not None for r in q}
+        commit.newly_scheduled.extend(r for q in queues[1:] for r in q if r not in before)
+        commit.waiting, commit.running, commit.swapped = (new if new != old else None
+                                                          for new, old in zip(queues, self._queues))
+        self._queues = queues
         prefix = bm.prefix_cache_stats
         stats = CacheStats(bm.num_free_gpu_blocks, bm.num_gpu_blocks, prefix.queries, prefix.hits)
         commit.cache_stats = stats if stats != self._stats else None
         self._stats = stats
-
-
-def _sequence_state(seq_id: int, key: tuple) -> state_pb2.SequenceState:
-    status, computed, kind, blocks, chain, inflight = key
-    return state_pb2.SequenceState(seq_id=seq_id, status=status, num_computed_tokens=computed, table=kind,
-                                   block_table=blocks, num_hashed_blocks=chain, num_inflight_tokens=inflight)
