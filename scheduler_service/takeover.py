@@ -1,9 +1,8 @@
-"""A new owner's view of a worker: the stored scheduler state as a snapshot to continue from.
+"""A new owner's view of a worker: the state the last owner committed (state_journal.py) as a snapshot.
 
-The engine loop of a worker that changes owner (a replica died, the lease moved) rebuilds its
-scheduler from what the last owner committed (scheduler_service/state_journal.py) and continues on
-the KV cache the worker kept; see EngineLoop._resume for how the worker is fenced, how a step the
-last owner did not land is landed, and how the worker checks the new view against its cache.
+When a worker changes owner (a replica died, the lease moved), its new engine loop rebuilds its scheduler
+from it and continues on the KV cache the worker kept (resume.py: the fence, the landing of steps the last
+owner did not land, the worker's check of the new view against its cache).
 
 Two kinds of request are recomputed rather than continued: beam searches (their beams are the
 output processor's, rebuilt from the committed outputs) and prompts whose prompt logprobs were
