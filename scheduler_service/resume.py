@@ -72,12 +72,9 @@ def _key(step: worker_pb2.ExecutedStep | state_pb2.StepRecord) -> tuple[int, int
     return step.epoch, step.step_id
 
 
-def _ids(out: SchedulerOutput) -> set[int]:
-    return {s.seq.seq_id for s in out.scheduled}
-
-
-def _pairs(pairs: object) -> list[tuple[int, int]]:
-    return [(p.src, p.dst) for p in pairs]  # type: ignore[attr-defined]
+def _ops(step: worker_pb2.ExecutedStep | state_pb2.StepRecord) -> tuple[list[tuple[int, int]], ...]:
+    """The step's swap-in, swap-out and copy pairs, as a SchedulerOutput holds them."""
+    return tuple([(p.src, p.dst) for p in pairs] for pairs in (step.swap_in, step.swap_out, step.copy))
 
 
 class WorkerResume:
@@ -129,7 +126,7 @@ class WorkerResume:
         for request in takeover.recomputed:
             self._processor.restore(request)
         records = [r.record for r in (*takeover.continued.values(), *takeover.recomputed)]
-        continued = {s.seq_id for g in takeover.snapshot.groups() for s in g.seqs}
+        continued = {seq_id for r in takeover.continued.values() for seq_id in r.record.seq_ids}
         landed, replay, trusted = self._land(state, list(fenced.last_steps), continued, commit)
         refused = await self._resume_sequences(epoch, replay)
         if refused is None:
@@ -137,8 +134,7 @@ class WorkerResume:
             for group in groups:
                 self._processor.recompute(group)
             return Resumed(fenced.instance_id, 0, len(takeover.recomputed) + len(groups), landed, records, True)
-        mismatched = [r for r in refused if not r.not_cached]
-        if mismatched or not trusted:
+        if not trusted or any(not r.not_cached for r in refused):
             # The worker ran something the stored state does not know of: a cached block may hold other KV.
             self._scheduler.reset_prefix_cache()
         recompute = {r.seq_id for r in refused}
@@ -154,18 +150,18 @@ class WorkerResume:
         return Resumed(fenced.instance_id, num_continued, len(takeover.recomputed) + len(groups), landed, records)
 
     def _land(self, state: StoredEngineState, steps: list[worker_pb2.ExecutedStep], continued: set[int],
-              commit: StepCommit) -> tuple[int, worker_pb2.ExecutedStep | None, bool]:
+              commit: StepCommit) -> tuple[int, state_pb2.StepRecord | None, bool]:
         """Lands what the worker ran beyond the stored state (step 3) for the `continued` sequences (the
         recomputed ones start over). Returns the steps landed, the block operations to replay (a step the
         worker never ran) and whether the worker ran nothing the state does not account for."""
         executed = {_key(s): s for s in steps}
         newest = _key(steps[-1]) if steps else (0, 0)
         known = state.last_sent
-        landed, replay = 0, None
+        landed = 0
         if state.inflight is not None:  # run() checked that the worker ran it
             out = restore_inflight_step(self._scheduler, [(t.seq_id, t.num_new_tokens, t.num_computed_tokens)
                                                           for t in state.inflight.scheduled if t.seq_id in continued])
-            result = _only(executed[_key(state.inflight)].result, _ids(out))
+            result = _only(executed[_key(state.inflight)].result, out)
             self._processor.process(out, result, commit, advanced=True)
             landed = 1
         # A landed step counted as run while the next one is planned (as the old owner did under async
@@ -180,9 +176,8 @@ class WorkerResume:
                 held = {s.seq_id for g in (*sched.waiting, *sched.running, *sched.swapped) for s in g.seqs}
                 scheduled = [(t.seq_id, t.num_new_tokens) for t in record.scheduled
                              if t.seq_id in continued and t.seq_id in held]
-                out = restore_step(self._scheduler, scheduled, _pairs(record.swap_in), _pairs(record.swap_out),
-                                   _pairs(record.copy))
-                result = _only(executed[key].result, _ids(out))
+                out = restore_step(self._scheduler, scheduled, *_ops(record))
+                result = _only(executed[key].result, out)
                 if state.inflight is not None and newest > key:
                     self._scheduler.advance(out)
                     in_flight = (out, result)
@@ -190,41 +185,38 @@ class WorkerResume:
                     self._processor.process(out, result, commit)
                 landed += 1
             elif newest < key:
-                replay = worker_pb2.ExecutedStep(swap_in=record.swap_in, swap_out=record.swap_out, copy=record.copy)
-                return landed, replay, True
+                return landed, record, True
             known = key
         if newest <= known:
-            return landed, replay, True
+            return landed, None, True
         # The worker ran the step after the stored ones: land it if this owner plans exactly that step.
-        if newest[0] == known[0] and newest[1] == known[1] + 1 and self._lands_next(steps[-1], commit, in_flight):
-            return landed + 1, None, True
+        planned = self._plan_next(steps[-1], commit) if newest == (known[0], known[1] + 1) else None
         if in_flight is not None:
             self._processor.process(*in_flight, commit, advanced=True)
+        if planned is not None:
+            self._processor.process(planned, steps[-1].result, commit)
+            return landed + 1, None, True
         log.warning("worker %s ran step %s, which the stored state does not account for: its sequences are "
                     "checked against the cache and the prefix cache is forgotten", self._worker_id, newest)
         return landed, None, False
 
-    def _lands_next(self, step: worker_pb2.ExecutedStep, commit: StepCommit,
-                    in_flight: tuple[SchedulerOutput, worker_pb2.StepResult] | None) -> bool:
+    def _plan_next(self, step: worker_pb2.ExecutedStep, commit: StepCommit) -> SchedulerOutput | None:
+        """Plans the next step when it is exactly `step`; None (nothing planned) when it is not."""
         scratch = restore_scheduler(self._scheduler.scheduler_config, self._scheduler.cache_config,
                                     snapshot_scheduler(self._scheduler))
         if not _same_step(scratch, scratch.schedule(), step):
-            return False
+            return None
         out, _ = self._plan_step(commit)
         if not _same_step(self._scheduler, out, step):  # the same schedule on the same state: cannot differ
             raise RuntimeError("planning the same state twice gave two different steps")
-        if in_flight is not None:
-            self._processor.process(*in_flight, commit, advanced=True)
-        self._processor.process(out, step.result, commit)
-        return True
+        return out
 
-    async def _resume_sequences(self, epoch: int, replay: worker_pb2.ExecutedStep | None
+    async def _resume_sequences(self, epoch: int, replay: state_pb2.StepRecord | None
                                 ) -> list[worker_pb2.RefusedSequence] | None:
-        request = worker_pb2.ResumeSequencesRequest(epoch=epoch)
-        if replay is not None:
-            request.swap_in.extend(replay.swap_in)
-            request.swap_out.extend(replay.swap_out)
-            request.copy.extend(replay.copy)
+        """Resume (step 4), replaying first the block operations of `replay` (a step the worker never ran)."""
+        ops = replay if replay is not None else state_pb2.StepRecord()
+        request = worker_pb2.ResumeSequencesRequest(epoch=epoch, swap_in=ops.swap_in, swap_out=ops.swap_out,
+                                                    copy=ops.copy)
         bm = self._scheduler.block_manager
         for group in self._scheduler.running:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
@@ -241,8 +233,9 @@ class WorkerResume:
         return list(response.refused)
 
 
-def _only(result: worker_pb2.StepResult, seq_ids: set[int]) -> worker_pb2.StepResult:
-    """The step's result for these sequences only."""
+def _only(result: worker_pb2.StepResult, out: SchedulerOutput) -> worker_pb2.StepResult:
+    """The step's result for the sequences of `out` only."""
+    seq_ids = {s.seq.seq_id for s in out.scheduled}
     kept = worker_pb2.StepResult(step_id=result.step_id, execute_seconds=result.execute_seconds)
     kept.sampled.extend(s for s in result.sampled if s.seq_id in seq_ids)
     kept.prompt_logprobs.extend(p for p in result.prompt_logprobs if p.seq_id in seq_ids)
@@ -255,5 +248,4 @@ def _same_step(scheduler: Scheduler, out: SchedulerOutput, step: worker_pb2.Exec
     mine = sorted((s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens, tuple(bm.logical_block_table(s.seq)))
                   for s in out.scheduled)
     theirs = sorted((e.seq_id, e.num_computed_tokens, e.num_new_tokens, tuple(e.block_table)) for e in step.sequences)
-    return mine == theirs and (out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy) == (
-        _pairs(step.swap_in), _pairs(step.swap_out), _pairs(step.copy))
+    return mine == theirs and (out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy) == _ops(step)

@@ -78,9 +78,6 @@ class SchedulerSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
-    def groups(self) -> tuple[GroupSnapshot, ...]:
-        return self.waiting + self.running + self.swapped
-
 
 def snapshot_scheduler(scheduler: Scheduler) -> SchedulerSnapshot:
     """The scheduler's state as values (see the module doc for what is left to derive)."""
