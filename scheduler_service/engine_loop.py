@@ -115,8 +115,8 @@ class EngineLoop:
         # liveness (scheduler_service/health.py) flags a loop holding work that has not stepped since.
         self.last_progress = time.monotonic()
         self._journal = StateJournal()
-        # The steps sent and not landed yet, planned only and advanced (async scheduling): a commit stores
-        # records of them for a new owner.
+        # The steps sent and not landed yet: planned only, and advanced (async scheduling: its samples are the
+        # tokens in flight). A commit stores records of both for a new owner.
         self._unlanded: SentStep | None = None
         self._inflight: SentStep | None = None
         self._profiles = StepProfileWriter(profile_path) if profile_path is not None else None
@@ -138,18 +138,6 @@ class EngineLoop:
     def observe_registration(self, entry: WorkerEntry | None) -> None:
         """What the worker registry says of this loop's worker (None: no longer registered)."""
         self._registration = entry
-
-    async def _take_ownership(self) -> None:
-        epoch = await self._fleet.leases.next_epoch(self.worker_id)
-        # The epoch fences this loop's commits from now on, even while the worker cannot be reached.
-        self._planner.reset(epoch)
-        reset = await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=RESET_TIMEOUT_SECONDS)
-        # The worker's KV is gone: cached prefix blocks no longer hold what their hashes say.
-        self._scheduler.reset_prefix_cache()
-        self._journal.restart(reset.instance_id)
-        log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
-        if self._on_owned is not None:
-            self._on_owned(self.worker_id, epoch)
 
     def _plan(self, commit: StepCommit, profile: StepProfile | None = None
               ) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
@@ -237,17 +225,14 @@ class EngineLoop:
                 await self._channel.close()
 
     async def _steps(self, stop: asyncio.Event, pending: StepCommit, pickup: Pickup) -> None:
-        inflight: SentStep | None = None  # sent, advanced, its result not processed yet
         while not stop.is_set():
             started = time.perf_counter()
             clock = PerfClock(started) if self._telemetry.tracing else None
             if self.is_idle:  # nothing to make progress on: new work's clock starts now
                 self.last_progress = time.monotonic()
             await self._ingest(pickup, pending)
-            if inflight is not None and not self._may_overlap(stop):
-                # Hand-overs, drains and beam searches act on results: the step in flight lands first.
-                await self._land(inflight, pending, stop, None)
-                inflight = None
+            if self._inflight is not None and not self._may_overlap(stop):
+                await self._land(self._inflight, pending, stop, None)
             if not await self._follow_registration(pending, took_over=bool(pickup.handed_over)):
                 # The worker left and every request this loop held has moved on; so must whatever reached the
                 # worker's queue meanwhile (admitted while it still counted as alive): the loop goes round
@@ -258,7 +243,7 @@ class EngineLoop:
                     break
                 continue
             step = self._send(pending, clock, started, time.perf_counter())
-            if step is None and inflight is None:
+            if step is None and self._inflight is None:
                 if not pending.is_empty():
                     pickup, commit_start, commit_s = await _timed(self._commit(pending))
                     pending = StepCommit(self.worker_id)
@@ -271,22 +256,21 @@ class EngineLoop:
             # The commit of the results landed so far runs while the worker computes.
             committed = asyncio.ensure_future(_timed(self._commit(pending)))
             pending = StepCommit(self.worker_id)
-            if inflight is not None:
-                # Async scheduling: `step` waits on the worker behind `inflight`; this lands `inflight`.
-                landed, pickup = await self._land(inflight, pending, stop, committed, then=step)
-                inflight = None
+            if self._inflight is not None:
+                # Async scheduling: `step` waits on the worker behind the step in flight, which lands here.
+                landed, pickup = await self._land(self._inflight, pending, stop, committed, then=step)
                 if landed and step is not None:
-                    inflight = self._advance(step)
+                    self._advance(step)
             else:
                 assert step is not None
                 if self._may_overlap(stop):
                     # The next iteration plans its step while this one runs, and lands this one after.
                     pickup, _, _ = await committed
-                    inflight = self._advance(step)
+                    self._advance(step)
                 else:
                     _, pickup = await self._land(step, pending, stop, committed)
-        if inflight is not None:
-            await self._land(inflight, pending, stop, None)
+        if self._inflight is not None:
+            await self._land(self._inflight, pending, stop, None)
         if not pending.is_empty():
             # Takes nothing more off the queues: what waits there is the next owner's to pick up.
             pending.pick_up = False
@@ -297,11 +281,9 @@ class EngineLoop:
             await self._fleet.registry.forget(self.worker_id)
 
     def _may_overlap(self, stop: asyncio.Event) -> bool:
-        """Whether the next step may be planned before the one in flight lands (async scheduling).
-
-        Not for beam search (its next beams come from the result), nor while the worker leaves or
-        drains, nor when stopping: each of those acts on the results.
-        """
+        """Whether the next step may be planned before the one in flight lands (async scheduling): not for beam
+        search (its next beams come from the result), nor while the worker leaves or drains, nor when stopping
+        (each acts on the results)."""
         if not self._async_scheduling or stop.is_set() or not self._steady():
             return False
         s = self._scheduler
@@ -320,16 +302,13 @@ class EngineLoop:
         # holding its result. Awaited as is: a Task around it cost the loop one more turn per answer.
         sent = time.perf_counter()
         call = self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span))
-        step = SentStep(out, call, span, clock, profile, started, ingested, sent, record=step_record(plan, out))
-        self._unlanded = step
-        return step
+        self._unlanded = SentStep(out, call, span, clock, profile, started, ingested, sent, step_record(plan, out))
+        return self._unlanded
 
-    def _advance(self, step: SentStep) -> SentStep:
+    def _advance(self, step: SentStep) -> None:
         """Counts the step as running (Scheduler.advance): the next one is planned before it lands."""
         self._scheduler.advance(step.out)
-        step.advanced = True
         self._unlanded, self._inflight = None, step
-        return step
 
     async def _land(
         self, step: SentStep, pending: StepCommit, stop: asyncio.Event,
@@ -341,6 +320,7 @@ class EngineLoop:
         whether it landed (False: the worker failed and was reset) and the commit's pickup.
         """
         failure: grpc.aio.AioRpcError | None = None
+        advanced = step is self._inflight
         try:
             result = await step.call
         except grpc.aio.AioRpcError as exc:
@@ -359,7 +339,7 @@ class EngineLoop:
             await self._on_worker_failure(failure, pending, stop)
             return False, pickup
         processing = time.perf_counter()
-        self._processor.process(step.out, result, pending, advanced=step.advanced)
+        self._processor.process(step.out, result, pending, advanced=advanced)
         self.steps += 1
         self.last_progress = time.monotonic()
         done = time.perf_counter()
@@ -420,17 +400,27 @@ class EngineLoop:
         return entry is None or not entry.alive
 
     async def _own_worker(self, stop: asyncio.Event) -> None:
-        """Takes (or retakes) the worker; gives up when stopping, or when it left and others can serve
-        (the next iteration then hands its requests over)."""
+        """Takes (or retakes) the worker with a new epoch and a full Reset; gives up when stopping, or when it
+        left and others can serve (the next iteration then hands its requests over)."""
         while True:
+            epoch = await self._fleet.leases.next_epoch(self.worker_id)
+            # The epoch fences this loop's commits from now on, even while the worker cannot be reached.
+            self._planner.reset(epoch)
             try:
-                await self._take_ownership()
-                return
+                reset = await self._stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=RESET_TIMEOUT_SECONDS)
             except grpc.aio.AioRpcError as exc:
                 if stop.is_set() or (self._departed() and self._fleet.others(self.worker_id)):
                     return
                 log.warning("worker %s unreachable (%s); retrying", self.worker_id, exc.code())
                 await asyncio.sleep(1.0)
+                continue
+            # The worker's KV is gone: cached prefix blocks no longer hold what their hashes say.
+            self._scheduler.reset_prefix_cache()
+            self._journal.restart(reset.instance_id)
+            log.info("engine loop for worker %s owns epoch %d", self.worker_id, epoch)
+            if self._on_owned is not None:
+                self._on_owned(self.worker_id, epoch)
+            return
 
     async def _follow_registration(self, commit: StepCommit, took_over: bool = False) -> bool:
         """Acts on the worker leaving or draining; False when the loop has nothing left to drive.

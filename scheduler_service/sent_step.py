@@ -26,7 +26,5 @@ class SentStep:
     started: float
     ingested: float
     sent: float
-    # The scheduler advanced it (Scheduler.advance) and planned the next step before its result came back.
-    advanced: bool = False
     # What a commit stores of it for a new owner while it has not landed.
-    record: state_pb2.StepRecord | None = None
+    record: state_pb2.StepRecord
