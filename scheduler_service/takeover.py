@@ -11,7 +11,6 @@ still being gathered (the gathered part lived in the last owner's memory only).
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 from protos import state_pb2
@@ -57,18 +56,17 @@ def takeover_from_store(state: StoredEngineState) -> Takeover:
                 continue
             queue.append(_group(request, state, params))
             continued[request_id] = request
-    referenced = Counter(b for q in queues for g in q for s in g.seqs if s.block_table for b in s.block_table)
+    referenced = {b for q in queues for g in q for s in g.seqs for b in s.block_table or ()}
     cached = []
     for block_id, entry in sorted(state.cached_blocks.items()):
         stamp = None if entry.last_accessed < 0 else entry.last_accessed
-        if stamp is None and not referenced[block_id]:
+        if stamp is None and block_id not in referenced:
             # Held by a recomputed request's table only: that table goes, the block becomes a plain free one.
             continue
         cached.append(CachedBlockEntry(block_id, entry.block_hash, entry.num_hashed_tokens, stamp))
-    snapshot = SchedulerSnapshot(
-        waiting=tuple(queues[0]), running=tuple(queues[1]), swapped=tuple(queues[2]), cached_blocks=tuple(cached),
-        clock=state.clock, prefix_cache_queries=state.prefix_cache_queries, prefix_cache_hits=state.prefix_cache_hits,
-    )
+    snapshot = SchedulerSnapshot(*map(tuple, queues), cached_blocks=tuple(cached), clock=state.clock,
+                                 prefix_cache_queries=state.prefix_cache_queries,
+                                 prefix_cache_hits=state.prefix_cache_hits)
     return Takeover(snapshot, continued, recomputed + state.picked_up)
 
 

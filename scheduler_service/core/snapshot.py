@@ -98,16 +98,10 @@ def snapshot_scheduler(scheduler: Scheduler) -> SchedulerSnapshot:
             tuple(seq_snapshot(seq) for seq in group.seqs),
         )
 
+    queues = (tuple(map(group_snapshot, q)) for q in (scheduler.waiting, scheduler.running, scheduler.swapped))
     stats = bm.prefix_cache_stats
-    return SchedulerSnapshot(
-        waiting=tuple(group_snapshot(g) for g in scheduler.waiting),
-        running=tuple(group_snapshot(g) for g in scheduler.running),
-        swapped=tuple(group_snapshot(g) for g in scheduler.swapped),
-        cached_blocks=tuple(bm.block_pool.cached_blocks()),
-        clock=bm.block_pool.clock,
-        prefix_cache_queries=stats.queries,
-        prefix_cache_hits=stats.hits,
-    )
+    return SchedulerSnapshot(*queues, cached_blocks=tuple(bm.block_pool.cached_blocks()), clock=bm.block_pool.clock,
+                             prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits)
 
 
 def restore_scheduler(
