@@ -70,20 +70,16 @@ class StateJournal:
         """
         self._write_queues(scheduler, commit)
         # One pass over the sequences, the per-step cost: what each would be written as.
-        keyed: dict[int, tuple] = {}
-        for group in (*scheduler.waiting, *scheduler.running, *scheduler.swapped):
-            for seq in group.seqs:
-                keyed[seq.seq_id] = self._seq_key(scheduler, seq)
+        keyed = {seq.seq_id: self._seq_key(scheduler, seq)
+                 for group in (*scheduler.waiting, *scheduler.running, *scheduler.swapped) for seq in group.seqs}
         pool = scheduler.block_manager.block_pool
+        changed_blocks = pool.take_changes()
         if self._rewrite:
             commit.reset_engine_state = True
             commit.engine_fields[keys.ENGINE_INSTANCE] = self._instance_id.encode()
             self._seqs = {}
             changed_blocks = {e.block_id for e in pool.cached_blocks()}
-            pool.take_changes()
             self._rewrite = False
-        else:
-            changed_blocks = pool.take_changes()
         for seq_id, key in keyed.items():
             if self._seqs.get(seq_id) != key:
                 state = state_pb2.SequenceState(seq_id=seq_id, **dict(zip(_SEQ_FIELDS, key)))
