@@ -314,11 +314,9 @@ class EngineLoop:
         self, step: SentStep, pending: StepCommit, stop: asyncio.Event,
         committed: asyncio.Future[tuple[Pickup, float, float]] | None, then: SentStep | None = None,
     ) -> tuple[bool, Pickup]:
-        """Waits for a step's result (and the commit running beside it) and processes it into `pending`.
-
-        `then`: the step sent behind it (async scheduling), cancelled when this one failed. Returns
-        whether it landed (False: the worker failed and was reset) and the commit's pickup.
-        """
+        """Waits for a step's result (and the commit running beside it) and processes it into `pending`;
+        returns whether it landed (False: the worker failed and was reset) and the commit's pickup.
+        `then`: the step sent behind it (async scheduling), cancelled when this one failed."""
         failure: grpc.aio.AioRpcError | None = None
         advanced = step is self._inflight
         try:
@@ -375,12 +373,9 @@ class EngineLoop:
         return self._store.commit(commit)
 
     async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit, stop: asyncio.Event) -> None:
-        """The worker's cache can no longer be trusted: recompute what ran, reset, go on.
-
-        The failed step's results never arrived, so the scheduler's state is the one before
-        that step, and its committed outputs are what clients have seen: recomputing from
-        there loses and repeats nothing.
-        """
+        """The worker's cache can no longer be trusted: recompute what ran, reset, go on. The failed step's
+        results never arrived, so the scheduler's state is the one before that step, and its committed outputs
+        are what clients have seen: recomputing from there loses and repeats nothing."""
         log.error("worker %s failed a step: %s %s", self.worker_id, exc.code(), exc.details())
         message = f"the worker failed while running this request: {exc.code().name}: {exc.details()}"
         # Running groups (the step's ones included) had KV on the worker, swapped ones in its CPU pool:
@@ -423,12 +418,10 @@ class EngineLoop:
             return
 
     async def _follow_registration(self, commit: StepCommit, took_over: bool = False) -> bool:
-        """Acts on the worker leaving or draining; False when the loop has nothing left to drive.
-
-        A departed worker's requests all move to other workers (its KV is gone); a draining
-        worker keeps its running requests to the end and hands over only those not started.
-        `took_over`: the last pickup held handed-over requests (see HAND_ON_PAUSE_SECONDS).
-        """
+        """Acts on the worker leaving or draining; False when the loop has nothing left to drive. A departed
+        worker's requests all move to other workers (its KV is gone); a draining worker keeps its running
+        requests to the end and hands over only those not started.
+        `took_over`: the last pickup held handed-over requests (see HAND_ON_PAUSE_SECONDS)."""
         if self._steady():
             return True
         entry = self._registration

@@ -1,10 +1,8 @@
 """The scheduler's whole state as plain values, and a scheduler rebuilt from them.
 
-A new owner of a worker continues its requests where the last owner left them:
-the engine loop stores this state in Redis with every commit, and the new owner
-rebuilds an identical Scheduler from it (same queues in the same order, same
-block tables, reference counts, prefix-cache hashes and LRU order, same computed
-token counts, same swapped tables), so the worker's KV cache stays valid.
+A new owner of a worker rebuilds from the state its last owner committed (state_journal.py) an identical
+Scheduler (same queues in the same order, same block tables, reference counts, prefix-cache hashes and LRU
+order, same computed token counts, same swapped tables), so the worker's KV cache stays valid.
 
 What is stored and what is derived:
 
@@ -17,10 +15,9 @@ What is stored and what is derived:
     cached blocks: hash, depth, LRU stamp      evictor does not hold)
     the cache's logical clock, hit counts    each chain's hashes (from the seq's tokens)
 
-Reference counts are derived because every reference is a table entry: fork,
-prefix-cache hits and swaps each add one per table. A snapshot is taken between
-steps, right after schedule() (a step planned, not yet run), or with a step
-advanced and not landed (async scheduling: its samples are tokens in flight).
+Reference counts are derived because every reference is a table entry: fork, prefix-cache hits and swaps
+each add one per table. A snapshot is taken between steps, right after schedule() (a step planned, not yet
+run), or with a step advanced and not landed (async scheduling: its samples are tokens in flight).
 """
 
 from __future__ import annotations
