@@ -16,11 +16,9 @@ worker still runs step N, and the results of N land after it:
                    └── Redis commits results of N-1 ──────────┘
                    land N: its tokens resolved and postprocessed; advance N+1
 
-The scheduler counts step N's samples as tokens in flight (Scheduler.advance) and
-the worker decodes them from its own samples, so no step waits for the scheduler.
-A sequence that step N ends by a stop token runs once more in N+1; that token is
-dropped. Beam search, a worker leaving or draining, and stopping land each step
-before the next is planned.
+The scheduler counts step N's samples as tokens in flight (Scheduler.advance) and the worker decodes them
+from its own samples, so no step waits for the scheduler. A sequence that step N ends by a stop token runs
+once more in N+1; that token is dropped. EngineLoop._may_overlap says when a step lands before the next.
 """
 
 from __future__ import annotations
