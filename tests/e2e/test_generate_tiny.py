@@ -278,16 +278,19 @@ def test_swap_and_recompute_preemption_keep_outputs_identical(swap_cluster: Loca
                          ignore_eos=True, n=2, seed=50 + i) for i in range(6)]
     with GenerationClient(swap_cluster.address) as client:
         alone = [client.generate_n(r) for r in reqs[:3]]
-        # Greedy singles first, alone: they need 4 x 11 blocks (60 + 110 tokens) of the 40, so one of them is
-        # preempted by recompute. Only then do the forked groups arrive: the six of them need 6 x 10 blocks
+        # Greedy singles first, alone: they need 6 x 11 blocks (60 + 110 tokens) of the 40, so some of them are
+        # preempted by recompute (even when they were admitted steps apart). Only then do the forked groups arrive: the six of them need 6 x 10 blocks
         # (a shared 2-block prompt, 4 blocks per sequence), so the latest-arrived running ones are preempted
         # by swapping, whatever the timing.
         singles = [make_request(prompt_token_ids=p[:60], max_tokens=110, ignore_eos=True, temperature=0.0)
-                   for p in _prompts(4, 40000, seed=4)]
+                   for p in _prompts(6, 40000, seed=4)]
         greedy = Streams(client, singles)
         greedy.wait_started(60)
         deadline = time.monotonic() + 600
         while redis_state(swap_cluster)["preemptions"] == 0:
+            if all(greedy.finish):
+                assert redis_state(swap_cluster)["preemptions"] > 0, "the singles finished without a preemption"
+                break
             assert time.monotonic() < deadline, "the singles were never preempted"
             time.sleep(0.05)
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
