@@ -1,8 +1,8 @@
 """OpenAI request fields -> GenerateRequest / SamplingParams of the public gRPC API.
 
-Only what the wire types force is checked here (signs of unsigned fields, field combinations only
-OpenAI's API has); ranges and the rest are the scheduler's admission's job, so gRPC and HTTP
-clients get the same validation and the same messages (a 400 here, INVALID_ARGUMENT there).
+Only what the wire types force is checked here (integers within their protobuf field's range, field
+combinations only OpenAI's API has); ranges and the rest are the scheduler's admission's job, so gRPC
+and HTTP clients get the same validation and the same messages (a 400 here, INVALID_ARGUMENT there).
 """
 
 from __future__ import annotations
@@ -12,13 +12,18 @@ from openai_api.errors import invalid_request
 from openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
 _UINT64 = 1 << 64
+_UINT32_MAX = (1 << 32) - 1
+_INT32 = 1 << 31
 # OpenAI's "developer" role is the system prompt of newer models; chat templates know "system".
 _ROLE_ALIASES = {"developer": "system"}
 
 
 def _non_negative(value: int | None, param: str, minimum: int = 0) -> int | None:
+    """value, checked against `minimum` and the uint32 field that carries it (a larger one is a 400, not a 500)."""
     if value is not None and value < minimum:
         raise invalid_request(f"{param} must be at least {minimum}, got {value}", param)
+    if value is not None and value > _UINT32_MAX:
+        raise invalid_request(f"{param} must be at most {_UINT32_MAX}, got {value}", param)
     return value
 
 
@@ -38,7 +43,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     msg = common_pb2.SamplingParams(
         n=_non_negative(req.n, "n", 1) or 1,
         best_of=_non_negative(req.best_of, "best_of", 1) or 0,
-        top_k=req.top_k or 0,
+        top_k=_top_k(req.top_k),
         min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
@@ -69,6 +74,12 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     if logprobs is not None:
         msg.logprobs = logprobs
     return msg
+
+
+def _top_k(value: int | None) -> int:
+    if value is not None and not -_INT32 <= value < _INT32:
+        raise invalid_request(f"top_k must be in [{-_INT32}, {_INT32 - 1}], got {value}", "top_k")
+    return value or 0
 
 
 def completion_requests(req: CompletionRequest, request_id: str) -> list[generation_pb2.GenerateRequest]:

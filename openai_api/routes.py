@@ -23,6 +23,7 @@ from openai_api.logprobs import TokenNamer
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest
 from openai_api.request_mapping import chat_request, completion_requests
 from openai_api.streaming import MEDIA_TYPE, ChunkHeader, sse_stream
+from shared.grpc_server import PUBLIC_MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +177,39 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413, declared (Content-Length) or streamed."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self._app = app
+        self._limit = limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        message = f"the request body is larger than {self._limit} bytes"
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self._limit:
+            return await _error_response(OpenAIError(413, message))(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen
+            received = await receive()
+            seen += len(received.get("body", b""))
+            if seen > self._limit:
+                # Raised where the route reads its body: rendered by _http_error like any HTTP error.
+                raise StarletteHTTPException(413, message)
+            return received
+
+        await self._app(scope, limited, send)
+
+
 def build_app(state: FrontState | None = None, lifespan: Any = None) -> FastAPI:
     """The application; `state` is set here or by the lifespan (app.state.front)."""
     app = FastAPI(title="llmserve OpenAI-compatible API", lifespan=lifespan)
+    # The same limit as the public gRPC API's: what the front accepts, the scheduler takes.
+    app.add_middleware(BodyLimit, limit=PUBLIC_MAX_REQUEST_BYTES)
     if state is not None:
         app.state.front = state
     app.add_api_route("/v1/completions", create_completion, methods=["POST"], response_model=None)

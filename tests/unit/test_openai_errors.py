@@ -64,6 +64,15 @@ def _post(path: str, body: object) -> httpx.Response:
         ("/v1/completions", {"model": "m", "prompt": "hi", "echo": True}, 400, "echo"),
         ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": "other", "messages": []}, 404, "model"),
+        # Integers past their protobuf field: a 400 naming the parameter, never a 500.
+        ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2**32}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "top_k": 2**31}, 400, "top_k"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "n": 2**40}, 400, "n"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 2**32}, 400, "logprobs"),
+        ("/v1/completions", {"model": "m", "prompt": [1, 2**32]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "stop_token_ids": [2**33]}, 400, "stop_token_ids"),
+        ("/v1/chat/completions", {"model": "m", "messages": [], "max_completion_tokens": 2**32}, 400,
+         "max_completion_tokens"),
     ],
 )
 def test_app_errors_use_openais_format(path: str, body: dict, status: int, param: str) -> None:
@@ -97,3 +106,24 @@ def test_an_error_mid_stream_is_an_error_event_then_done() -> None:
     events = asyncio.run(go())
     assert events[0] == 'data: {"n":1}\n\n' and events[-1] == DONE
     assert '"message":"scheduler went away"' in events[1] and events[1].startswith('data: {"error":')
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_body_over_the_limit_is_413(declared: bool) -> None:
+    from shared.grpc_server import PUBLIC_MAX_REQUEST_BYTES
+
+    app = build_app(FrontState(_NoEngine(), TokenNamer(), ["m"]))  # type: ignore[arg-type]
+    body = b'{"model": "m", "prompt": "' + b"x" * PUBLIC_MAX_REQUEST_BYTES + b'"}'
+
+    async def chunks():  # no Content-Length: the body is counted as it arrives
+        for i in range(0, len(body), 1 << 20):
+            yield body[i : i + (1 << 20)]
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v1/completions", content=body if declared else chunks(),
+                                     headers={"content-type": "application/json"})
+
+    reply = asyncio.run(go())
+    assert reply.status_code == 413
+    assert reply.json()["error"]["type"] == "invalid_request_error" and "larger than" in reply.json()["error"]["message"]
