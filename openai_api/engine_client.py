@@ -19,6 +19,8 @@ from protos import generation_pb2, generation_pb2_grpc
 from shared.auth import token_interceptors
 from shared.tls import ClientTLS, open_channel
 
+Metadata = tuple[tuple[str, str], ...]
+
 
 class GenerationStream:
     """The responses of one Generate call, its first already received."""
@@ -72,12 +74,13 @@ class EngineClient:
             return None
         return info.max_model_len
 
-    async def open(self, request: generation_pb2.GenerateRequest) -> GenerationStream:
+    async def open(self, request: generation_pb2.GenerateRequest, metadata: Metadata = ()) -> GenerationStream:
         """Starts a Generate call and waits for its first response; raises OpenAIError on failure.
 
-        No wait_for_ready: with the scheduler down the caller gets a 503 at once, not a hang.
+        metadata: sent with the call (the HTTP caller's W3C trace context). No wait_for_ready: with the
+        scheduler down the caller gets a 503 at once, not a hang.
         """
-        call = self._stub.Generate(request)
+        call = self._stub.Generate(request, metadata=metadata)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
@@ -89,9 +92,10 @@ class EngineClient:
             raise OpenAIError(502, "the scheduler ended the stream without a response", "server_error")
         return GenerationStream(call, first)
 
-    async def open_all(self, requests: list[generation_pb2.GenerateRequest]) -> list[GenerationStream]:
+    async def open_all(self, requests: list[generation_pb2.GenerateRequest], metadata: Metadata = ()
+                       ) -> list[GenerationStream]:
         """Opens one stream per request concurrently; if any fails, the others are cancelled."""
-        tasks = [asyncio.ensure_future(self.open(r)) for r in requests]
+        tasks = [asyncio.ensure_future(self.open(r, metadata)) for r in requests]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:

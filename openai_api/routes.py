@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 # How often a non-streaming request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.5
+REQUEST_ID_HEADER = "x-request-id"
+# W3C trace context: an HTTP caller's trace continues into the scheduler's spans (gRPC metadata).
+_TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 @dataclass
@@ -95,6 +98,15 @@ async def _respond(
         cancel_all()
 
 
+def _base_request_id(request: Request) -> str:
+    """The caller's X-Request-Id (as vLLM's front), else a random id."""
+    return request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+
+def _trace_metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    return tuple((name, request.headers[name]) for name in _TRACE_HEADERS if name in request.headers)
+
+
 def _header(request_id: str, model: str, obj: str, req: SamplingRequest) -> ChunkHeader:
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return ChunkHeader(request_id, int(time.time()), model, obj, include_usage)
@@ -105,8 +117,8 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     state = _state(request)
     model = _model_name(state, req)
     _warn_unknown(req, "completions")
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await state.engine.open_all(completion_requests(req, request_id))
+    request_id = f"cmpl-{_base_request_id(request)}"
+    streams = await state.engine.open_all(completion_requests(req, request_id), _trace_metadata(request))
     obj = completions.OBJECT
     header = _header(request_id, model, obj, req)
     return await _respond(
@@ -121,8 +133,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     state = _state(request)
     model = _model_name(state, req)
     _warn_unknown(req, "chat completions")
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    (stream,) = await state.engine.open_all([chat_request(req, request_id)])
+    request_id = f"chatcmpl-{_base_request_id(request)}"
+    (stream,) = await state.engine.open_all([chat_request(req, request_id)], _trace_metadata(request))
     obj = chat.CHUNK_OBJECT if req.stream else chat.OBJECT
     header = _header(request_id, model, obj, req)
     return await _respond(
@@ -205,11 +217,31 @@ class BodyLimit:
         await self._app(scope, limited, send)
 
 
+class EchoRequestId:
+    """ASGI middleware: every response carries the caller's X-Request-Id back (errors and streams included)."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        request_id = dict(scope.get("headers", ())).get(REQUEST_ID_HEADER.encode()) if scope["type"] == "http" else None
+        if not request_id:
+            return await self._app(scope, receive, send)
+
+        async def echoing(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (REQUEST_ID_HEADER.encode(), request_id)]}
+            await send(message)
+
+        await self._app(scope, receive, echoing)
+
+
 def build_app(state: FrontState | None = None, lifespan: Any = None) -> FastAPI:
     """The application; `state` is set here or by the lifespan (app.state.front)."""
     app = FastAPI(title="llmserve OpenAI-compatible API", lifespan=lifespan)
     # The same limit as the public gRPC API's: what the front accepts, the scheduler takes.
     app.add_middleware(BodyLimit, limit=PUBLIC_MAX_REQUEST_BYTES)
+    app.add_middleware(EchoRequestId)
     if state is not None:
         app.state.front = state
     app.add_api_route("/v1/completions", create_completion, methods=["POST"], response_model=None)
