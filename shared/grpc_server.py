@@ -10,7 +10,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import _async as reflection_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from shared.errors import abort_with
 
@@ -19,6 +20,9 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Largest request the public API reads: far more than any prompt within a context limit needs
 # (1M token ids are ~5 MiB); a bigger message is refused by gRPC with RESOURCE_EXHAUSTED.
 PUBLIC_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+# grpc.reflection.v1 (what current grpcurl and Postman ask first) has v1alpha's messages under a new package
+# name; grpcio-reflection serves v1alpha only, so v1 is the same servicer under the v1 name.
+REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -123,8 +127,14 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     """Registers grpc.health.v1 (all services SERVING) and server reflection."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        reflection_aio.ReflectionServicer(names).ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(REFLECTION_V1_SERVICE_NAME, {"ServerReflectionInfo": v1})])
     return servicer
 
 

@@ -495,3 +495,12 @@ def test_health_and_reflection_on_every_service(cluster: LocalCluster) -> None:
                                                         timeout=10)
             names = {s.name for s in answer.list_services_response.service}
             assert {service, "grpc.health.v1.Health"} <= names, names
+            # grpc.reflection.v1 too (same messages, new package): it lists and describes the same services.
+            v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                       request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                       response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            listed, described = v1(iter([reflection_pb2.ServerReflectionRequest(list_services=""),
+                                         reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)]),
+                                   timeout=10)
+            assert {s.name for s in listed.list_services_response.service} == names
+            assert described.file_descriptor_response.file_descriptor_proto, described
