@@ -1,8 +1,8 @@
 """Request and response models of the OpenAI API subset the front serves.
 
-As in vLLM, fields the front does not know are accepted and ignored (they are listed in a warning
-log line), fields it knows but cannot honour (`suffix`, `echo`, `logit_bias`, tools, a non-text
-`response_format`) are rejected with a 400, and vLLM's extra sampling parameters (`top_k`, `min_p`,
+Fields the front does not know, and fields it knows but cannot honour (`suffix`, `echo`, `logit_bias`,
+tools, a non-text `response_format`), are rejected with a 400 naming them (never ignored: the answer would
+be to another request), and vLLM's extra sampling parameters (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `use_beam_search`, ...) are
 accepted too (`extra_body=` in the openai client).
 """

@@ -58,9 +58,11 @@ def _model_name(state: FrontState, req: SamplingRequest) -> str:
     return req.model
 
 
-def _warn_unknown(req: SamplingRequest, route: str) -> None:
-    if req.unknown_fields():
-        log.warning("%s: ignoring unknown fields %s", route, ", ".join(req.unknown_fields()))
+def _reject_unknown(req: SamplingRequest) -> None:
+    """A field the front does not serve is a 400 naming it: ignoring it would answer a different request."""
+    unknown = req.unknown_fields()
+    if unknown:
+        raise invalid_request(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
@@ -116,7 +118,7 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     """POST /v1/completions."""
     state = _state(request)
     model = _model_name(state, req)
-    _warn_unknown(req, "completions")
+    _reject_unknown(req)
     request_id = f"cmpl-{_base_request_id(request)}"
     streams = await state.engine.open_all(completion_requests(req, request_id), _trace_metadata(request))
     obj = completions.OBJECT
@@ -132,7 +134,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     """POST /v1/chat/completions."""
     state = _state(request)
     model = _model_name(state, req)
-    _warn_unknown(req, "chat completions")
+    _reject_unknown(req)
     request_id = f"chatcmpl-{_base_request_id(request)}"
     (stream,) = await state.engine.open_all([chat_request(req, request_id)], _trace_metadata(request))
     obj = chat.CHUNK_OBJECT if req.stream else chat.OBJECT
