@@ -20,6 +20,8 @@ from shared.auth import token_interceptors
 from shared.tls import ClientTLS, open_channel
 
 Metadata = tuple[tuple[str, str], ...]
+# Deadline of Tokenize and Detokenize (a long prompt tokenizes in milliseconds).
+UNARY_TIMEOUT_S = 30.0
 
 
 class GenerationStream:
@@ -105,6 +107,22 @@ class EngineClient:
                 else:
                     task.cancel()
             raise
+
+    async def tokenize(self, request: generation_pb2.TokenizeRequest) -> generation_pb2.TokenizeResponse:
+        """The scheduler's tokens for a prompt or messages, exactly as Generate computes them."""
+        try:
+            return await self._stub.Tokenize(request, timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The scheduler's tokenizer's text for token ids."""
+        try:
+            reply = await self._stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=token_ids),
+                                                timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return reply.text
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         """Whether the scheduler reports SERVING on grpc.health.v1."""

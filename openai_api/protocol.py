@@ -96,6 +96,25 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered as Generate renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Only what Generate does is served: special tokens for a prompt, a generation prompt after messages.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class Usage(BaseModel):
     """Token counts of a request (summed over its prompts and sequences)."""
 

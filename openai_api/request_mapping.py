@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from protos import common_pb2, generation_pb2
 from openai_api.errors import invalid_request
-from openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from openai_api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+)
 
 _UINT64 = 1 << 64
 _UINT32_MAX = (1 << 32) - 1
@@ -148,3 +155,25 @@ def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessag
         content = "".join(texts)
     role = _ROLE_ALIASES.get(message.role, message.role)
     return generation_pb2.ChatMessage(role=role, content=content or "")
+
+
+def tokenize_request(req: TokenizeRequest) -> generation_pb2.TokenizeRequest:
+    """The Tokenize call for /tokenize; only what Generate does is served (the tokens it would compute)."""
+    if (req.prompt is None) == (req.messages is None):
+        raise invalid_request("set exactly one of prompt or messages", "prompt")
+    chat = req.messages is not None
+    # Generate gives a prompt the tokenizer's special tokens, and messages only the chat template's.
+    if req.add_special_tokens is not None and req.add_special_tokens == chat:
+        where = "with messages" if chat else "for a prompt"
+        raise invalid_request(f"add_special_tokens={str(req.add_special_tokens).lower()} is not supported {where}",
+                              "add_special_tokens")
+    if not req.add_generation_prompt:
+        raise invalid_request("add_generation_prompt=false is not supported", "add_generation_prompt")
+    if chat:
+        return generation_pb2.TokenizeRequest(messages=[_chat_message(m, i) for i, m in enumerate(req.messages or [])])
+    return generation_pb2.TokenizeRequest(prompt=req.prompt)
+
+
+def detokenize_ids(req: DetokenizeRequest) -> list[int]:
+    """The token ids of /detokenize, each within its uint32 field."""
+    return [_non_negative(token_id, "tokens") for token_id in req.tokens]  # type: ignore[misc]

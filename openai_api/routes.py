@@ -20,8 +20,18 @@ from openai_api import chat, completions
 from openai_api.engine_client import EngineClient, GenerationStream
 from openai_api.errors import OpenAIError, invalid_request, model_not_found
 from openai_api.logprobs import TokenNamer
-from openai_api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest
-from openai_api.request_mapping import chat_request, completion_requests
+from llmserve import __version__
+from openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    OpenAIBaseModel,
+    SamplingRequest,
+    TokenizeRequest,
+)
+from openai_api.request_mapping import chat_request, completion_requests, detokenize_ids, tokenize_request
 from openai_api.streaming import MEDIA_TYPE, ChunkHeader, sse_stream
 from shared.grpc_server import PUBLIC_MAX_REQUEST_BYTES
 
@@ -49,7 +59,7 @@ def _state(request: Request) -> FrontState:
     return request.app.state.front
 
 
-def _model_name(state: FrontState, req: SamplingRequest) -> str:
+def _model_name(state: FrontState, req: SamplingRequest | TokenizeRequest | DetokenizeRequest) -> str:
     """The served name a request addresses (the first one when it names none); 404 for another model."""
     if req.model is None or req.model == "":
         return state.model_names[0]
@@ -58,7 +68,7 @@ def _model_name(state: FrontState, req: SamplingRequest) -> str:
     return req.model
 
 
-def _reject_unknown(req: SamplingRequest) -> None:
+def _reject_unknown(req: OpenAIBaseModel) -> None:
     """A field the front does not serve is a 400 naming it: ignoring it would answer a different request."""
     unknown = req.unknown_fields()
     if unknown:
@@ -152,6 +162,29 @@ async def list_models(request: Request) -> ModelList:
     max_len = await state.engine.max_model_len()
     return ModelList(data=[ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=max_len)
                            for name in state.model_names])
+
+
+async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
+    """POST /tokenize (vLLM's): the tokens Generate would compute for a prompt or messages."""
+    state = _state(request)
+    _model_name(state, req)
+    _reject_unknown(req)
+    reply, max_len = await asyncio.gather(state.engine.tokenize(tokenize_request(req)), state.engine.max_model_len())
+    return {"count": len(reply.token_ids), "max_model_len": max_len, "tokens": list(reply.token_ids),
+            "token_strs": list(reply.tokens) if req.return_token_strs else None}
+
+
+async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    """POST /detokenize (vLLM's): the text of token ids."""
+    state = _state(request)
+    _model_name(state, req)
+    _reject_unknown(req)
+    return {"prompt": await state.engine.detokenize(detokenize_ids(req))}
+
+
+async def version() -> dict[str, str]:
+    """GET /version."""
+    return {"version": __version__}
 
 
 async def health(request: Request) -> Response:
@@ -250,6 +283,9 @@ def build_app(state: FrontState | None = None, lifespan: Any = None) -> FastAPI:
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], response_model=None)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"], response_model=None)
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/version", version, methods=["GET"])
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -60,6 +60,11 @@ class GenerationStub:
                 request_serializer=protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/llmserve.v1.Generation/Detokenize',
+                request_serializer=protos_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -117,6 +122,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """The text of token ids, as the model's tokenizer decodes them (special tokens included).
+        INVALID_ARGUMENT for an id outside the vocabulary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +157,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=protos_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +300,33 @@ class Generation:
             '/llmserve.v1.Generation/Tokenize',
             protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
             protos_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Generation/Detokenize',
+            protos_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,6 +67,11 @@ class Admission:
         ids = self._prompt_tokens(generation_pb2.GenerateRequest(prompt=req.prompt, messages=req.messages))
         return ids, list(self._tok.convert_ids_to_tokens(ids))  # type: ignore[attr-defined]
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens included)."""
+        self._check_in_vocabulary("token_ids", token_ids)
+        return self._tok.decode(token_ids)  # type: ignore[attr-defined]
+
     @property
     def eos_token_id(self) -> int | None:
         return getattr(self._tok, "eos_token_id", None)

@@ -166,6 +166,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ids, tokens = await asyncio.to_thread(self._admission.tokenize, request)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
 
+    async def Detokenize(self, request: generation_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
+        text = await asyncio.to_thread(self._admission.detokenize, list(request.token_ids))
+        return generation_pb2.DetokenizeResponse(text=text)
+
     async def _abort_quietly(self, request_id: str) -> None:
         try:
             await self._store.route_aborts([request_id])

@@ -157,3 +157,32 @@ def test_client_disconnect_aborts_the_request(client: "openai.OpenAI", cluster: 
     # The front notices the gone client at its next poll; run to the end, the request would take ~3/4 full_s.
     assert _seconds_until_idle(cluster) < full_s / 4 + DISCONNECT_POLL_S
     assert_all_blocks_free(cluster)
+
+
+def test_tokenize_detokenize_and_version(cluster: LocalCluster, tiny_llama_dir: Path) -> None:
+    """vLLM's /tokenize and /detokenize answer with the scheduler's tokenizer (what Generate computes)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    url = cluster.http_url
+    text = "The quick brown fox"
+    reply = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    expected = tokenizer(text).input_ids
+    assert body == {"count": len(expected), "max_model_len": 512, "tokens": expected,
+                    "token_strs": tokenizer.convert_ids_to_tokens(expected)}
+    reply = httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": expected}, timeout=30)
+    assert reply.status_code == 200 and reply.json() == {"prompt": tokenizer.decode(expected)}
+    assert httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=30).json()["token_strs"] is None
+    assert httpx.get(f"{url}/version", timeout=30).json()["version"]
+    for path, body, param in [
+        ("/tokenize", {"prompt": text, "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+        ("/tokenize", {"prompt": text, "add_special_tokens": False}, "add_special_tokens"),
+        ("/tokenize", {"prompt": text, "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+        ("/detokenize", {"tokens": [10**9]}, None),  # outside the vocabulary: the scheduler's 400
+        ("/detokenize", {"tokens": [2**32]}, "tokens"),
+    ]:
+        reply = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert reply.status_code == 400, (path, body, reply.text)
+        assert reply.json()["error"]["param"] == param, reply.json()
