@@ -215,8 +215,10 @@ class EngineLoop:
                 restored = await self._store.load_picked_up(self.worker_id)
                 self._recompute(restored, "continuing %d request(s) of the previous owner")
                 await self._own_worker(stop)
+            self._telemetry.baseline()
             await self._steps(stop, pending, Pickup([], []))
         finally:
+            self._telemetry.close()
             if self._profiles is not None:
                 self._profiles.close()
             if self._channel is not None:

@@ -34,11 +34,13 @@ class OutputProcessor:
         self._requests: dict[str, RequestState] = {}
         self._beams = BeamProcessor(scheduler, self._eos_token_id)
         # Per-request timings for metrics and traces, kept only when `record_timings` is set:
-        # request id -> [first scheduled, first token] (unix seconds; 0 = not yet).
+        # request id -> [first scheduled, first token, last token] (unix seconds; 0 = not yet).
         self.record_timings = False
         self._times: dict[str, list[float]] = {}
-        # Requests finished since the engine loop last took them (take_finished).
+        # Requests finished, and the time between requests' consecutive tokens, since the engine loop last took
+        # them (take_finished).
         self._finished: list[tuple[str, RequestTimings]] = []
+        self._inter_token: list[float] = []
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -48,12 +50,13 @@ class OutputProcessor:
     def mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
         """Notes the first step each request was scheduled in (its time in queue ends there)."""
         for item in out.scheduled:
-            self._times.setdefault(item.group.request_id, [now, 0.0])
+            self._times.setdefault(item.group.request_id, [now, 0.0, 0.0])
 
-    def take_finished(self) -> list[tuple[str, RequestTimings]]:
-        """(request id, timings) of the requests finished since the last call."""
+    def take_finished(self) -> tuple[list[tuple[str, RequestTimings]], list[float]]:
+        """(request id, timings) of the requests finished since the last call, and the inter-token latencies."""
         finished, self._finished = self._finished, []
-        return finished
+        inter_token, self._inter_token = self._inter_token, []
+        return finished, inter_token
 
     # -- requests entering and leaving ---------------------------------------------------------
 
@@ -176,7 +179,7 @@ class OutputProcessor:
 
     def _record_finish(self, group: SequenceGroup, msg: generation_pb2.GenerateResponse, returned: list[Sequence]) -> None:
         now = time.time()
-        scheduled, first_token = self._times.pop(group.request_id, (0.0, 0.0))
+        scheduled, first_token, _ = self._times.pop(group.request_id, (0.0, 0.0, 0.0))
         status = returned[0].status if returned else SequenceStatus.FINISHED_ABORTED
         reason = "error" if msg.error else REASON_LABELS.get(status, "abort")
         self._finished.append((group.request_id, RequestTimings(
@@ -230,8 +233,10 @@ class OutputProcessor:
             now = time.time()
             for request_id in deltas:
                 times = self._times.get(request_id)
-                if times is not None and not times[1]:
-                    times[1] = now
+                if times is not None:
+                    if times[2]:
+                        self._inter_token.append(now - times[2])
+                    times[1], times[2] = times[1] or now, now
         for request_id, new in deltas.items():
             state = self._requests[request_id]
             group = state.group

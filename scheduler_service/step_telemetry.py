@@ -44,6 +44,8 @@ class StepTelemetry:
         # request id -> its `llmserve.generate` span (other process): step spans link to it.
         self._request_spans: dict[str, SpanContext] = {}
         self._last_step: SpanContext | None = None
+        # The block manager's cumulative prefix-cache lookups (blocks) when last exported.
+        self._prefix_seen = (0, 0)
 
     def remember(self, record: state_pb2.AdmittedRequest) -> None:
         if self.tracing and record.traceparent:
@@ -96,6 +98,7 @@ class StepTelemetry:
             m.prompt_tokens.inc(p.num_prefill_tokens)
             m.generation_tokens.inc(len(result.sampled))
             m.preemptions.inc(len(out.preempted))
+            m.iteration_tokens.observe(out.num_batched_tokens)
         self._observe_state()
 
     def observe_idle_commit(self, step: int, commit_start: float, commit_s: float, clock: PerfClock | None) -> None:
@@ -110,6 +113,17 @@ class StepTelemetry:
             self._metrics.commit_time.observe(commit_s)
         self._observe_state()
 
+    def baseline(self) -> None:
+        """Counts from here on: the prefix-cache lookups a restored scheduler carries were exported by its last
+        owner."""
+        stats = self._scheduler.block_manager.prefix_cache_stats
+        self._prefix_seen = (stats.queries, stats.hits)
+
+    def close(self) -> None:
+        """The engine loop ended: its gauges go (a stopped loop reports no queue or cache)."""
+        if self._metrics is not None:
+            self._metrics.close()
+
     def _last_step_link(self) -> list[Link] | None:
         """A commit span links to the step whose results it commits (the last one traced)."""
         return [Link(self._last_step)] if self._last_step is not None else None
@@ -122,9 +136,20 @@ class StepTelemetry:
             m.running.set(len(sched.running))
             m.waiting.set(len(sched.waiting))
             m.swapped.set(len(sched.swapped))
-            m.cache_usage.set(1.0 - bm.num_free_gpu_blocks / bm.num_gpu_blocks if bm.num_gpu_blocks else 0.0)
+            usage = 1.0 - bm.num_free_gpu_blocks / bm.num_gpu_blocks if bm.num_gpu_blocks else 0.0
+            m.cache_usage.set(usage)
+            m.kv_cache_usage.set(usage)
+            stats = bm.prefix_cache_stats
+            queries, hits = self._prefix_seen
+            m.prefix_cache_queries.inc((stats.queries - queries) * bm.block_size)
+            m.prefix_cache_hits.inc((stats.hits - hits) * bm.block_size)
+            self._prefix_seen = (stats.queries, stats.hits)
             m.cpu_cache_usage.set((bm.num_cpu_blocks - bm.num_free_cpu_blocks) / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0)
-        for request_id, t in self._processor.take_finished():
+        finished, inter_token = self._processor.take_finished()
+        if m is not None:
+            for latency in inter_token:
+                m.inter_token_latency.observe(latency)
+        for request_id, t in finished:
             if m is not None:
                 m.finished(t)
             parent = self._request_spans.pop(request_id, None)

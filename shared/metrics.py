@@ -20,6 +20,9 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+# vLLM's: tokens per engine step, and 1-2-5 steps for per-request token counts.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 _ENGINE_LABELS = ("model_name", "worker")
@@ -50,6 +53,14 @@ class RequestTimings:
         return max(0.0, self.finished_time - self.arrival_time)
 
     @property
+    def prefill_time(self) -> float:
+        return max(0.0, self.first_token_time - self.first_scheduled_time)
+
+    @property
+    def decode_time(self) -> float:
+        return max(0.0, self.finished_time - self.first_token_time)
+
+    @property
     def time_per_output_token(self) -> float | None:
         """Mean time between output tokens after the first; None with fewer than two tokens."""
         if self.generation_tokens < 2:
@@ -70,6 +81,16 @@ class SchedulerMetrics:
         self.cache_usage = Gauge("vllm:gpu_cache_usage_perc",
                                  "Fraction of the worker's device KV-cache blocks in use (1 = full; the cache lives "
                                  "in CPU memory on CPU workers).", labels, registry=r)
+        # vLLM's current name for the same gauge (the older one is kept for existing dashboards).
+        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the worker's KV-cache blocks in use.",
+                                    labels, registry=r)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache (full blocks).", labels,
+                                            registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
+                                         registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.", labels,
+                                          buckets=ITERATION_TOKEN_BUCKETS, registry=r)
         self.cpu_cache_usage = Gauge("vllm:cpu_cache_usage_perc", "Fraction of the CPU swap-space blocks in use.",
                                      labels, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute and swap).", labels, registry=r)
@@ -87,6 +108,18 @@ class SchedulerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
                                     buckets=E2E_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds",
+                                             "Time between a request's consecutive output tokens.", labels,
+                                             buckets=TPOT_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first generated token.",
+                                      labels, buckets=E2E_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "First generated token to the last.", labels,
+                                     buckets=E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               labels, buckets=REQUEST_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens of each finished request.", labels,
+                                                   buckets=REQUEST_TOKEN_BUCKETS, registry=r)
         self.step_time = Histogram("llmserve:engine_step_seconds", "Wall time of one engine-loop step.", labels,
                                    buckets=STEP_BUCKETS, registry=r)
         self.commit_time = Histogram("llmserve:redis_commit_seconds", "One step's fenced Redis commit (WATCH, GET of the epoch, MULTI/EXEC).",
@@ -102,8 +135,14 @@ class EngineMetrics:
     def __init__(self, m: SchedulerMetrics, worker_id: str) -> None:
         values = (m.model_name, worker_id)
         self._m, self._values = m, values
+        self._gauges = (m.running, m.waiting, m.swapped, m.cache_usage, m.kv_cache_usage, m.cpu_cache_usage)
         self.running, self.waiting, self.swapped = (g.labels(*values) for g in (m.running, m.waiting, m.swapped))
         self.cache_usage, self.cpu_cache_usage = m.cache_usage.labels(*values), m.cpu_cache_usage.labels(*values)
+        self.kv_cache_usage = m.kv_cache_usage.labels(*values)
+        self.prefix_cache_queries, self.prefix_cache_hits = (
+            m.prefix_cache_queries.labels(*values), m.prefix_cache_hits.labels(*values))
+        self.iteration_tokens, self.inter_token_latency = (
+            m.iteration_tokens.labels(*values), m.inter_token_latency.labels(*values))
         self.preemptions = m.preemptions.labels(*values)
         self.prompt_tokens, self.generation_tokens = m.prompt_tokens.labels(*values), m.generation_tokens.labels(*values)
         self.ttft, self.tpot, self.e2e = m.ttft.labels(*values), m.tpot.labels(*values), m.e2e.labels(*values)
@@ -119,6 +158,20 @@ class EngineMetrics:
         tpot = t.time_per_output_token
         if tpot is not None:
             self.tpot.observe(tpot)
+        m, values = self._m, self._values
+        m.prefill_time.labels(*values).observe(t.prefill_time)
+        m.decode_time.labels(*values).observe(t.decode_time)
+        m.request_prompt_tokens.labels(*values).observe(t.prompt_tokens)
+        m.request_generation_tokens.labels(*values).observe(t.generation_tokens)
+
+    def close(self) -> None:
+        """The engine loop ended: its gauges leave the registry (a stopped loop has no queue or cache to report).
+        Counters and histograms stay: they are totals so far."""
+        for gauge in self._gauges:
+            try:
+                gauge.remove(*self._values)
+            except KeyError:  # never set
+                pass
 
 
 class WorkerMetrics:

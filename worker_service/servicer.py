@@ -172,11 +172,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             m.sampled.inc(len(out.sampled))
             m.blocks_used.set(used)
 
+    def _observe_blocks(self) -> None:
+        """The block gauge after the sequences changed outside a step (a reset drops them, a resume keeps some)."""
+        if self._metrics is not None:
+            self._metrics.blocks_used.set(self._runner.seqs.num_used_blocks())
+
     async def Reset(self, request: worker_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ResetResponse:
         async with self._lock:
             self._fence(request.epoch)
             # On the model thread: after a step still running there (its caller gone), never beside it.
             steps = await self._model_thread.call(self._reset, request.keep_cache)
+        self._observe_blocks()
         log.info("%s by epoch %d", "fenced (cache kept)" if request.keep_cache else "reset", request.epoch)
         return worker_pb2.ResetResponse(instance_id=self.instance_id, last_steps=steps)
 
@@ -193,6 +199,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if request.epoch != self._epoch:
                 raise StaleEpochError(f"Resume of epoch {request.epoch}, the worker is fenced at {self._epoch}")
             refused = await self._model_thread.call(self._runner.resume, request)
+        self._observe_blocks()
         log.info("resumed %d sequence(s) for epoch %d, refused %d", len(request.sequences) - len(refused),
                  request.epoch, len(refused))
         response = worker_pb2.ResumeSequencesResponse()

@@ -197,6 +197,15 @@ def test_metrics_count_a_known_workload(observed: Observed) -> None:
         assert d[f"{name}_sum"] > 0 or name == "vllm:request_queue_time_seconds", name
     assert d["vllm:num_preemptions_total"] == 0
     assert after_s["vllm:num_requests_swapped"] == 0
+    # vLLM's current names: per-request token counts and phases, the time between a request's tokens (one per
+    # step after its first), tokens per step.
+    assert (d["vllm:request_prompt_tokens_sum"], d["vllm:request_generation_tokens_sum"]) == (21, 18)
+    for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds"):
+        assert d[f"{name}_count"] == 3, name
+    assert d["vllm:inter_token_latency_seconds_count"] == (4 - 1) + (6 - 1) + (8 - 1)
+    assert after_s["vllm:kv_cache_usage_perc"] == 0
+    assert d["vllm:prefix_cache_queries_total"] == d["vllm:prefix_cache_hits_total"] == 0  # no prefix caching here
     # Every engine step is one ExecuteStep on the worker. The plan that lets the worker drop the
     # finished sequences comes after the engine went idle, and the engine records a step only once
     # its answer is back: compare once both sides have counted it.
@@ -207,6 +216,9 @@ def test_metrics_count_a_known_workload(observed: Observed) -> None:
         "the engine to count the worker's steps",
     )
     assert steps >= 8
+    # Tokens per step: the steps' tokens are the prefill's 21 and one per later decode.
+    assert delta(_scrape(observed.scheduler_metrics), before_s, "vllm:iteration_tokens_total_count") == steps
+    assert delta(_scrape(observed.scheduler_metrics), before_s, "vllm:iteration_tokens_total_sum") == 21 + (18 - 3)
     assert delta(after_w, before_w, "llmserve:worker_sampled_tokens_total") == 18
     # Prefill computes every prompt token, each later decode one token.
     assert delta(after_w, before_w, "llmserve:worker_tokens_total") == 21 + (18 - 3)
