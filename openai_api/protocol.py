@@ -58,6 +58,9 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float | None = None
+    # vLLM's prompt options: the tokenizer's special tokens, and keeping only the prompt's last tokens.
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionRequest(SamplingRequest):

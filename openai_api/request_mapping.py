@@ -89,6 +89,18 @@ def _top_k(value: int | None) -> int:
     return value or 0
 
 
+def _prompt_options(req: SamplingRequest, msg: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    """add_special_tokens and truncate_prompt_tokens, as set (the scheduler applies and checks them)."""
+    if req.add_special_tokens is not None:
+        msg.add_special_tokens = req.add_special_tokens
+    if req.truncate_prompt_tokens is not None:
+        if not -_INT32 <= req.truncate_prompt_tokens < _INT32:
+            raise invalid_request(f"truncate_prompt_tokens is out of range, got {req.truncate_prompt_tokens}",
+                                  "truncate_prompt_tokens")
+        msg.truncate_prompt_tokens = req.truncate_prompt_tokens
+    return msg
+
+
 def completion_requests(req: CompletionRequest, request_id: str) -> list[generation_pb2.GenerateRequest]:
     """One GenerateRequest per prompt of the batch, with ids `request_id-<i>` when there are several."""
     if req.echo:
@@ -102,11 +114,12 @@ def completion_requests(req: CompletionRequest, request_id: str) -> list[generat
     for i, prompt in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         if isinstance(prompt, str):
-            out.append(generation_pb2.GenerateRequest(request_id=rid, prompt=prompt, sampling=sampling))
+            msg = generation_pb2.GenerateRequest(request_id=rid, prompt=prompt, sampling=sampling)
         else:
             for token_id in prompt:
                 _non_negative(token_id, "prompt")
-            out.append(generation_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling))
+            msg = generation_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+        out.append(_prompt_options(req, msg))
     return out
 
 
@@ -134,11 +147,11 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid_request("top_logprobs needs logprobs to be true", "top_logprobs")
     logprobs = (_non_negative(req.top_logprobs, "top_logprobs") or 0) if req.logprobs else None
-    return generation_pb2.GenerateRequest(
+    return _prompt_options(req, generation_pb2.GenerateRequest(
         request_id=request_id,
         messages=[_chat_message(m, i) for i, m in enumerate(req.messages)],
         sampling=sampling_params(req, max_tokens, logprobs),
-    )
+    ))
 
 
 def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessage:

@@ -57,7 +57,7 @@ class Admission:
         request_id = req.request_id or uuid.uuid4().hex
         if len(request_id) > _MAX_REQUEST_ID_LEN or not request_id.isprintable():
             raise InvalidRequestError(f"request_id must be at most {_MAX_REQUEST_ID_LEN} printable characters")
-        token_ids = self._prompt_tokens(req)
+        token_ids = self._truncated(req, self._prompt_tokens(req))
         sampling = self._sampling(req, len(token_ids))
         digest = request_digest(token_ids, sampling) if req.request_id else ""
         return AdmittedPrompt(request_id, token_ids, sampling, digest)
@@ -86,18 +86,31 @@ class Admission:
             if not given:
                 raise InvalidRequestError("the prompt is empty: set one of prompt, prompt_token_ids or messages")
             raise InvalidRequestError(f"set exactly one of prompt, prompt_token_ids or messages, got {', '.join(given)}")
+        special = req.add_special_tokens if req.HasField("add_special_tokens") else None
         if req.prompt_token_ids:
+            if special is not None:
+                raise InvalidRequestError("add_special_tokens applies to a text prompt or messages, not prompt_token_ids")
             ids = list(req.prompt_token_ids)
             self._check_in_vocabulary("prompt_token_ids", ids)
             return ids
         if req.messages:
-            return self._chat_tokens(req.messages)
-        ids = list(self._tok(req.prompt).input_ids)  # type: ignore[operator]
+            return self._chat_tokens(req.messages, special is True)
+        ids = list(self._tok(req.prompt, add_special_tokens=special is not False).input_ids)  # type: ignore[operator]
         if not ids:
             raise InvalidRequestError("the prompt tokenizes to zero tokens")
         return ids
 
-    def _chat_tokens(self, messages: object) -> list[int]:
+    def _truncated(self, req: generation_pb2.GenerateRequest, ids: list[int]) -> list[int]:
+        if not req.HasField("truncate_prompt_tokens"):
+            return ids
+        keep = req.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.limits.max_model_len
+        if keep < 1:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1 (or -1), got {keep}")
+        return ids[-keep:]
+
+    def _chat_tokens(self, messages: object, add_special_tokens: bool = False) -> list[int]:
         conv = []
         for i, m in enumerate(messages):  # type: ignore[attr-defined]
             if m.role not in _CHAT_ROLES:
@@ -106,8 +119,8 @@ class Admission:
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         text = self._tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
-        # The template already contains the special tokens the model expects.
-        return list(self._tok(text, add_special_tokens=False).input_ids)  # type: ignore[operator]
+        # The template already contains the special tokens the model expects (unless asked for more).
+        return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)  # type: ignore[operator]
 
     def _sampling(self, req: generation_pb2.GenerateRequest, prompt_len: int) -> SamplingParams:
         try:

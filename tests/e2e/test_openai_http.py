@@ -186,3 +186,14 @@ def test_tokenize_detokenize_and_version(cluster: LocalCluster, tiny_llama_dir: 
         reply = httpx.post(f"{url}{path}", json=body, timeout=30)
         assert reply.status_code == 400, (path, body, reply.text)
         assert reply.json()["error"]["param"] == param, reply.json()
+
+
+def test_prompt_options_reach_admission(cluster: LocalCluster) -> None:
+    """truncate_prompt_tokens keeps the prompt's last tokens; add_special_tokens is refused with token ids."""
+    url = cluster.http_url
+    body = {"model": MODEL, "prompt": list(range(100, 120)), "max_tokens": 1, "truncate_prompt_tokens": 3}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == 3
+    reply = httpx.post(f"{url}/v1/completions", json={**body, "add_special_tokens": True}, timeout=60)
+    assert reply.status_code == 400 and "add_special_tokens" in reply.json()["error"]["message"]

@@ -333,3 +333,54 @@ def test_token_ids_cannot_be_negative_on_the_wire() -> None:
     """prompt_token_ids is repeated uint32: a negative id cannot even be built, so admission never sees one."""
     with pytest.raises(ValueError):
         generation_pb2.GenerateRequest(prompt_token_ids=[-1])
+
+
+# -- prompt options --------------------------------------------------------------------------
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(admission: Admission, tokenizer) -> None:
+    ids = list(range(100, 140))
+    got = admission.admit(generation_pb2.GenerateRequest(prompt_token_ids=ids, truncate_prompt_tokens=5))
+    assert got.prompt_token_ids == ids[-5:]
+    text = "one two three four five six seven eight nine ten"
+    got = admission.admit(generation_pb2.GenerateRequest(prompt=text, truncate_prompt_tokens=3))
+    assert got.prompt_token_ids == tokenizer(text).input_ids[-3:]
+    # -1: the model's context length (all of a shorter prompt).
+    assert admission.admit(generation_pb2.GenerateRequest(prompt_token_ids=ids, truncate_prompt_tokens=-1)
+                           ).prompt_token_ids == ids
+    rejects(admission, generation_pb2.GenerateRequest(prompt_token_ids=ids, truncate_prompt_tokens=0),
+            "truncate_prompt_tokens must be at least 1")
+    # Unset keeps the whole prompt.
+    assert admission.admit(generation_pb2.GenerateRequest(prompt_token_ids=ids)).prompt_token_ids == ids
+
+
+class _RecordingTokenizer:
+    """Answers one token per call and records whether special tokens were asked for."""
+
+    eos_token_id = 0
+    chat_template = "x"
+
+    def __init__(self) -> None:
+        self.calls: list[bool] = []
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> object:
+        self.calls.append(add_special_tokens)
+        return type("Encoding", (), {"input_ids": [1]})()
+
+    def apply_chat_template(self, conv: list, tokenize: bool, add_generation_prompt: bool) -> str:
+        return "rendered"
+
+
+def test_add_special_tokens_reaches_the_tokenizer() -> None:
+    tok = _RecordingTokenizer()
+    admission = Admission(tok, ModelLimits(max_model_len=64, vocab_size=10))
+    chat = [generation_pb2.ChatMessage(role="user", content="hi")]
+    for request in (generation_pb2.GenerateRequest(prompt="a"),
+                    generation_pb2.GenerateRequest(prompt="a", add_special_tokens=False),
+                    generation_pb2.GenerateRequest(messages=chat),
+                    generation_pb2.GenerateRequest(messages=chat, add_special_tokens=True)):
+        admission.admit(request)
+    # Defaults: special tokens for a text prompt, none after a rendered template.
+    assert tok.calls == [True, False, False, True]
+    rejects(admission, generation_pb2.GenerateRequest(prompt_token_ids=[1, 2], add_special_tokens=True),
+            "add_special_tokens applies to a text prompt or messages")
