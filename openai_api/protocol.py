@@ -1,7 +1,7 @@
 """Request and response models of the OpenAI API subset the front serves.
 
-Fields the front does not know, and fields it knows but cannot honour (`suffix`, `echo`, `logit_bias`,
-tools, a non-text `response_format`), are rejected with a 400 naming them (never ignored: the answer would
+Fields the front does not know, and fields it knows but cannot honour (`suffix`, `echo`, tools, a non-text
+`response_format`), are rejected with a 400 naming them (never ignored: the answer would
 be to another request), and vLLM's extra sampling parameters (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `use_beam_search`, ...) are
 accepted too (`extra_body=` in the openai client).
@@ -47,6 +47,7 @@ class SamplingRequest(OpenAIBaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters.
+    allowed_token_ids: list[int] | None = None
     best_of: int | None = None
     top_k: int | None = None
     min_p: float | None = None

@@ -35,8 +35,6 @@ def _non_negative(value: int | None, param: str, minimum: int = 0) -> int | None
 
 
 def _reject_unsupported(req: SamplingRequest) -> None:
-    if req.logit_bias:
-        raise invalid_request("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise invalid_request("stream_options can only be set when stream is true", "stream_options")
 
@@ -63,6 +61,14 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     for token_id in req.stop_token_ids or []:
         _non_negative(token_id, "stop_token_ids")
     msg.stop_token_ids.extend(req.stop_token_ids or [])
+    for key, bias in (req.logit_bias or {}).items():
+        # OpenAI's keys are token ids written as strings.
+        if not key.isdigit():
+            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        msg.logit_bias[_non_negative(int(key), "logit_bias")] = bias  # type: ignore[index]
+    for token_id in req.allowed_token_ids or []:
+        _non_negative(token_id, "allowed_token_ids")
+    msg.allowed_token_ids.extend(req.allowed_token_ids or [])
     if max_tokens is not None:
         msg.max_tokens = max_tokens
     if req.temperature is not None:

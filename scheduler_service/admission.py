@@ -157,8 +157,11 @@ class Admission:
             params.check_min_tokens()
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        # The worker masks stop tokens (min_tokens) by id: an id past the logits would fail the step.
+        # The worker masks stop tokens (min_tokens), biases and allows tokens by id: an id past the logits
+        # would fail the step.
         self._check_in_vocabulary("stop_token_ids", params.stop_token_ids)
+        self._check_in_vocabulary("logit_bias", list(params.logit_bias))
+        self._check_in_vocabulary("allowed_token_ids", params.allowed_token_ids)
         return params
 
     def _check_in_vocabulary(self, field: str, token_ids: list[int]) -> None:

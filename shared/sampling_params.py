@@ -44,6 +44,8 @@ class SamplingParams:
     prompt_logprobs: top log-probabilities returned for each prompt token (None: no prompt logprobs).
     include_stop_str_in_output: keep the stop string (or the EOS / stop token's text) in the text.
     skip_special_tokens: leave special tokens out of the output text.
+    logit_bias: token id -> value added to its logit before sampling, in [-100, 100] (OpenAI's).
+    allowed_token_ids: only these tokens may be sampled (vLLM's); empty allows every token.
     """
 
     max_tokens: int | None = 16
@@ -68,6 +70,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._verify_counts()
@@ -116,6 +120,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        bad_bias = {t: b for t, b in self.logit_bias.items() if t < 0 or not -100.0 <= b <= 100.0}
+        if bad_bias:
+            raise ValueError(f"logit_bias needs token ids >= 0 and values in [-100, 100], got {bad_bias}.")
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be non-negative, got {self.allowed_token_ids}.")
 
     def _verify_beam_search(self) -> None:
         if self.best_of < 2:
@@ -142,6 +151,8 @@ class SamplingParams:
             )
         if self.min_tokens:
             raise ValueError("min_tokens is not supported with beam search.")
+        if self.logit_bias or self.allowed_token_ids:
+            raise ValueError("logit_bias and allowed_token_ids are not supported with beam search.")
 
     def _verify_non_beam_search(self) -> None:
         if self.early_stopping is not False:
@@ -165,6 +176,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when any of presence, frequency or repetition penalty changes the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def shifts_logits(self) -> bool:
+        """True when logit_bias or allowed_token_ids change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids)
 
     @property
     def num_sequences(self) -> int:

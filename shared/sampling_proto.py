@@ -52,6 +52,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else defaults.skip_special_tokens
         ),
+        logit_bias=dict(msg.logit_bias),
+        allowed_token_ids=list(msg.allowed_token_ids),
     )
 
 
@@ -80,6 +82,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         min_tokens=params.min_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
     )
     if params.repetition_penalty != 1.0:
         msg.repetition_penalty = params.repetition_penalty

@@ -87,12 +87,24 @@ def _constrain(
     positions: list[int],
     eos_token_ids: Sequence[int],
 ) -> torch.Tensor:
-    """min_tokens masks and penalties, on a copy, for the rows that have them (greedy rows included)."""
+    """logit_bias and allowed_token_ids, then min_tokens masks and penalties, on a copy, for the rows that have
+    them (greedy rows included): vLLM's order, its logits processors before the sampler's penalties."""
+    shifted = [i for i, p in enumerate(params) if p.shifts_logits]
     early = [i for i, p in enumerate(params) if positions[i] < p.min_tokens]
     penalized = [i for i, p in enumerate(params) if p.has_penalties]
-    if not early and not penalized:
+    if not shifted and not early and not penalized:
         return logits
     logits = logits.clone()
+    for i in shifted:
+        p = params[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+            kept = logits[i, allowed]
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
     if early:
         rows = torch.tensor(early, device=logits.device)
         stops = [[*eos_token_ids, *params[i].stop_token_ids] for i in early]

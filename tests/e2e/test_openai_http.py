@@ -197,3 +197,18 @@ def test_prompt_options_reach_admission(cluster: LocalCluster) -> None:
     assert reply.json()["usage"]["prompt_tokens"] == 3
     reply = httpx.post(f"{url}/v1/completions", json={**body, "add_special_tokens": True}, timeout=60)
     assert reply.status_code == 400 and "add_special_tokens" in reply.json()["error"]["message"]
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_worker(cluster: LocalCluster) -> None:
+    """The worker's sampler applies them: +100 on a token makes greedy decoding pick it every time."""
+    url = cluster.http_url
+    base = {"model": MODEL, "prompt": list(range(40, 52)), "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    reply = httpx.post(f"{url}/v1/completions", json={**base, "logit_bias": {"777": 100}, "logprobs": 0}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    def name(token_id: int) -> str:
+        return httpx.post(f"{url}/detokenize", json={"tokens": [token_id]}, timeout=30).json()["prompt"]
+
+    assert reply.json()["choices"][0]["logprobs"]["tokens"] == [name(777)] * 4
+    reply = httpx.post(f"{url}/v1/completions", json={**base, "allowed_token_ids": [5, 6], "logprobs": 0}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert set(reply.json()["choices"][0]["logprobs"]["tokens"]) <= {name(5), name(6)}

@@ -384,3 +384,16 @@ def test_add_special_tokens_reaches_the_tokenizer() -> None:
     assert tok.calls == [True, False, False, True]
     rejects(admission, generation_pb2.GenerateRequest(prompt_token_ids=[1, 2], add_special_tokens=True),
             "add_special_tokens applies to a text prompt or messages")
+
+
+def test_logit_bias_and_allowed_token_ids_are_checked_and_round_trip(admission: Admission, tokenizer) -> None:
+    got = admission.admit(make_request(prompt_token_ids=[5, 6, 7], logit_bias={9: 2.5, 11: -100.0},
+                                       allowed_token_ids=[9, 11, 13]))
+    assert (got.sampling.logit_bias, got.sampling.allowed_token_ids) == ({9: 2.5, 11: -100.0}, [9, 11, 13])
+    assert sampling_from_proto(to_record(got, [1], "w", 0.0).sampling) == got.sampling
+    outside = len(tokenizer)
+    rejects(admission, make_request(prompt_token_ids=[5], logit_bias={outside: 1.0}),
+            "logit_bias contains ids outside the vocabulary")
+    rejects(admission, make_request(prompt_token_ids=[5], allowed_token_ids=[outside]),
+            "allowed_token_ids contains ids outside the vocabulary")
+    rejects(admission, make_request(prompt_token_ids=[5], logit_bias={9: 200.0}), "logit_bias needs")

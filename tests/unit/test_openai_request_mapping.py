@@ -86,7 +86,8 @@ def test_chat_logprobs() -> None:
         (_completion, dict(prompt=[1, -2]), "prompt"),
         (_completion, dict(echo=True), "echo"),
         (_completion, dict(suffix="x"), "suffix"),
-        (_completion, dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (_completion, dict(logit_bias={"five": 1.0}), "logit_bias"),
+        (_completion, dict(logit_bias={"-3": 1.0}), "logit_bias"),
         (_completion, dict(stream_options={"include_usage": True}), "stream_options"),
         (_completion, dict(stop_token_ids=[-1]), "stop_token_ids"),
         (_chat, dict(top_logprobs=2), "top_logprobs"),
@@ -107,3 +108,9 @@ def test_unknown_fields_are_accepted_and_named() -> None:
     req = CompletionRequest(prompt="hi", frobnicate=1, zeta=2)
     assert req.unknown_fields() == ["frobnicate", "zeta"]
     assert len(completion_requests(req, "x")) == 1
+
+
+def test_logit_bias_and_allowed_token_ids_map_to_the_sampling_params() -> None:
+    (request,) = _completion(logit_bias={"5": 2.5, "17": -100}, allowed_token_ids=[5, 9])
+    msg = request.sampling
+    assert dict(msg.logit_bias) == {5: 2.5, 17: -100.0} and list(msg.allowed_token_ids) == [5, 9]

@@ -410,3 +410,43 @@ def test_seeded_noise_is_exponential_and_depends_only_on_seed_and_position() -> 
     again = seeded_exponentials([rows_seeds[i] for i in picks], [rows_positions[i] for i in picks], 64,
                                 torch.device("cpu"))
     assert torch.equal(again, noise[picks])
+
+
+# -- logit_bias and allowed_token_ids ----------------------------------------------------------
+
+
+def test_logit_bias_shifts_the_distribution_and_keeps_raw_logprobs() -> None:
+    # Greedy: +1.0 on token 5 (1.6 -> 2.6) beats the argmax (2.0); -100 on token 1 removes it.
+    biased = SamplingParams(temperature=0.0, logit_bias={5: 1.0})
+    banned = SamplingParams(temperature=0.0, logit_bias={1: -100.0})
+    plain = SamplingParams(temperature=0.0)
+    out = sample(LOGITS.unsqueeze(0).repeat(3, 1), [biased, banned, plain], at([0, 0, 0]))
+    assert out.token_ids == [5, 5, ARGMAX]
+    # Logprobs are the model's, as vLLM returns them by default (raw_logprobs).
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[5]), abs=1e-6)
+    # Sampled rows follow softmax(logits + bias).
+    bias = {3: 2.0, 6: -1.5}
+    got = frequencies(draw(SamplingParams(temperature=1.0, logit_bias=bias)).token_ids)
+    shifted = LOGITS.clone()
+    for token, b in bias.items():
+        shifted[token] += b
+    assert torch.allclose(got, torch.softmax(shifted.double(), -1), atol=TOLERANCE)
+
+
+def test_allowed_token_ids_restrict_every_row_that_sets_them() -> None:
+    allowed = [0, 6, 7]
+    greedy = sample(LOGITS.unsqueeze(0), [SamplingParams(temperature=0.0, allowed_token_ids=allowed)], at([0]))
+    assert greedy.token_ids == [7]  # 0.9 is the best of 0.3, -0.4, 0.9
+    got = frequencies(draw(SamplingParams(temperature=1.0, allowed_token_ids=allowed)).token_ids)
+    expected = torch.zeros(VOCAB, dtype=torch.float64)
+    expected[allowed] = torch.softmax(LOGITS[allowed].double(), -1)
+    assert torch.allclose(got, expected, atol=TOLERANCE)
+
+
+def test_logit_bias_and_allowed_token_ids_are_validated() -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[-1])
+    with pytest.raises(ValueError, match="not supported with beam search"):
+        SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, logit_bias={1: 1.0})
