@@ -48,6 +48,7 @@ class SamplingRequest(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters.
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     best_of: int | None = None
     top_k: int | None = None
     min_p: float | None = None

@@ -69,6 +69,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     for token_id in req.allowed_token_ids or []:
         _non_negative(token_id, "allowed_token_ids")
     msg.allowed_token_ids.extend(req.allowed_token_ids or [])
+    msg.bad_words.extend(req.bad_words or [])
     if max_tokens is not None:
         msg.max_tokens = max_tokens
     if req.temperature is not None:

@@ -131,6 +131,9 @@ class Admission:
             value = getattr(req.sampling, name)
             if not math.isfinite(value):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value}")
+        if params.bad_words_token_ids:
+            raise InvalidRequestError("bad_words_token_ids is set by the scheduler: send bad_words")
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         max_seqs = self.limits.max_num_seqs
         width = params.best_of or params.n  # beam search runs best_of beams at once
         if max_seqs and width > max_seqs:
@@ -163,6 +166,19 @@ class Admission:
         self._check_in_vocabulary("logit_bias", list(params.logit_bias))
         self._check_in_vocabulary("allowed_token_ids", params.allowed_token_ids)
         return params
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as the model would generate them: without and with a leading space. (vLLM keeps
+        the spaced spelling only when it has as many tokens as the bare one, so a word that is one token after a
+        space and two without could still be generated there; here every spelling is masked.)"""
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = list(self._tok(word.lstrip(), add_special_tokens=False).input_ids)  # type: ignore[operator]
+            spaced = list(self._tok(" " + word.lstrip(), add_special_tokens=False).input_ids)  # type: ignore[operator]
+            sequences.append(bare)
+            if spaced and spaced != bare:
+                sequences.append(spaced)
+        return sequences
 
     def _check_in_vocabulary(self, field: str, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if t >= self.limits.vocab_size]

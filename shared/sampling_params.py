@@ -46,6 +46,8 @@ class SamplingParams:
     skip_special_tokens: leave special tokens out of the output text.
     logit_bias: token id -> value added to its logit before sampling, in [-100, 100] (OpenAI's).
     allowed_token_ids: only these tokens may be sampled (vLLM's); empty allows every token.
+    bad_words: words never generated (vLLM's): the token that would complete one is masked.
+    bad_words_token_ids: the bad words as token sequences (set by admission with the model's tokenizer).
     """
 
     max_tokens: int | None = 16
@@ -72,6 +74,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._verify_counts()
@@ -125,6 +129,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias needs token ids >= 0 and values in [-100, 100], got {bad_bias}.")
         if any(t < 0 for t in self.allowed_token_ids):
             raise ValueError(f"allowed_token_ids must be non-negative, got {self.allowed_token_ids}.")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty words.")
 
     def _verify_beam_search(self) -> None:
         if self.best_of < 2:
@@ -151,8 +157,8 @@ class SamplingParams:
             )
         if self.min_tokens:
             raise ValueError("min_tokens is not supported with beam search.")
-        if self.logit_bias or self.allowed_token_ids:
-            raise ValueError("logit_bias and allowed_token_ids are not supported with beam search.")
+        if self.logit_bias or self.allowed_token_ids or self.bad_words:
+            raise ValueError("logit_bias, allowed_token_ids and bad_words are not supported with beam search.")
 
     def _verify_non_beam_search(self) -> None:
         if self.early_stopping is not False:
@@ -179,8 +185,8 @@ class SamplingParams:
 
     @property
     def shifts_logits(self) -> bool:
-        """True when logit_bias or allowed_token_ids change the logits."""
-        return bool(self.logit_bias or self.allowed_token_ids)
+        """True when logit_bias, allowed_token_ids or bad words change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def num_sequences(self) -> int:

@@ -54,6 +54,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         ),
         logit_bias=dict(msg.logit_bias),
         allowed_token_ids=list(msg.allowed_token_ids),
+        bad_words=list(msg.bad_words),
+        bad_words_token_ids=[list(t.ids) for t in msg.bad_words_token_ids],
     )
 
 
@@ -84,6 +86,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         include_stop_str_in_output=params.include_stop_str_in_output,
         logit_bias=params.logit_bias,
         allowed_token_ids=params.allowed_token_ids,
+        bad_words=params.bad_words,
+        bad_words_token_ids=[common_pb2.TokenIds(ids=ids) for ids in params.bad_words_token_ids],
     )
     if params.repetition_penalty != 1.0:
         msg.repetition_penalty = params.repetition_penalty

@@ -105,6 +105,12 @@ def _constrain(
             kept = logits[i, allowed]
             logits[i] = float("-inf")
             logits[i, allowed] = kept
+        outputs = seqs[i].token_ids[seqs[i].num_prompt_tokens:]
+        for bad in p.bad_words_token_ids:
+            # The token that would complete the word after the tokens generated so far (vLLM's rule).
+            *prefix, last = bad
+            if not prefix or (len(outputs) >= len(prefix) and outputs[len(outputs) - len(prefix):] == prefix):
+                logits[i, last] = float("-inf")
     if early:
         rows = torch.tensor(early, device=logits.device)
         stops = [[*eos_token_ids, *params[i].stop_token_ids] for i in early]

@@ -212,3 +212,9 @@ def test_logit_bias_and_allowed_token_ids_steer_the_worker(cluster: LocalCluster
     reply = httpx.post(f"{url}/v1/completions", json={**base, "allowed_token_ids": [5, 6], "logprobs": 0}, timeout=60)
     assert reply.status_code == 200, reply.text
     assert set(reply.json()["choices"][0]["logprobs"]["tokens"]) <= {name(5), name(6)}
+    # A bad word made of the first greedy token is never generated.
+    first = httpx.post(f"{url}/v1/completions", json={**base, "logprobs": 0}, timeout=60).json()
+    word = first["choices"][0]["logprobs"]["tokens"][0]
+    reply = httpx.post(f"{url}/v1/completions", json={**base, "logprobs": 0, "bad_words": [word]}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert word not in reply.json()["choices"][0]["logprobs"]["tokens"], (word, reply.json())

@@ -397,3 +397,20 @@ def test_logit_bias_and_allowed_token_ids_are_checked_and_round_trip(admission: 
     rejects(admission, make_request(prompt_token_ids=[5], allowed_token_ids=[outside]),
             "allowed_token_ids contains ids outside the vocabulary")
     rejects(admission, make_request(prompt_token_ids=[5], logit_bias={9: 200.0}), "logit_bias needs")
+
+
+def test_bad_words_are_tokenized_with_and_without_a_leading_space(admission: Admission, tokenizer) -> None:
+    got = admission.admit(make_request(prompt_token_ids=[5, 6, 7], bad_words=["hello", " world"]))
+    expected = []
+    for word in ("hello", "world"):
+        bare = tokenizer(word, add_special_tokens=False).input_ids
+        spaced = tokenizer(" " + word, add_special_tokens=False).input_ids
+        expected.append(bare)
+        if spaced != bare:
+            expected.append(spaced)
+    assert got.sampling.bad_words_token_ids == expected and len(expected) > 2
+    assert sampling_from_proto(to_record(got, [1], "w", 0.0).sampling) == got.sampling
+    rejects(admission, make_request(prompt_token_ids=[5], bad_words=["  "]), "bad_words must be non-empty")
+    sent = make_request(prompt_token_ids=[5])
+    sent.sampling.bad_words_token_ids.add(ids=[3])
+    rejects(admission, sent, "bad_words_token_ids is set by the scheduler")

@@ -450,3 +450,14 @@ def test_logit_bias_and_allowed_token_ids_are_validated() -> None:
         SamplingParams(allowed_token_ids=[-1])
     with pytest.raises(ValueError, match="not supported with beam search"):
         SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, logit_bias={1: 1.0})
+
+
+def test_bad_words_mask_the_token_that_would_complete_them() -> None:
+    # Greedy picks token 1 (logit 2.0), then 5 (1.6) when 1 is masked.
+    single = SamplingParams(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[1]])
+    # A two-token word [3, 1]: token 1 is masked only right after a generated 3.
+    pair = SamplingParams(temperature=0.0, bad_words=["xy"], bad_words_token_ids=[[3, 1]])
+    rows = [History([0, 0], 2), History([0, 0, 3], 2), History([0, 0, 2], 2), History([3], 1)]
+    out = sample(LOGITS.unsqueeze(0).repeat(4, 1), [single, pair, pair, pair], rows)
+    # The last row's 3 is in the prompt, not generated: nothing to complete.
+    assert out.token_ids == [5, 5, ARGMAX, ARGMAX]
