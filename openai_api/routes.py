@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -34,6 +36,7 @@ from openai_api.protocol import (
 from openai_api.request_mapping import chat_request, completion_requests, detokenize_ids, tokenize_request
 from openai_api.streaming import MEDIA_TYPE, ChunkHeader, sse_stream
 from shared.grpc_server import PUBLIC_MAX_REQUEST_BYTES
+from shared.metrics import FrontMetrics
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +185,11 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]
     return {"prompt": await state.engine.detokenize(detokenize_ids(req))}
 
 
+async def metrics(request: Request) -> Response:
+    """GET /metrics: the front's Prometheus series (the engine's are on the scheduler's --metrics-port)."""
+    return Response(generate_latest(request.app.state.front_metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
 async def version() -> dict[str, str]:
     """GET /version."""
     return {"version": __version__}
@@ -252,6 +260,34 @@ class BodyLimit:
         await self._app(scope, limited, send)
 
 
+class HttpMetrics:
+    """ASGI middleware: counts each request and times it to its last byte (FrontMetrics), by route; paths that are
+    no route count as `none`, so that probing clients cannot grow the series."""
+
+    def __init__(self, app: Any, metrics: FrontMetrics, routes: frozenset[str]) -> None:
+        self._app = app
+        self._metrics = metrics
+        self._routes = routes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        handler = scope["path"] if scope["path"] in self._routes else "none"
+        method, started, status = scope["method"], time.perf_counter(), 500
+
+        async def observing(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, observing)
+        finally:
+            self._metrics.requests.labels(handler, method, f"{status // 100}xx").inc()
+            self._metrics.duration.labels(handler, method).observe(time.perf_counter() - started)
+
+
 class EchoRequestId:
     """ASGI middleware: every response carries the caller's X-Request-Id back (errors and streams included)."""
 
@@ -286,6 +322,10 @@ def build_app(state: FrontState | None = None, lifespan: Any = None) -> FastAPI:
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"], response_model=None)
+    app.state.front_metrics = FrontMetrics()
+    routes = frozenset(route.path for route in app.routes if isinstance(route, APIRoute))
+    app.add_middleware(HttpMetrics, metrics=app.state.front_metrics, routes=routes)
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

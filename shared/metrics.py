@@ -190,6 +190,20 @@ class WorkerMetrics:
                                  labels, registry=r).labels(model_name)
 
 
+class FrontMetrics:
+    """The HTTP front's own series (the engine's are the scheduler's): requests and their durations by route,
+    under the names of the instrumentator that vLLM's API server uses."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("http_requests", "HTTP requests by route, method and status class (2xx, 4xx, ...).",
+                                ("handler", "method", "status"), registry=r)
+        self.duration = Histogram("http_request_duration_seconds",
+                                  "HTTP request duration by route and method (a stream: until its last event).",
+                                  ("handler", "method"), buckets=E2E_BUCKETS, registry=r)
+
+
 class MetricsServer:
     """prometheus_client's HTTP server on its own thread; port 0 picks a free one (see `port`)."""
 

@@ -79,3 +79,25 @@ def test_errors_echo_the_id_and_requests_without_one_get_a_random_id() -> None:
     assert "x-request-id" not in reply.headers
     ((request_ids, metadata),) = engine.calls
     assert request_ids[0].startswith("cmpl-") and len(request_ids[0]) > len("cmpl-") + 16 and metadata == ()
+
+
+def test_metrics_count_requests_by_route_and_status_class() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = _RecordingEngine()
+    app = build_app(FrontState(engine, TokenNamer(), ["m"]))  # type: ignore[arg-type]
+
+    async def go() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+            await client.post("/v1/completions", json={"model": "m"})
+            await client.get("/no/such/path")
+            return (await client.get("/metrics")).text
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(asyncio.run(go())) for s in family.samples}
+    completions = (("handler", "/v1/completions"), ("method", "POST"))
+    assert samples[("http_requests_total", (*completions, ("status", "2xx")))] == 1
+    assert samples[("http_requests_total", (*completions, ("status", "4xx")))] == 1
+    assert samples[("http_requests_total", (("handler", "none"), ("method", "GET"), ("status", "4xx")))] == 1
+    assert samples[("http_request_duration_seconds_count", completions)] == 2
