@@ -35,6 +35,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from protos import worker_pb2, worker_pb2_grpc
+from scheduler_service import keys
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.fleet import Fleet
@@ -278,7 +279,7 @@ class EngineLoop:
         if self._departed() and self._registration is not None and self.is_idle:
             # Only now that the hand-over is committed may the registration go: a registry without the
             # worker is what tells every replica that nothing of it is left to continue.
-            await self._fleet.registry.forget(self.worker_id)
+            await self._fleet.registry.forget(self.worker_id, keys.worker_state(self.worker_id))
 
     def _may_overlap(self, stop: asyncio.Event) -> bool:
         """Whether the next step may be planned before the one in flight lands (async scheduling): not for beam

@@ -107,3 +107,11 @@ def queued(worker_id: str) -> str:
 def prefix_holder(block_hash_hex: str) -> str:
     """String: the worker that last received a prompt with this full block (chained hash); expires."""
     return f"{PREFIX}:prefix:{block_hash_hex}"
+
+
+def worker_state(worker_id: str) -> list[str]:
+    """Every key of a worker's engine state and queues, which go with it once it left for good (its epoch
+    stays: fencing never goes back)."""
+    return [inbox(worker_id), aborts(worker_id), live(worker_id), waiting(worker_id), running(worker_id),
+            swapped(worker_id), stats(worker_id), seq_states(worker_id), cached_blocks(worker_id), engine(worker_id),
+            queue(worker_id), queued(worker_id)]

@@ -14,6 +14,7 @@ scheduler_service.keys because both services use them.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -30,6 +31,7 @@ CHANGES_CHANNEL = "llmserve:workers:changed"
 _FORGET_IF_DEAD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', unpack(KEYS, 3))
 return 1
 """
 
@@ -121,6 +123,8 @@ class WorkerRegistry:
             for r, a in zip(records, alive)
         ]
 
-    async def forget(self, worker_id: str) -> bool:
-        """Drops a dead worker's registration once its requests moved on; False if it came back meanwhile."""
-        return bool(await self._r.eval(_FORGET_IF_DEAD_LUA, 2, heartbeat_key(worker_id), WORKERS, worker_id))
+    async def forget(self, worker_id: str, state_keys: Sequence[str] = ()) -> bool:
+        """Drops a dead worker's registration once its requests moved on, with its drained mark and the keys of
+        its state (`state_keys`), in one step; False (nothing dropped) if it came back meanwhile."""
+        keys = [heartbeat_key(worker_id), WORKERS, drained_key(worker_id), *state_keys]
+        return bool(await self._r.eval(_FORGET_IF_DEAD_LUA, len(keys), *keys, worker_id))

@@ -153,7 +153,10 @@ def test_a_worker_sigkilled_under_load_hands_its_requests_to_the_other_worker(
     assert row.recover_s < ttl + 15, row
     client = redis.Redis.from_url(cluster.redis_url)
     try:
-        assert client.hget("llmserve:workers", cluster.pods["worker-0"].address) is None, "the dead worker is forgotten"
+        dead = cluster.pods["worker-0"].address
+        assert client.hget("llmserve:workers", dead) is None, "the dead worker is forgotten"
+        # With its engine state and queues (in the same step as its registration).
+        assert client.exists(*keys.worker_state(dead)) == 0, [k for k in keys.worker_state(dead) if client.exists(k)]
     finally:
         client.close()
 

@@ -10,7 +10,7 @@ from protos import worker_pb2
 from scheduler_service import keys
 from scheduler_service.leases import LeaseLostError, Leases
 from scheduler_service.store import RedisStore, StepCommit
-from shared.worker_registry import WorkerRegistry
+from shared.worker_registry import WorkerRegistry, drained_key
 from tests.integration.test_store import alive, record, run
 
 W = "10.0.0.1:50061"
@@ -83,12 +83,21 @@ def test_registry_liveness_draining_and_forget(url: str) -> None:
         assert not await reg.is_drained(W, "i1")
         await reg.mark_drained(W, "i1")
         assert await reg.is_drained(W, "i1") and not await reg.is_drained(W, "i2")
-        assert not await reg.forget(W)  # still alive: a scheduler must not drop it
+        await store.client.set(keys.engine(W), b"x")
+        assert not await reg.forget(W, [keys.engine(W)])  # still alive: a scheduler must not drop it
+        assert await store.client.exists(keys.engine(W)) == 1
         await asyncio.sleep(3.2)
         [entry] = await reg.workers()
         assert not entry.alive and not entry.routable
-        assert await reg.forget(W)
+        # The worker's state goes with its registration, in the same step; its epoch stays.
+        state = keys.worker_state(W)
+        for key in state:
+            await store.client.set(key, b"x")
+        await store.client.set(keys.epoch(W), 7)
+        assert await reg.forget(W, state)
         assert await reg.workers() == []
+        assert await store.client.exists(*state, drained_key(W)) == 0
+        assert int(await store.client.get(keys.epoch(W))) == 7
 
     run(url, body)
 
