@@ -175,9 +175,8 @@ class Admission:
         for word in words:
             bare = list(self._tok(word.lstrip(), add_special_tokens=False).input_ids)  # type: ignore[operator]
             spaced = list(self._tok(" " + word.lstrip(), add_special_tokens=False).input_ids)  # type: ignore[operator]
-            sequences.append(bare)
-            if spaced and spaced != bare:
-                sequences.append(spaced)
+            # A word the tokenizer spells with no token cannot be generated (and the worker masks a last token).
+            sequences.extend(s for s in (bare, [] if spaced == bare else spaced) if s)
         return sequences
 
     def _check_in_vocabulary(self, field: str, token_ids: list[int]) -> None:

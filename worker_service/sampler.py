@@ -105,11 +105,12 @@ def _constrain(
             kept = logits[i, allowed]
             logits[i] = float("-inf")
             logits[i, allowed] = kept
-        outputs = seqs[i].token_ids[seqs[i].num_prompt_tokens:]
+        history, num_prompt = seqs[i].token_ids, seqs[i].num_prompt_tokens
         for bad in p.bad_words_token_ids:
-            # The token that would complete the word after the tokens generated so far (vLLM's rule).
+            # The token that would complete the word after the tokens generated so far (vLLM's rule): only the
+            # word's length of the history is compared, never the prompt.
             *prefix, last = bad
-            if not prefix or (len(outputs) >= len(prefix) and outputs[len(outputs) - len(prefix):] == prefix):
+            if not prefix or (len(history) - num_prompt >= len(prefix) and history[-len(prefix):] == prefix):
                 logits[i, last] = float("-inf")
     if early:
         rows = torch.tensor(early, device=logits.device)
