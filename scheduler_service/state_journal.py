@@ -27,8 +27,6 @@ from scheduler_service.core.sequence import Sequence
 from scheduler_service.store import CacheStats, StepCommit
 
 _TABLE = state_pb2.SequenceState.Table
-# The SequenceState fields of a sequence's key (StateJournal._seq_key), in its order.
-_SEQ_FIELDS = ("status", "num_computed_tokens", "table", "block_table", "num_hashed_blocks", "num_inflight_tokens")
 
 
 def step_record(plan: worker_pb2.StepPlan, out: SchedulerOutput) -> state_pb2.StepRecord:
@@ -82,8 +80,7 @@ class StateJournal:
             self._rewrite = False
         for seq_id, key in keyed.items():
             if self._seqs.get(seq_id) != key:
-                state = state_pb2.SequenceState(seq_id=seq_id, **dict(zip(_SEQ_FIELDS, key)))
-                commit.seq_states[seq_id] = state.SerializeToString()
+                commit.seq_states[seq_id] = _sequence_state(seq_id, *key).SerializeToString()
         commit.dropped_seq_states.extend(s for s in self._seqs if s not in keyed)
         self._seqs = keyed
         for block_id in sorted(changed_blocks):
@@ -121,7 +118,7 @@ class StateJournal:
         queues = tuple([g.request_id for g in q] for q in (scheduler.waiting, scheduler.running, scheduler.swapped))
         # Only the requests that just started running leave the admission queue count: sending the whole
         # running list would cost Redis a lookup per running request whenever the list changes.
-        before = {r for q in self._queues[1:] if q is not None for r in q}
+        before = set().union(*(q for q in self._queues[1:] if q is not None))
         commit.newly_scheduled.extend(r for q in queues[1:] for r in q if r not in before)
         commit.waiting, commit.running, commit.swapped = (new if new != old else None
                                                           for new, old in zip(queues, self._queues))
@@ -130,3 +127,11 @@ class StateJournal:
         stats = CacheStats(bm.num_free_gpu_blocks, bm.num_gpu_blocks, prefix.queries, prefix.hits)
         commit.cache_stats = stats if stats != self._stats else None
         self._stats = stats
+
+
+def _sequence_state(seq_id: int, status: str, computed: int, kind: int, blocks: tuple[int, ...], chain: int,
+                    inflight: int) -> state_pb2.SequenceState:
+    """The SequenceState of a sequence's key (StateJournal._seq_key): every commit builds one per changed
+    sequence (each decode changes its computed count), so the fields are passed directly."""
+    return state_pb2.SequenceState(seq_id=seq_id, status=status, num_computed_tokens=computed, table=kind,
+                                   block_table=blocks, num_hashed_blocks=chain, num_inflight_tokens=inflight)
