@@ -30,6 +30,21 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    # The one grammar backend never falls back to another: either value is what happens.
+    disable_fallback: bool = False
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields completions and chat completions share."""
 
@@ -63,6 +78,13 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's prompt options: the tokenizer's special tokens, and keeping only the prompt's last tokens.
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs or its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -98,7 +120,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from protos import common_pb2, generation_pb2
 from openai_api.errors import invalid_request
+from openai_api.structured_outputs import structured_outputs
 from openai_api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -70,6 +71,9 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         _non_negative(token_id, "allowed_token_ids")
     msg.allowed_token_ids.extend(req.allowed_token_ids or [])
     msg.bad_words.extend(req.bad_words or [])
+    structured = structured_outputs(req)
+    if structured is not None:
+        msg.structured_outputs.CopyFrom(structured)
     if max_tokens is not None:
         msg.max_tokens = max_tokens
     if req.temperature is not None:
@@ -145,8 +149,6 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.
     """The GenerateRequest of a chat completion; the scheduler renders the chat template."""
     if req.tools:
         raise invalid_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise invalid_request("only response_format {'type': 'text'} is supported", "response_format")
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; unset = up to the context length.
     max_tokens = _non_negative(req.max_completion_tokens, "max_completion_tokens", 1)
     if max_tokens is None:

@@ -15,6 +15,7 @@ from protos import generation_pb2, state_pb2
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 from shared.sampling_proto import sampling_from_proto, sampling_to_proto
+from shared.structured_outputs import compile_grammar
 
 _MAX_REQUEST_ID_LEN = 256
 _CHAT_ROLES = ("system", "user", "assistant")
@@ -134,6 +135,14 @@ class Admission:
         if params.bad_words_token_ids:
             raise InvalidRequestError("bad_words_token_ids is set by the scheduler: send bad_words")
         params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        structured = params.structured_outputs
+        if structured is not None:
+            if structured.compiled:
+                raise InvalidRequestError("structured_outputs.compiled is set by the scheduler: leave it empty")
+            try:
+                structured.compiled = compile_grammar(structured)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from exc
         max_seqs = self.limits.max_num_seqs
         width = params.best_of or params.n  # beam search runs best_of beams at once
         if max_seqs and width > max_seqs:

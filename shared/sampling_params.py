@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy, as in vLLM: dividing logits by
 # a tiny temperature overflows and the result is argmax anyway.
 _GREEDY_EPS = 1e-5
@@ -48,6 +50,7 @@ class SamplingParams:
     allowed_token_ids: only these tokens may be sampled (vLLM's); empty allows every token.
     bad_words: words never generated (vLLM's): the token that would complete one is masked.
     bad_words_token_ids: the bad words as token sequences (set by admission with the model's tokenizer).
+    structured_outputs: the grammar the output must follow (JSON schema, regex, choice, ...); None: free text.
     """
 
     max_tokens: int | None = 16
@@ -76,6 +79,7 @@ class SamplingParams:
     allowed_token_ids: list[int] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._verify_counts()
@@ -159,6 +163,8 @@ class SamplingParams:
             raise ValueError("min_tokens is not supported with beam search.")
         if self.logit_bias or self.allowed_token_ids or self.bad_words:
             raise ValueError("logit_bias, allowed_token_ids and bad_words are not supported with beam search.")
+        if self.structured_outputs is not None:
+            raise ValueError("structured outputs are not supported with beam search.")
 
     def _verify_non_beam_search(self) -> None:
         if self.early_stopping is not False:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from protos import common_pb2
 from shared.sampling_params import SamplingParams
+from shared.structured_outputs import StructuredOutputsParams
 
 _EARLY_STOPPING_FROM_PROTO: dict[int, bool | str] = {
     common_pb2.EARLY_STOPPING_HEURISTIC: False,
@@ -56,7 +57,36 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         allowed_token_ids=list(msg.allowed_token_ids),
         bad_words=list(msg.bad_words),
         bad_words_token_ids=[list(t.ids) for t in msg.bad_words_token_ids],
+        structured_outputs=(
+            _structured_from_proto(msg.structured_outputs) if msg.HasField("structured_outputs") else None
+        ),
     )
+
+
+def _structured_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    kind = msg.WhichOneof("kind")
+    return StructuredOutputsParams(
+        json=msg.json if kind == "json" else None,
+        json_object=msg.json_object,
+        regex=msg.regex if kind == "regex" else None,
+        choice=list(msg.choice.choices) if kind == "choice" else None,
+        grammar=msg.grammar if kind == "grammar" else None,
+        disable_any_whitespace=msg.disable_any_whitespace,
+        compiled=msg.compiled,
+    )
+
+
+def _structured_to_proto(params: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
+    msg = common_pb2.StructuredOutputs(
+        disable_any_whitespace=params.disable_any_whitespace, compiled=params.compiled
+    )
+    if params.choice is not None:
+        msg.choice.choices.extend(params.choice)
+    elif params.json_object:
+        msg.json_object = True
+    else:
+        setattr(msg, params.kind, getattr(params, params.kind))
+    return msg
 
 
 def _early_stopping_from_proto(value: int) -> bool | str:
@@ -101,4 +131,6 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = params.logprobs
     if params.seed is not None:
         msg.seed = params.seed
+    if params.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(_structured_to_proto(params.structured_outputs))
     return msg

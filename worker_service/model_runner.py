@@ -15,6 +15,7 @@ from protos import worker_pb2
 from shared.checkpoint import pretrained_source
 from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_bytes, size_cache
 from worker_service.config import WorkerConfig
+from worker_service.grammar_masks import GrammarMasks
 from worker_service.input_builder import ModelInputs, build_inputs
 from worker_service.model_loader import load_config, model_shape, resolve_dtype
 from worker_service.models import build_model
@@ -114,6 +115,7 @@ class ModelRunner:
         self.model = build_model(hf_config, config.model, self.dtype, self.device, max_len, rank, tp_size)
         # Masked until min_tokens; read once, not on every step.
         self.eos_token_ids = eos_token_ids(hf_config, config.model)
+        self.grammars = GrammarMasks(config.model, self.shape.vocab_size, self.eos_token_ids)
         # A GPU's cache gets what the largest step leaves of --gpu-memory-utilization; a CPU's is set in GiB.
         device_bytes, memory_flag = config.kv_cache_bytes, "--kv-cache-memory"
         if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
@@ -212,7 +214,8 @@ class ModelRunner:
             if inputs.sampling_seqs:
                 logits = self.model.compute_logits(hidden[inputs.sample_indices])
                 seqs = inputs.sampling_seqs
-                out = sample(logits, [s.sampling for s in seqs], seqs, self.eos_token_ids)
+                masks = self.grammars.masks(seqs)
+                out = sample(logits, [s.sampling for s in seqs], seqs, self.eos_token_ids, masks)
                 for seq, token, logprob, top in zip(seqs, out.token_ids, out.logprobs, out.top_logprobs):
                     sampled.append(SampledTokenData(seq.seq_id, token, logprob, top))
         except Exception:

@@ -1,7 +1,8 @@
 """Batched token sampling with vLLM's parameters, as tensor ops over the whole batch.
 
 Per step, in vLLM's order: min_tokens (EOS and stop tokens masked until enough
-tokens exist), presence / frequency / repetition penalties, then greedy rows
+tokens exist), presence / frequency / repetition penalties, the structured
+outputs' grammar masks (grammar_masks.py), then greedy rows
 take the argmax and random rows apply temperature, top-k, top-p and min-p and
 draw. Only building the per-row parameter tensors touches each row in Python.
 
@@ -27,6 +28,7 @@ from typing import Protocol
 import torch
 
 from shared.sampling_params import SamplingParams
+from worker_service.grammar_masks import TokenMasks
 from worker_service.logits_processing import (
     apply_min_p,
     apply_penalties,
@@ -35,6 +37,7 @@ from worker_service.logits_processing import (
     token_counts,
 )
 from worker_service.seeded_noise import seeded_exponentials
+from worker_service.token_bitmask import apply_token_bitmask
 
 
 class TokenHistory(Protocol):
@@ -59,16 +62,21 @@ def sample(
     params: list[SamplingParams],
     seqs: Sequence[TokenHistory],
     eos_token_ids: Sequence[int] = (),
+    grammar_masks: TokenMasks | None = None,
 ) -> SamplerOutput:
     """Samples one token per row of `logits` ([num_seqs, vocab], float32).
 
     seqs[i]: row i's tokens so far (penalties; its number of outputs is the
     position of the token being sampled). eos_token_ids: masked with each
     row's stop_token_ids while the row has fewer than min_tokens outputs.
+    grammar_masks: the tokens the structured outputs of some rows allow.
     """
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
-    logits = _constrain(logits, params, seqs, positions, eos_token_ids)
+    constrained = _constrain(logits, params, seqs, positions, eos_token_ids)
+    if grammar_masks is not None:
+        constrained = _apply_grammar(logits, constrained, grammar_masks)
+    logits = constrained
     chosen = _argmax(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -133,6 +141,24 @@ def _constrain(
             logits[rows], prompt_mask, output_counts,
             per_row("repetition_penalty"), per_row("frequency_penalty"), per_row("presence_penalty"),
         )
+    return logits
+
+
+def _apply_grammar(raw: torch.Tensor, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    """Masks the tokens each constrained row's grammar refuses, last (on a copy of the raw logits if needed).
+
+    Where the other constraints leave the grammar no token (min_tokens hiding the EOS that ends a
+    complete output, allowed_token_ids outside the grammar), the grammar wins: the row keeps only its
+    mask, so the output stays valid.
+    """
+    if logits is raw:
+        logits = raw.clone()
+    apply_token_bitmask(logits, masks.rows, masks.bitmask)
+    rows = torch.tensor(masks.rows, device=logits.device)
+    empty = (~torch.isfinite(logits[rows]).any(dim=1)).nonzero().flatten().tolist()
+    for j in empty:
+        logits[masks.rows[j]] = raw[masks.rows[j]]
+        apply_token_bitmask(logits, [masks.rows[j]], masks.bitmask[j : j + 1])
     return logits
 
 

@@ -8,6 +8,7 @@ compute. A recomputed sequence is re-sent in full and replaces the entry.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from shared.sampling_params import SamplingParams
 from worker_service.plan import NewSequenceData, PlanError, SequenceDeltaData
@@ -28,6 +29,9 @@ class CachedSequence:
     sampling: SamplingParams
     # Set by the current step: tokens to compute this step.
     num_new_tokens: int = 0
+    # The structured output's matcher (grammar_masks.GrammarState), made at the first sample; a sequence
+    # learned again starts without one and its matcher catches up from the tokens.
+    grammar: Any = None
 
     @property
     def computes_prompt_logprobs(self) -> bool:

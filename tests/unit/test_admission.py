@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from llmserve.client import make_request
-from protos import generation_pb2
+from protos import common_pb2, generation_pb2
 from scheduler_service.admission import Admission, AdmittedPrompt, ModelLimits, to_record
 from shared.errors import InvalidRequestError, status_for
 from shared.sampling_params import SamplingParams
@@ -414,3 +414,20 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space(admission: Adm
     sent = make_request(prompt_token_ids=[5])
     sent.sampling.bad_words_token_ids.add(ids=[3])
     rejects(admission, sent, "bad_words_token_ids is set by the scheduler")
+
+
+def test_structured_outputs_are_compiled_once_and_bad_ones_refused(admission: Admission) -> None:
+    choice = common_pb2.StructuredOutputs(choice=common_pb2.Choices(choices=["yes", "no"]))
+    got = admission.admit(make_request(prompt_token_ids=[5], structured_outputs=choice))
+    assert got.sampling.structured_outputs is not None
+    assert got.sampling.structured_outputs.compiled == 'start: "yes" | "no"'
+    # The compiled grammar travels with the record, so every worker that learns the sequence gets it.
+    assert sampling_from_proto(to_record(got, [1], "w", 0.0).sampling) == got.sampling
+    rejects(admission, make_request(prompt_token_ids=[5], structured_outputs=common_pb2.StructuredOutputs(regex="(")),
+            "structured_outputs.regex is not valid")
+    rejects(admission, make_request(prompt_token_ids=[5], structured_outputs=common_pb2.StructuredOutputs(
+        json='{"type": "object", "properties": {"a": {"type": "nope"}}}')), "structured_outputs.json is not valid")
+    rejects(admission, make_request(prompt_token_ids=[5], structured_outputs=common_pb2.StructuredOutputs()),
+            "structured_outputs must set exactly one of")
+    rejects(admission, make_request(prompt_token_ids=[5], structured_outputs=common_pb2.StructuredOutputs(
+        regex="a", compiled="start: /b/")), "structured_outputs.compiled is set by the scheduler")

@@ -65,7 +65,8 @@ def _post(path: str, body: object) -> httpx.Response:
         ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": "other", "messages": []}, 404, "model"),
         # A parameter the front does not serve is refused by name, never ignored.
-        ("/v1/completions", {"model": "m", "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "guided_whitespace_pattern": " *"}, 400,
+         "guided_whitespace_pattern"),
         ("/v1/chat/completions", {"model": "m", "messages": [], "priority": 1}, 400, "priority"),
         # Integers past their protobuf field: a 400 naming the parameter, never a 500.
         ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2**32}, 400, "max_tokens"),

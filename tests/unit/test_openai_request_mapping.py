@@ -93,7 +93,16 @@ def test_chat_logprobs() -> None:
         (_chat, dict(top_logprobs=2), "top_logprobs"),
         (_chat, dict(max_completion_tokens=0), "max_completion_tokens"),
         (_chat, dict(tools=[{"type": "function"}]), "tools"),
-        (_chat, dict(response_format={"type": "json_object"}), "response_format"),
+        (_chat, dict(response_format={"type": "structural_tag"}), "response_format.type"),
+        (_chat, dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+         "response_format.json_schema"),
+        (_completion, dict(guided_regex="a+", guided_choice=["a"]), "guided_choice"),
+        (_completion, dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+         "structured_outputs"),
+        (_completion, dict(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs"),
+        (_completion, dict(structured_outputs={}), "structured_outputs"),
+        (_completion, dict(structured_outputs={"regex": "a", "structural_tag": "{}"}),
+         "structured_outputs.structural_tag"),
         (_chat, dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
     ],
 )
@@ -114,3 +123,37 @@ def test_logit_bias_and_allowed_token_ids_map_to_the_sampling_params() -> None:
     (request,) = _completion(logit_bias={"5": 2.5, "17": -100}, allowed_token_ids=[5, 9])
     msg = request.sampling
     assert dict(msg.logit_bias) == {5: 2.5, 17: -100.0} and list(msg.allowed_token_ids) == [5, 9]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (dict(response_format={"type": "json_object"}), {"json_object": True}),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}),
+         {"json": '{"type": "integer"}'}),
+        (dict(response_format={"type": "text"}), None),
+        (dict(structured_outputs={"json": {"type": "string"}, "disable_any_whitespace": True}),
+         {"json": '{"type": "string"}', "disable_any_whitespace": True}),
+        (dict(structured_outputs={"json": '{"type": "string"}'}), {"json": '{"type": "string"}'}),
+        (dict(structured_outputs={"json_object": True}), {"json_object": True}),
+        (dict(structured_outputs={"regex": "[a-z]+"}), {"regex": "[a-z]+"}),
+        (dict(structured_outputs={"choice": ["yes", "no"]}), {"choice": ["yes", "no"]}),
+        (dict(structured_outputs={"grammar": 'start: "a"'}), {"grammar": 'start: "a"'}),
+        (dict(guided_json={"type": "boolean"}), {"json": '{"type": "boolean"}'}),
+        (dict(guided_regex="\\d+"), {"regex": "\\d+"}),
+        (dict(guided_choice=["a", "b"]), {"choice": ["a", "b"]}),
+        (dict(guided_grammar='root ::= "x"'), {"grammar": 'root ::= "x"'}),
+    ],
+)
+@pytest.mark.parametrize("build", [_completion, _chat])
+def test_structured_output_spellings_map_to_one_constraint(build, fields: dict, expected: dict | None) -> None:
+    params = sampling_from_proto(build(**fields)[0].sampling if build is _completion else build(**fields).sampling)
+    structured = params.structured_outputs
+    if expected is None:
+        assert structured is None
+        return
+    assert structured is not None
+    got = {k: getattr(structured, k) for k in ("json", "json_object", "regex", "choice", "grammar",
+                                               "disable_any_whitespace")}
+    assert got == {"json": None, "json_object": False, "regex": None, "choice": None, "grammar": None,
+                   "disable_any_whitespace": False, **expected}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared.sampling_params import SamplingParams
+from worker_service.grammar_masks import TokenMasks
 from worker_service.sampler import SamplerOutput, sample
 
 # A small vocabulary with distinct logits; the argmax (token 1) is not at index 0.
@@ -461,3 +462,40 @@ def test_bad_words_mask_the_token_that_would_complete_them() -> None:
     out = sample(LOGITS.unsqueeze(0).repeat(4, 1), [single, pair, pair, pair], rows)
     # The last row's 3 is in the prompt, not generated: nothing to complete.
     assert out.token_ids == [5, 5, ARGMAX, ARGMAX]
+
+
+# -- structured outputs' grammar masks ------------------------------------------------------
+
+
+def _bits(*allowed: list[int]) -> torch.Tensor:
+    """A packed mask per row (one 32-bit word covers the 8-token vocabulary)."""
+    return torch.tensor([[sum(1 << t for t in row) - (1 << 32 if 31 in row else 0)] for row in allowed],
+                        dtype=torch.int32)
+
+
+def test_grammar_masks_restrict_only_their_rows_and_keep_raw_logprobs() -> None:
+    free = SamplingParams(temperature=0.0)
+    params = [free, SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+    masks = TokenMasks(rows=[1, 2], bitmask=_bits([0, 6, 7], [3, 4]))
+    out = sample(LOGITS.unsqueeze(0).repeat(3, 1), params, at([0, 0, 0]), grammar_masks=masks)
+    assert out.token_ids[0] == ARGMAX and out.token_ids[1] == 7 and out.token_ids[2] in (3, 4)
+    assert out.logprobs[1] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[7]), abs=1e-6)
+    # A sampled constrained row follows the distribution renormalised over what the grammar allows.
+    n = NUM_DRAWS
+    got = frequencies(sample(LOGITS.unsqueeze(0).repeat(n, 1), [SamplingParams(temperature=1.0)] * n, at([0] * n),
+                             grammar_masks=TokenMasks(list(range(n)), _bits(*[[3, 4]] * n))).token_ids)
+    expected = torch.zeros(VOCAB, dtype=torch.float64)
+    expected[[3, 4]] = torch.softmax(LOGITS[[3, 4]].double(), -1)
+    assert torch.allclose(got, expected, atol=TOLERANCE)
+
+
+def test_the_grammar_wins_where_other_constraints_leave_it_no_token() -> None:
+    """min_tokens masks EOS (token 2) but the grammar is complete and allows only EOS: the row ends anyway;
+    allowed_token_ids outside the grammar give way to it too."""
+    eos_only = SamplingParams(temperature=0.0, min_tokens=5)
+    disjoint = SamplingParams(temperature=0.0, allowed_token_ids=[0, 1])
+    compatible = SamplingParams(temperature=0.0, allowed_token_ids=[4, 5])
+    masks = TokenMasks(rows=[0, 1, 2], bitmask=_bits([2], [6, 7], [3, 4]))
+    out = sample(LOGITS.unsqueeze(0).repeat(3, 1), [eos_only, disjoint, compatible], at([0, 0, 0]), eos_token_ids=[2],
+                 grammar_masks=masks)
+    assert out.token_ids == [2, 7, 4]

@@ -1,0 +1,127 @@
+"""Token masks of structured outputs: one llguidance matcher per constrained sequence.
+
+A matcher's state is a function of the sequence's output tokens and nothing else: before each mask
+it consumes the outputs it has not seen (`_sync`). So nothing is saved or sent when a sequence is
+preempted, swapped, recomputed or taken over by a new scheduler: the worker entry that holds the
+matcher is rebuilt from the plan's tokens and the matcher catches up from them. The sampled token
+itself is consumed at the next step, where the sequence's tokens say it was kept.
+
+A matcher that finished its grammar (or met a token it refuses, which the mask makes impossible but
+a bug would not) allows only EOS, so the sequence ends there with finish reason "stop".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from shared.sampling_params import SamplingParams
+from shared.checkpoint import pretrained_source
+
+log = logging.getLogger(__name__)
+
+
+class ConstrainedSequence(Protocol):
+    """What the masks read of a worker's sequence (CachedSequence)."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    grammar: Any
+
+
+@dataclass
+class GrammarState:
+    """A sequence's matcher and how many of its outputs it consumed."""
+
+    matcher: Any
+    num_consumed: int = 0
+    failed: bool = False
+
+
+@dataclass
+class TokenMasks:
+    """Allowed tokens of some rows of a step's logits: rows[i]'s mask is bitmask[i] (bit t of word t // 32)."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
+class GrammarMasks:
+    """Builds each step's masks for the rows whose sequences have a structured output.
+
+    The llguidance tokenizer (the model's tokenizer, ~0.5 s to build) is made on the first constrained
+    sequence: a worker that never serves one never pays for it.
+    """
+
+    def __init__(self, model_path: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._model_path = model_path
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer: Any = None
+        self._executor: Any = None
+        self._lock = threading.Lock()
+
+    def masks(self, seqs: Sequence[ConstrainedSequence]) -> TokenMasks | None:
+        """Masks for the rows of `seqs` (a step's sampled sequences, in row order) that are constrained."""
+        rows = [i for i, s in enumerate(seqs) if s.sampling.structured_outputs is not None]
+        if not rows:
+            return None
+        matchers = [(self._sync(seqs[i]).matcher, j) for j, i in enumerate(rows)]
+        words = -(-self._vocab_size // 32)
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        # One call for every row: llguidance computes the masks on its own threads, without the GIL, straight
+        # into the tensor (what llguidance.torch's fill_next_token_bitmask_par does; importing that module
+        # sets up torch.compile, ~3.6 s).
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+        return TokenMasks(rows, bitmask)
+
+    def _sync(self, seq: ConstrainedSequence) -> GrammarState:
+        """The sequence's matcher, made if needed, having consumed every output token."""
+        state: GrammarState | None = seq.grammar
+        if state is None:
+            compiled = seq.sampling.structured_outputs.compiled  # type: ignore[union-attr] # constrained rows only
+            state = seq.grammar = GrammarState(self._new_matcher(seq.seq_id, compiled))
+        outputs = seq.token_ids[seq.num_prompt_tokens:]
+        matcher = state.matcher
+        for token in outputs[state.num_consumed:]:
+            if matcher.is_stopped():
+                break  # EOS sampled under ignore_eos: the grammar is complete, only EOS stays allowed
+            if not matcher.consume_token(token) and not state.failed:
+                state.failed = True
+                log.error("sequence %d: its grammar refused token %d (%s); only EOS is allowed from here",
+                          seq.seq_id, token, matcher.get_error())
+        state.num_consumed = len(outputs)
+        return state
+
+    def _new_matcher(self, seq_id: int, compiled: str) -> Any:
+        import llguidance  # noqa: PLC0415
+
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), compiled)
+        if matcher.is_error():
+            # Admission validated the grammar: an error here is the compiled text lost or changed on the way.
+            raise RuntimeError(f"sequence {seq_id}: its grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def _llg_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance  # noqa: PLC0415
+                import llguidance.hf  # noqa: PLC0415
+                from transformers import AutoTokenizer  # noqa: PLC0415
+
+                start = time.perf_counter()
+                source, kwargs = pretrained_source(self._model_path)
+                hf = AutoTokenizer.from_pretrained(source, **kwargs)
+                eos = self._eos_token_ids or None
+                self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self._vocab_size, eos_token=eos)
+                self._executor = llguidance.LLExecutor()
+                log.info("structured outputs: the grammar tokenizer took %.2f s to build", time.perf_counter() - start)
+            return self._tokenizer

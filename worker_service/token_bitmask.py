@@ -1,0 +1,46 @@
+"""Applying packed token masks to logits: -inf where a token's bit is 0.
+
+A mask row packs the vocabulary into 32-bit words, token t at bit t % 32 of word t // 32
+(llguidance's layout). On the CPU a Numba loop reads each word once and skips the words whose 32
+tokens are all allowed (most of them while a constrained sequence writes a free string, where a
+structural position allows a handful): 64 rows of 49152 tokens take microseconds, where expanding
+the bits with tensor ops takes ~10 ms. Other devices expand the bits with tensor ops.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+_BITS = 32
+
+
+@numba.njit(cache=True, nogil=True)
+def _mask_rows(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
+    vocab = logits.shape[1]
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        for w in range(bitmask.shape[1]):
+            word = bitmask[i, w]
+            if word == -1:  # every bit set: all 32 tokens allowed
+                continue
+            start = w * _BITS
+            for t in range(start, min(start + _BITS, vocab)):
+                if not (word >> (t - start)) & 1:
+                    logits[row, t] = -np.inf
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """logits[rows[i], t] = -inf for every token t whose bit is 0 in bitmask[i] (in place).
+
+    logits: [num_rows, vocab] float32; bitmask: [len(rows), >= ceil(vocab / 32)] int32.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        _mask_rows(logits.numpy(), np.asarray(rows, dtype=np.int64), bitmask.numpy())
+        return
+    index = torch.tensor(rows, device=logits.device)
+    shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1
+    allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].to(torch.bool)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
