@@ -1,8 +1,14 @@
-"""Assertions about a running cluster's state: every KV block free, nothing left behind."""
+"""Assertions about a running cluster's state (every KV block free, nothing left behind), and a standby replica."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import redis
@@ -10,6 +16,32 @@ import redis
 from llmserve.local_cluster import LocalCluster
 from protos import worker_pb2, worker_pb2_grpc
 from scheduler_service import keys
+from shared.redis_server import free_port
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Polls `condition` until it is true; fails with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def start_standby_scheduler(cluster: LocalCluster, log: Path) -> tuple[subprocess.Popen, str]:
+    """A second scheduler replica on the cluster's Redis, with its scheduler flags: (process, address), listening."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmserve", "scheduler", "--model", cluster.spec.model, "--host", "127.0.0.1",
+           "--port", str(port), "--redis-url", cluster.redis_url, *cluster.spec.scheduler_args]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    def listening() -> bool:
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(listening, 120, "the standby replica did not start")
+    return proc, f"127.0.0.1:{port}"
 
 
 def describe_worker(cluster: LocalCluster) -> worker_pb2.WorkerDescription:

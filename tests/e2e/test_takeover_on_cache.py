@@ -10,11 +10,7 @@ loops: the async one's commits also hold a step counted as run and not landed.
 
 from __future__ import annotations
 
-import os
 import random
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,8 +24,7 @@ from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import generation_pb2
 from scheduler_service import keys
-from shared.redis_server import free_port
-from tests.e2e.cluster_checks import assert_all_blocks_free, describe_worker
+from tests.e2e.cluster_checks import assert_all_blocks_free, describe_worker, start_standby_scheduler, wait_for
 from tests.e2e.engine_modes import SCHEDULING
 from tests.hf_reference import HFReference, compare_greedy
 
@@ -79,29 +74,6 @@ def _send(address: str, req: generation_pb2.GenerateRequest) -> None:
     threading.Thread(target=send, daemon=True).start()
 
 
-def _wait(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
-
-
-def _start_standby(cluster: LocalCluster, log: Path) -> subprocess.Popen:
-    port = free_port()
-    cmd = [sys.executable, "-m", "llmserve", "scheduler", "--model", cluster.spec.model, "--host", "127.0.0.1",
-           "--port", str(port), "--redis-url", cluster.redis_url, *cluster.spec.scheduler_args]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-
-    def listening() -> bool:
-        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    _wait(listening, 120, "the standby replica did not start")
-    return proc
-
-
 def test_the_standby_replica_continues_on_the_workers_cache(cluster: LocalCluster, tiny_llama_dir: Path,
                                                              tmp_path: Path) -> None:
     rng = random.Random(16)
@@ -115,11 +87,11 @@ def test_the_standby_replica_continues_on_the_workers_cache(cluster: LocalCluste
     rds = redis.Redis.from_url(cluster.redis_url)
     w = cluster.worker_address
     standby_log = tmp_path / "standby.log"
-    standby = _start_standby(cluster, standby_log)
+    standby, _ = start_standby_scheduler(cluster, standby_log)
     try:
         # The first request computes the shared prefix; the others then hit its blocks.
         _send(cluster.address, requests[0])
-        _wait(lambda: _streams(rds, ids[0])[0], 60, "the first request produced no token")
+        wait_for(lambda: _streams(rds, ids[0])[0], 60, "the first request produced no token")
         for req in requests[1:]:
             _send(cluster.address, req)
 
@@ -129,7 +101,7 @@ def test_the_standby_replica_continues_on_the_workers_cache(cluster: LocalCluste
             outputs = [len(t) for r in running for t in _streams(rds, r.decode())[0].values()]
             return len(running) >= 4 and rds.llen(keys.swapped(w)) > 0 and min(outputs, default=0) >= 20
 
-        _wait(busy, 120, "the worker never ran four groups with others swapped out")
+        wait_for(busy, 120, "the worker never ran four groups with others swapped out")
         cluster.kill("scheduler")
         killed = time.monotonic()
         # A busy async loop commits with a step in flight, which the standby lands first.
@@ -143,10 +115,10 @@ def test_the_standby_replica_continues_on_the_workers_cache(cluster: LocalCluste
         assert any(n < 2 * MAX_NEW for n in at_kill.values()), at_kill
 
         # Generation resumes when the lease moves: the first new token of any request.
-        _wait(lambda: sum(sum(len(t) for t in _streams(rds, r)[0].values()) for r in ids) > sum(at_kill.values()),
+        wait_for(lambda: sum(sum(len(t) for t in _streams(rds, r)[0].values()) for r in ids) > sum(at_kill.values()),
               LEASE_TTL_S + 60, "no token after the kill")
         pause = time.monotonic() - killed
-        _wait(lambda: all(_streams(rds, rid)[1] for rid in ids), 240, "the requests did not finish")
+        wait_for(lambda: all(_streams(rds, rid)[1] for rid in ids), 240, "the requests did not finish")
 
         reference = HFReference(str(tiny_llama_dir))
         for rid, prompt in zip(ids, prompts):
