@@ -153,12 +153,11 @@ def _apply_grammar(raw: torch.Tensor, logits: torch.Tensor, masks: TokenMasks) -
     """
     if logits is raw:
         logits = raw.clone()
-    apply_token_bitmask(logits, masks.rows, masks.bitmask)
-    rows = torch.tensor(masks.rows, device=logits.device)
-    empty = (~torch.isfinite(logits[rows]).any(dim=1)).nonzero().flatten().tolist()
-    for j in empty:
-        logits[masks.rows[j]] = raw[masks.rows[j]]
-        apply_token_bitmask(logits, [masks.rows[j]], masks.bitmask[j : j + 1])
+    left = apply_token_bitmask(logits, masks.rows, masks.bitmask)
+    for j, row in enumerate(masks.rows):
+        if not left[j]:
+            logits[row] = raw[row]
+            apply_token_bitmask(logits, [row], masks.bitmask[j : j + 1])
     return logits
 
 

@@ -17,30 +17,39 @@ _BITS = 32
 
 
 @numba.njit(cache=True, nogil=True)
-def _mask_rows(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
+def _mask_rows(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray, left: np.ndarray) -> None:
     vocab = logits.shape[1]
     for i in range(rows.shape[0]):
         row = rows[i]
         for w in range(bitmask.shape[1]):
             word = bitmask[i, w]
-            if word == -1:  # every bit set: all 32 tokens allowed
-                continue
             start = w * _BITS
+            if word == -1:  # every bit set: all 32 tokens allowed
+                if not left[i]:
+                    for t in range(start, min(start + _BITS, vocab)):
+                        left[i] |= logits[row, t] > -np.inf
+                continue
             for t in range(start, min(start + _BITS, vocab)):
-                if not (word >> (t - start)) & 1:
+                if (word >> (t - start)) & 1:
+                    left[i] |= logits[row, t] > -np.inf
+                else:
                     logits[row, t] = -np.inf
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[bool]:
     """logits[rows[i], t] = -inf for every token t whose bit is 0 in bitmask[i] (in place).
 
-    logits: [num_rows, vocab] float32; bitmask: [len(rows), >= ceil(vocab / 32)] int32.
+    logits: [num_rows, vocab] float32; bitmask: [len(rows), >= ceil(vocab / 32)] int32. Returns, per
+    rows[i], whether a token with a logit above -inf is left.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-        _mask_rows(logits.numpy(), np.asarray(rows, dtype=np.int64), bitmask.numpy())
-        return
+        left = np.zeros(len(rows), dtype=np.bool_)
+        _mask_rows(logits.numpy(), np.asarray(rows, dtype=np.int64), bitmask.numpy(), left)
+        return left.tolist()
     index = torch.tensor(rows, device=logits.device)
     shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
     bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1
     allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].to(torch.bool)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    masked = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = masked
+    return (masked.amax(dim=1) > float("-inf")).tolist()

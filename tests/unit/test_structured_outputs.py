@@ -85,12 +85,17 @@ def test_bitmask_application_matches_a_per_token_reference(vocab: int) -> None:
     bitmask[0, 0] = -1  # a word of 32 allowed tokens (the skipped case)
     bitmask[1, -1] = 0
     rows = [4, 0, 2]
+    logits[0, :] = float("-inf")  # row 0 loses every token (its last allowed one is -inf already)
+    logits[2, :32] = float("-inf")
+    bitmask[2] = 0
+    bitmask[2, 0] = -1  # row 2 allows only tokens that are -inf already
     expected = _reference_mask(logits, rows, bitmask)
     numba_path = logits.clone()
-    apply_token_bitmask(numba_path, rows, bitmask)
+    left_numba = apply_token_bitmask(numba_path, rows, bitmask)
     torch_path = logits.t().contiguous().t()  # not contiguous: the tensor-op path
-    apply_token_bitmask(torch_path, rows, bitmask)
+    left_torch = apply_token_bitmask(torch_path, rows, bitmask)
     assert torch.equal(numba_path, expected) and torch.equal(torch_path, expected)
+    assert left_numba == left_torch == [True, False, False]
 
 
 # --- the worker's matchers ---------------------------------------------------------------------------------------
