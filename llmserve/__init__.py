@@ -1,12 +1,12 @@
 """llmserve: a vLLM-style LLM inference server built as gRPC microservices.
 
-`from llmserve import LLM, SamplingParams` gives the offline API (llmserve.offline).
+`from llmserve import LLM, SamplingParams, StructuredOutputsParams` gives the offline API (llmserve.offline).
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> object:
@@ -19,4 +19,8 @@ def __getattr__(name: str) -> object:
         from shared.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from shared.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'llmserve' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from unittest import mock
@@ -9,7 +10,7 @@ from unittest import mock
 import pytest
 from transformers import AutoTokenizer
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM, SamplingParams, StructuredOutputsParams
 from tests.hf_reference import HFReference, compare_greedy
 
 
@@ -50,11 +51,16 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
 
 def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> None:
     """The same prompts and parameters through the in-process engine and through Redis + gRPC services."""
-    prompts = ["The quick brown fox", list(range(700, 760)), "1 2 3", [9] * 40]
+    prompts = ["The quick brown fox", list(range(700, 760)), "1 2 3", [9] * 40, "Yes or no?", "Call"]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=11, max_tokens=10, logprobs=2),
               SamplingParams(temperature=0.0, max_tokens=6, stop=["3"]),
-              SamplingParams(temperature=0.7, seed=3, max_tokens=9, presence_penalty=0.5)]
+              SamplingParams(temperature=0.7, seed=3, max_tokens=9, presence_penalty=0.5),
+              # A random model follows a grammar only because the worker masks every other token.
+              SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe not"])),
+              SamplingParams(temperature=0.0, max_tokens=16,
+                             structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[0-9]{4}"))]
     engine_args = dict(max_model_len=256, num_threads=1, max_num_seqs=3, enable_prefix_caching=True)
 
     def run(services: bool) -> list[tuple]:
@@ -66,6 +72,9 @@ def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> 
                                       for c in o.outputs]) for o in outputs]
 
     in_process, services = run(False), run(True)
+    choices, (phone,) = [c[1] for c in in_process[4][1]], in_process[5][1]
+    assert set(choices) <= {"yes", "no", "maybe not"} and phone[2] == "stop", (choices, phone)
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", phone[1]), phone
     assert [p for p, _ in in_process] == [p for p, _ in services]
     for (_, mine), (_, theirs) in zip(in_process, services):
         assert [(t, text, reason) for t, text, reason, _ in mine] == [(t, text, reason) for t, text, reason, _ in theirs]
