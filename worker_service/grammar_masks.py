@@ -89,16 +89,16 @@ class GrammarMasks:
         if state is None:
             compiled = seq.sampling.structured_outputs.compiled  # type: ignore[union-attr] # constrained rows only
             state = seq.grammar = GrammarState(self._new_matcher(seq.seq_id, compiled))
-        outputs = seq.token_ids[seq.num_prompt_tokens:]
-        matcher = state.matcher
-        for token in outputs[state.num_consumed:]:
+        matcher, tokens = state.matcher, seq.token_ids
+        # Indexing, not slicing: a decode step consumes one token, whatever the length of the output.
+        for at in range(seq.num_prompt_tokens + state.num_consumed, len(tokens)):
             if matcher.is_stopped():
                 break  # EOS sampled under ignore_eos: the grammar is complete, only EOS stays allowed
-            if not matcher.consume_token(token) and not state.failed:
+            if not matcher.consume_token(tokens[at]) and not state.failed:
                 state.failed = True
                 log.error("sequence %d: its grammar refused token %d (%s); only EOS is allowed from here",
-                          seq.seq_id, token, matcher.get_error())
-        state.num_consumed = len(outputs)
+                          seq.seq_id, tokens[at], matcher.get_error())
+        state.num_consumed = len(tokens) - seq.num_prompt_tokens
         return state
 
     def _new_matcher(self, seq_id: int, compiled: str) -> Any:
