@@ -22,7 +22,7 @@ class SamplingParams:
     """How to pick tokens for one request and when to stop.
 
     max_tokens: number of tokens to generate at most (None = up to max_model_len).
-    temperature: 0 means greedy decoding.
+    temperature: in [0, 2]; 0 means greedy decoding.
     top_p: nucleus sampling mass in (0, 1].
     top_k: keep the k most likely tokens; 0 or -1 disables.
     seed: per-request seed; the request's samples are reproducible whatever shares the batch.
@@ -122,6 +122,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if not (0.0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if self.temperature > 2.0:  # vLLM's (and OpenAI's) bound
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:

@@ -252,6 +252,7 @@ def test_logprobs_range(admission: Admission) -> None:
         (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
         (dict(top_k=-3), "top_k must be -1 (disable), or at least 1, got -3."),
         (dict(temperature=-1.0), "temperature must be non-negative, got -1.0."),
+        (dict(temperature=2.5), "temperature must be in [0, 2], got 2.5."),
         (dict(max_tokens=4, min_tokens=5), "min_tokens must be less than or equal to max_tokens=4, got 5."),
         (dict(min_tokens=17), "min_tokens must be less than or equal to max_tokens=16, got 17."),
         (dict(prompt_logprobs=21), "prompt_logprobs must be in [0, 20], got 21."),
