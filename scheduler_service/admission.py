@@ -139,6 +139,9 @@ class Admission:
         if structured is not None:
             if structured.compiled:
                 raise InvalidRequestError("structured_outputs.compiled is set by the scheduler: leave it empty")
+            if not getattr(self._tok, "is_fast", False):
+                # The worker's matchers read the model's tokenizer in its Rust (tokenizers) form.
+                raise InvalidRequestError("structured outputs need a fast tokenizer; this model's is not")
             try:
                 structured.compiled = compile_grammar(structured)
             except ValueError as exc:

@@ -74,22 +74,36 @@ class GrammarMasks:
         rows = [i for i, s in enumerate(seqs) if s.sampling.structured_outputs is not None]
         if not rows:
             return None
-        matchers = [(self._sync(seqs[i]).matcher, j) for j, i in enumerate(rows)]
+        states = [self._sync(seqs[i]) for i in rows]
         words = -(-self._vocab_size // 32)
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
-        # One call for every row: llguidance computes the masks on its own threads, without the GIL, straight
-        # into the tensor (what llguidance.torch's fill_next_token_bitmask_par does; importing that module
-        # sets up torch.compile, ~3.6 s).
-        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+        matchers = [(state.matcher, j) for j, state in enumerate(states) if state.matcher is not None]
+        if matchers:
+            # One call for every row: llguidance computes the masks on its own threads, without the GIL, straight
+            # into the tensor (what llguidance.torch's fill_next_token_bitmask_par does; importing that module
+            # sets up torch.compile, ~3.6 s).
+            self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+        for j, state in enumerate(states):
+            if state.matcher is None:
+                bitmask[j] = self._eos_only()
         return TokenMasks(rows, bitmask)
+
+    def _eos_only(self) -> torch.Tensor:
+        words = [0] * -(-self._vocab_size // 32)
+        for eos in self._eos_token_ids:
+            words[eos // 32] |= 1 << (eos % 32)
+        # As signed 32-bit words, llguidance's layout: bit 31 is the sign bit.
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
     def _sync(self, seq: ConstrainedSequence) -> GrammarState:
         """The sequence's matcher, made if needed, having consumed every output token."""
         state: GrammarState | None = seq.grammar
         if state is None:
             compiled = seq.sampling.structured_outputs.compiled  # type: ignore[union-attr] # constrained rows only
-            state = seq.grammar = GrammarState(self._new_matcher(seq.seq_id, compiled))
+            state = seq.grammar = self._new_state(seq.seq_id, compiled)
         matcher, tokens = state.matcher, seq.token_ids
+        if matcher is None:
+            return state
         # Indexing, not slicing: a decode step consumes one token, whatever the length of the output.
         for at in range(seq.num_prompt_tokens + state.num_consumed, len(tokens)):
             if matcher.is_stopped():
@@ -101,14 +115,23 @@ class GrammarMasks:
         state.num_consumed = len(tokens) - seq.num_prompt_tokens
         return state
 
-    def _new_matcher(self, seq_id: int, compiled: str) -> Any:
+    def _new_state(self, seq_id: int, compiled: str) -> GrammarState:
+        """A fresh matcher; where none can be made, a state that allows only EOS (the request ends, the step runs).
+
+        Admission validated the grammar with the same library, so a failure here is the worker's own (a
+        tokenizer it cannot load): the sequence stops at once and the log says why, instead of a step that
+        fails for every sequence of the batch, again and again.
+        """
         import llguidance  # noqa: PLC0415
 
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), compiled)
-        if matcher.is_error():
-            # Admission validated the grammar: an error here is the compiled text lost or changed on the way.
-            raise RuntimeError(f"sequence {seq_id}: its grammar does not compile: {matcher.get_error()}")
-        return matcher
+        try:
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), compiled)
+        except Exception:  # noqa: BLE001 - logged with its traceback, and the sequence ends
+            log.exception("sequence %d: no grammar matcher could be made; only EOS is allowed", seq_id)
+            return GrammarState(None, failed=True)
+        if matcher.is_error():  # a matcher in error allows only EOS
+            log.error("sequence %d: its grammar does not compile (%s); only EOS is allowed", seq_id, matcher.get_error())
+        return GrammarState(matcher, failed=matcher.is_error())
 
     def _llg_tokenizer(self) -> Any:
         with self._lock:

@@ -173,3 +173,18 @@ def test_a_refused_token_leaves_only_eos(masks: GrammarMasks, tokenizer: Any, ca
         out = masks.masks([seq])
     assert _allowed(out.bitmask, 0, masks._vocab_size) == [2]
     assert "sequence 3: its grammar refused token" in caplog.text
+
+
+def test_a_grammar_the_worker_cannot_use_ends_the_sequence_instead_of_the_step(
+        default_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A compiled text that does not compile, or a tokenizer the worker cannot load: EOS only, and a log line."""
+    sampling = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", compiled="start: nope"))
+    broken = GrammarMasks(str(default_model_dir / "missing"), 49152, eos_token_ids=[2, 63])
+    working = GrammarMasks(str(default_model_dir), 49152, eos_token_ids=[2])
+    with caplog.at_level(logging.ERROR):
+        no_tokenizer = broken.masks([_Seq(1, [5], 1, _constrained(StructuredOutputsParams(regex="a")))])
+        bad_grammar = working.masks([_Seq(2, [5], 1, sampling)])
+    assert _allowed(no_tokenizer.bitmask, 0, 49152) == [2, 63]  # 63: bit 31, the sign bit
+    assert _allowed(bad_grammar.bitmask, 0, 49152) == [2]
+    assert "sequence 1: no grammar matcher could be made" in caplog.text
+    assert "sequence 2: its grammar does not compile" in caplog.text
