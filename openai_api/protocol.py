@@ -73,6 +73,7 @@ class SamplingRequest(OpenAIBaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float | None = None
     # vLLM's prompt options: the tokenizer's special tokens, and keeping only the prompt's last tokens.

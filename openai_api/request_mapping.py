@@ -89,6 +89,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         msg.length_penalty = req.length_penalty
     if not req.skip_special_tokens:
         msg.skip_special_tokens = False
+    if not req.spaces_between_special_tokens:
+        msg.spaces_between_special_tokens = False
     if logprobs is not None:
         msg.logprobs = logprobs
     return msg

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0bllmserve.v1\"\xd2\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x0c \x01(\x08\x12\x1b\n\x0elength_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x32\n\x0e\x65\x61rly_stopping\x18\x0e \x01(\x0e\x32\x1a.llmserve.v1.EarlyStopping\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x18\n\x10presence_penalty\x18\x10 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\x17 \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\r\x12\x11\n\tbad_words\x18\x19 \x03(\t\x12\x32\n\x13\x62\x61\x64_words_token_ids\x18\x1a \x03(\x0b\x32\x15.llmserve.v1.TokenIds\x12:\n\x12structured_outputs\x18\x1b \x01(\x0b\x32\x1e.llmserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x11\n\x0f_length_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\xc0\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.llmserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x10\n\x08\x63ompiled\x18\x07 \x01(\tB\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"H\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob*`\n\rEarlyStopping\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0bllmserve.v1\"\xa0\x08\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x0c \x01(\x08\x12\x1b\n\x0elength_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x32\n\x0e\x65\x61rly_stopping\x18\x0e \x01(\x0e\x32\x1a.llmserve.v1.EarlyStopping\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x18\n\x10presence_penalty\x18\x10 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\x17 \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\r\x12\x11\n\tbad_words\x18\x19 \x03(\t\x12\x32\n\x13\x62\x61\x64_words_token_ids\x18\x1a \x03(\x0b\x32\x15.llmserve.v1.TokenIds\x12:\n\x12structured_outputs\x18\x1b \x01(\x0b\x32\x1e.llmserve.v1.StructuredOutputs\x12*\n\x1dspaces_between_special_tokens\x18\x1c \x01(\x08H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x11\n\x0f_length_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xc0\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.llmserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x10\n\x08\x63ompiled\x18\x07 \x01(\tB\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"H\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob*`\n\rEarlyStopping\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_EARLYSTOPPING']._serialized_start=1390
-  _globals['_EARLYSTOPPING']._serialized_end=1486
-  _globals['_FINISHREASON']._serialized_start=1489
-  _globals['_FINISHREASON']._serialized_end=1634
+  _globals['_EARLYSTOPPING']._serialized_start=1468
+  _globals['_EARLYSTOPPING']._serialized_end=1564
+  _globals['_FINISHREASON']._serialized_start=1567
+  _globals['_FINISHREASON']._serialized_end=1712
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=1015
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=818
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=866
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1018
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1210
-  _globals['_CHOICES']._serialized_start=1212
-  _globals['_CHOICES']._serialized_end=1238
-  _globals['_TOKENIDS']._serialized_start=1240
-  _globals['_TOKENIDS']._serialized_end=1263
-  _globals['_TOKENLOGPROB']._serialized_start=1265
-  _globals['_TOKENLOGPROB']._serialized_end=1314
-  _globals['_TOKENLOGPROBS']._serialized_start=1316
-  _globals['_TOKENLOGPROBS']._serialized_end=1388
+  _globals['_SAMPLINGPARAMS']._serialized_end=1093
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=862
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=910
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1096
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1288
+  _globals['_CHOICES']._serialized_start=1290
+  _globals['_CHOICES']._serialized_end=1316
+  _globals['_TOKENIDS']._serialized_start=1318
+  _globals['_TOKENIDS']._serialized_end=1341
+  _globals['_TOKENLOGPROB']._serialized_start=1343
+  _globals['_TOKENLOGPROB']._serialized_end=1392
+  _globals['_TOKENLOGPROBS']._serialized_start=1394
+  _globals['_TOKENLOGPROBS']._serialized_end=1466
 # @@protoc_insertion_point(module_scope)

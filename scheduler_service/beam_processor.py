@@ -144,7 +144,8 @@ class BeamProcessor:
                                             params.length_penalty),
         )[: params.n]
         for index, seq in enumerate(best):
-            detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens)  # type: ignore[arg-type]
+            detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens,  # type: ignore[arg-type]
+                                                 params.spaces_between_special_tokens)
             detokenizer.step(seq.output_token_ids)
             last = seq.output_token_ids[-1] if seq.output_token_ids else None
             stop_reason = str(last) if last in params.stop_token_ids else ""

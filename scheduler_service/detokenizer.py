@@ -27,11 +27,18 @@ class IncrementalDetokenizer:
     Tokens before read_offset have been turned into text; decoding starts at prefix_offset so the text
     of the pending tokens is computed in context (new text = decode(tokens[prefix:]) minus
     decode(tokens[prefix:read])). Text is held back while it ends with U+FFFD, i.e. mid-character.
+
+    spaces_between_special_tokens: vLLM's rule (detokenize_incrementally). A slow (Python) tokenizer with
+    added tokens decodes the runs of ordinary tokens and the added tokens between them separately and
+    joins the pieces with a space (or nothing when False); a fast tokenizer, or one without added tokens,
+    decodes as the tokenizer does whatever the flag says.
     """
 
-    def __init__(self, tokenizer: _Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: _Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._pieces = _AddedTokenSplitter.of(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._token_ids: list[int] = list(prompt_token_ids)
         self.read_offset = len(self._token_ids)
         self.prefix_offset = max(self.read_offset - _INITIAL_PREFIX_TOKENS, 0)
@@ -55,6 +62,8 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:length]
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._pieces is not None:
+            return self._pieces.decode(token_ids)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_newest(self) -> str:
@@ -67,3 +76,46 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self._token_ids)
         return full_text[len(prefix_text) :]
+
+
+class _AddedTokenSplitter:
+    """Decodes as vLLM does for slow tokenizers with added tokens: each added token stands alone, the runs of
+    ordinary tokens between them are decoded together, and the pieces are joined with `separator`."""
+
+    def __init__(self, tokenizer: object, added: set[str], skipped: set[str], separator: str) -> None:
+        self._tokenizer = tokenizer
+        self._added = added
+        self._skipped = skipped
+        self._separator = separator
+
+    @classmethod
+    def of(cls, tokenizer: object, skip_special_tokens: bool, spaces_between_special_tokens: bool
+           ) -> _AddedTokenSplitter | None:
+        """The splitter for a slow tokenizer with added tokens; None where the tokenizer's decode is used."""
+        if getattr(tokenizer, "is_fast", True):
+            return None
+        added = set(tokenizer.get_added_vocab())  # type: ignore[attr-defined]
+        if not added:
+            return None
+        skipped = set(tokenizer.all_special_tokens) if skip_special_tokens else set()  # type: ignore[attr-defined]
+        return cls(tokenizer, added, skipped, " " if spaces_between_special_tokens else "")
+
+    def decode(self, token_ids: list[int]) -> str:
+        tok = self._tokenizer
+        # An id outside the vocabulary has no token (None): it decodes to nothing, as in vLLM.
+        tokens = [t or "" for t in tok.convert_ids_to_tokens(token_ids)]  # type: ignore[attr-defined]
+        pieces: list[str] = []
+        run: list[str] = []
+        for token in tokens:
+            if token in self._skipped:
+                continue
+            if token in self._added:
+                if run:
+                    pieces.append(tok.convert_tokens_to_string(run))  # type: ignore[attr-defined]
+                    run = []
+                pieces.append(token)
+            else:
+                run.append(token)
+        if run:
+            pieces.append(tok.convert_tokens_to_string(run))  # type: ignore[attr-defined]
+        return self._separator.join(pieces)

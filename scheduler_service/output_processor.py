@@ -96,7 +96,8 @@ class OutputProcessor:
         if not params.use_beam_search:
             prompt = list(record.prompt_token_ids)
             for index, seq in enumerate(group.seqs):
-                detokenizer = IncrementalDetokenizer(self._tokenizer, prompt, params.skip_special_tokens)
+                detokenizer = IncrementalDetokenizer(self._tokenizer, prompt, params.skip_special_tokens,
+                                                     params.spaces_between_special_tokens)
                 detokenizer.step(seq.output_token_ids)
                 sent = streamable_text_length(detokenizer.output_text, held_back_stop_strings(params), finished=False)
                 state.seqs[seq.seq_id] = SeqOutput(index, detokenizer, sent)

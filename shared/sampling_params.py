@@ -51,6 +51,8 @@ class SamplingParams:
     bad_words: words never generated (vLLM's): the token that would complete one is masked.
     bad_words_token_ids: the bad words as token sequences (set by admission with the model's tokenizer).
     structured_outputs: the grammar the output must follow (JSON schema, regex, choice, ...); None: free text.
+    spaces_between_special_tokens: with a slow tokenizer that has added tokens, a space between each added
+        token and the text around it in the output text (vLLM's); fast tokenizers decode as they do.
     """
 
     max_tokens: int | None = 16
@@ -80,6 +82,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self._verify_counts()

@@ -60,6 +60,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         structured_outputs=(
             _structured_from_proto(msg.structured_outputs) if msg.HasField("structured_outputs") else None
         ),
+        spaces_between_special_tokens=(
+            msg.spaces_between_special_tokens if msg.HasField("spaces_between_special_tokens")
+            else defaults.spaces_between_special_tokens
+        ),
     )
 
 
@@ -125,6 +129,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.prompt_logprobs = params.prompt_logprobs
     if not params.skip_special_tokens:
         msg.skip_special_tokens = False
+    if not params.spaces_between_special_tokens:
+        msg.spaces_between_special_tokens = False
     if params.length_penalty != 1.0:
         msg.length_penalty = params.length_penalty
     if params.logprobs is not None:

@@ -299,6 +299,13 @@ def test_new_sampling_fields_are_carried_and_round_trip(admission: Admission) ->
     assert (defaults.repetition_penalty, defaults.skip_special_tokens, defaults.prompt_logprobs) == (1.0, True, None)
 
 
+def test_spaces_between_special_tokens_defaults_to_true_and_round_trips(admission: Admission) -> None:
+    assert admission.admit(make_request(prompt_token_ids=[5, 6, 7])).sampling.spaces_between_special_tokens
+    got = admission.admit(make_request(prompt_token_ids=[5, 6, 7], spaces_between_special_tokens=False))
+    assert not got.sampling.spaces_between_special_tokens
+    assert sampling_from_proto(to_record(got, [1], "w", 0.0).sampling) == got.sampling
+
+
 # -- hostile values (issue 9, item 5) ----------------------------------------------------------
 
 

@@ -89,6 +89,47 @@ def test_empty_prompt_and_special_tokens(tokenizer) -> None:
     assert keeping.output_text == "<|im_start|>Hi 🤗<|im_end|>"
 
 
+@pytest.fixture(scope="module")
+def slow_tokenizer():
+    """A slow (Python) byte-level tokenizer with one added special token and one added plain token."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.ByT5Tokenizer(extra_ids=0)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.add_tokens(["<tool>"])
+    assert not tok.is_fast
+    return tok
+
+
+@pytest.mark.parametrize(
+    ("skip", "spaces", "expected"),
+    [
+        # vLLM's detokenize_incrementally: added tokens stand alone, joined to the text around by a space or not
+        # (the prompt's text too: the output starts with the space after the prompt's "ab").
+        (False, True, " <|im_start|> user hi <tool> x </s>"),
+        (False, False, "<|im_start|>user hi<tool>x</s>"),
+        (True, True, "user hi <tool> x"),
+        (True, False, "user hi<tool>x"),
+    ],
+)
+def test_spaces_between_special_tokens_with_a_slow_tokenizer(slow_tokenizer, skip: bool, spaces: bool,
+                                                            expected: str) -> None:
+    ids = slow_tokenizer.encode("<|im_start|>user hi<tool>x</s>", add_special_tokens=False)
+    for chunk in (1, 3):
+        detok = IncrementalDetokenizer(slow_tokenizer, slow_tokenizer.encode("ab", add_special_tokens=False),
+                                       skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+        for i in range(0, len(ids), chunk):
+            detok.step(ids[i : i + chunk])
+        assert detok.output_text == expected
+
+
+def test_spaces_between_special_tokens_leave_a_fast_tokenizer_alone(tokenizer, prompt_ids: list[int]) -> None:
+    ids = prompt_ids + encode(tokenizer, "Hi")
+    for spaces in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        detok.step(ids)
+        assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def test_truncate_validates_length(tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [])
     detok.step(encode(tokenizer, "abc"))

@@ -44,6 +44,14 @@ def test_vllm_extra_parameters_are_honoured() -> None:
     assert params.ignore_eos and params.include_stop_str_in_output and not params.skip_special_tokens
 
 
+def test_spaces_between_special_tokens_reaches_the_sampling_params() -> None:
+    (unset,) = _completion()
+    assert not unset.sampling.HasField("spaces_between_special_tokens")
+    (req,) = _completion(spaces_between_special_tokens=False)
+    assert not sampling_from_proto(req.sampling).spaces_between_special_tokens
+    assert not sampling_from_proto(_chat(spaces_between_special_tokens=False).sampling).spaces_between_special_tokens
+
+
 def test_prompt_forms_and_batches() -> None:
     assert [r.prompt_token_ids for r in _completion(prompt=[1, 2, 3])] == [[1, 2, 3]]
     batch = _completion(prompt=["a", "b"])
