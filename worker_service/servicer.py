@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from itertools import repeat
 
 import grpc
 from opentelemetry import trace
@@ -40,8 +41,8 @@ def step_result(out: StepOutput) -> worker_pb2.StepResult:
                 add_top(token_id=token_id, logprob=logprob)
     for p in out.prompt_logprobs:
         positions = result.prompt_logprobs.add(seq_id=p.seq_id, start=p.start).positions
-        for logprob, top in zip(p.logprobs, p.top):
-            add_position_top = positions.add(logprob=logprob).top.add
+        for logprob, top, rank in zip(p.logprobs, p.top, p.ranks or repeat(0)):
+            add_position_top = positions.add(logprob=logprob, rank=rank).top.add
             for token_id, top_logprob in top:
                 add_position_top(token_id=token_id, logprob=top_logprob)
     return result

@@ -124,6 +124,11 @@ def test_prompt_logprobs_over_two_prefill_chunks_match_transformers(
         values, ids = expected[position].topk(2)
         assert [t.token_id for t in entry.top] == ids.tolist()
         assert max(abs(t.logprob - float(v)) for t, v in zip(entry.top, values)) < 1e-4
+        # The token's rank in the vocabulary, up to the tokens within rounding of its logprob.
+        target = float(expected[position, prompt[position + 1]])
+        surely_ahead = int((expected[position] > target + 1e-4).sum())
+        maybe_ahead = int((expected[position] >= target - 1e-4).sum())
+        assert surely_ahead + 1 <= entry.rank <= maybe_ahead
 
 
 def test_a_fence_only_reset_keeps_the_cache_and_resume_checks_each_view(worker: worker_pb2_grpc.WorkerStub) -> None:

@@ -29,8 +29,9 @@ def _reference(out: StepOutput) -> worker_pb2.StepResult:
                 seq_id=p.seq_id, start=p.start,
                 positions=[
                     common_pb2.TokenLogprobs(
-                        logprob=lp, top=[common_pb2.TokenLogprob(token_id=t, logprob=tlp) for t, tlp in top])
-                    for lp, top in zip(p.logprobs, p.top)
+                        logprob=lp, top=[common_pb2.TokenLogprob(token_id=t, logprob=tlp) for t, tlp in top],
+                        rank=p.ranks[i] if p.ranks else 0)
+                    for i, (lp, top) in enumerate(zip(p.logprobs, p.top))
                 ],
             )
             for p in out.prompt_logprobs
@@ -52,8 +53,10 @@ def test_step_result_matches_the_reference_construction(seed: int) -> None:
     prompts = []
     for _ in range(rng.choice([0, 0, 1, 2])):
         n = rng.choice([0, 1, 7])
+        # Ranks from the model, or none (0 on the wire) as a runner that does not rank leaves them.
+        ranks = rng.choice([[], [rng.randrange(1, 50000) for _ in range(n)]])
         prompts.append(PromptLogprobsData(rng.randrange(100), rng.randrange(1, 30),
-                                          [-rng.random() for _ in range(n)], [_top(rng) for _ in range(n)]))
+                                          [-rng.random() for _ in range(n)], [_top(rng) for _ in range(n)], ranks))
     out = StepOutput(rng.randrange(1 << 20), sampled, rng.random(), prompts)
 
     built, expected = step_result(out), _reference(out)
