@@ -32,6 +32,8 @@ class Completion:
     # (the same for every sequence of the request).
     prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_start: int = 0
+    # The prompt as the model read it (from the stream's first message).
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 class GenerationClient:
@@ -105,9 +107,11 @@ def collect_completions(messages: Iterable[generation_pb2.GenerateResponse]) -> 
     """One Completion per sequence, in index order, from a request's messages (its whole stream)."""
     outs: dict[int, Completion] = {}
     error, usage, prompt = "", None, None
+    prompt_token_ids: list[int] = []
     for msg in messages:
         if msg.prompt_logprobs or msg.prompt_logprobs_start:
             prompt = msg
+        prompt_token_ids = prompt_token_ids or list(msg.prompt_token_ids)
         for delta in msg.outputs:
             out = outs.setdefault(delta.index, Completion())
             out.text += delta.text
@@ -122,6 +126,7 @@ def collect_completions(messages: Iterable[generation_pb2.GenerateResponse]) -> 
     completions = [outs[i] for i in sorted(outs)] or [Completion()]
     for out in completions:
         out.error = error
+        out.prompt_token_ids = prompt_token_ids
         if usage is not None:
             out.prompt_tokens, out.completion_tokens = usage.prompt_tokens, usage.completion_tokens
         if prompt is not None:

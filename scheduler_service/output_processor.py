@@ -91,8 +91,11 @@ class OutputProcessor:
         left it: takeover.py); its detokenizers replay the committed outputs, so the stream goes on right after."""
         record, params = restored.record, group.sampling_params
         cumulative = {s.seq_id: restored.cumulative_logprobs.get(s.seq_id, 0.0) for s in group.seqs}
-        # Outputs were committed only after the response that carried the prompt logprobs.
-        state = RequestState(record, group, cumulative, prompt_logprobs_sent=any(restored.outputs.values()))
+        # Outputs were committed only after the response that carried the prompt logprobs. A streaming request
+        # commits a message with every output token; the others (best_of > n, beam search) only their last one.
+        committed = any(restored.outputs.values())
+        state = RequestState(record, group, cumulative, prompt_logprobs_sent=committed,
+                             first_sent=committed and params.streams_outputs)
         if not params.use_beam_search:
             prompt = list(record.prompt_token_ids)
             for index, seq in enumerate(group.seqs):
@@ -169,7 +172,9 @@ class OutputProcessor:
         self, group: SequenceGroup, msg: generation_pb2.GenerateResponse, commit: StepCommit, returned: list[Sequence]
     ) -> None:
         """Ends the request with `msg`, its final message (the one with usage)."""
-        self._requests.pop(group.request_id, None)
+        state = self._requests.pop(group.request_id, None)
+        if state is not None:
+            state.mark_first(msg)
         msg.usage.prompt_tokens = len(group.seqs[0].prompt_token_ids)
         msg.usage.completion_tokens = sum(len(s.output_token_ids) for s in returned)
         if self.record_timings:
@@ -249,6 +254,7 @@ class OutputProcessor:
                 self._add_final(group, msg, commit, group.seqs if streams else state.best(msg))
                 continue
             if streams:
+                state.mark_first(msg)
                 commit.outputs.append((request_id, msg))
             else:
                 # Kept in Redis so that a new owner ranks the sequences on their whole history.

@@ -48,6 +48,14 @@ class RequestState:
     # first response takes them (after which `prompt_logprobs_sent`).
     prompt_logprobs: dict[int, common_pb2.TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs_sent: bool = False
+    # Whether the request's stream has a message already: its first one carries the prompt's token ids.
+    first_sent: bool = False
+
+    def mark_first(self, msg: generation_pb2.GenerateResponse) -> None:
+        """Gives msg the prompt's token ids when it is the first message of the request's stream."""
+        if not self.first_sent:
+            msg.prompt_token_ids.extend(self.record.prompt_token_ids)
+            self.first_sent = True
 
     def gather_prompt_logprobs(self, piece: worker_pb2.PromptLogprobs) -> None:
         """Keeps prompt logprobs a step computed, by prompt index, until the first response takes them.

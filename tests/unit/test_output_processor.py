@@ -1,4 +1,5 @@
-"""The output processor: restoring requests after a change of owner, prompt logprobs, special tokens."""
+"""The output processor: restoring requests after a change of owner, prompt logprobs and token ids, special
+tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from llmserve.client import collect_completions
 from protos import common_pb2, state_pb2, worker_pb2
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
@@ -104,3 +106,57 @@ def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(tokenizer: o
         processor.process(out, result, commit)
         texts[skip] = commit.outputs[0][1].outputs[0].text
     assert texts == {True: "", False: "<|im_start|>"}
+
+
+def _run_steps(processor: OutputProcessor, scheduler: Scheduler, steps: int, token_id: int = 100) -> list:
+    """Runs `steps` steps whose every scheduled sequence samples `token_id`; returns the committed messages."""
+    messages = []
+    for _ in range(steps):
+        out = scheduler.schedule()
+        sampled = [worker_pb2.SampledToken(seq_id=item.seq.seq_id, token_id=token_id, logprob=-0.5)
+                   for item in out.scheduled if item.samples]
+        commit = StepCommit(worker_id="w")
+        processor.process(out, worker_pb2.StepResult(sampled=sampled), commit)
+        messages += [msg for _, msg in commit.outputs]
+    return messages
+
+
+def _processor(tokenizer: object) -> tuple[OutputProcessor, Scheduler]:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                          CacheConfig(block_size=4, num_gpu_blocks=32))
+    return OutputProcessor(tokenizer, scheduler), scheduler
+
+
+def test_the_first_message_of_a_stream_carries_the_prompt_token_ids(tokenizer: object) -> None:
+    processor, scheduler = _processor(tokenizer)
+    processor.add(_record(2))
+    # n = 2: the prompt is prefilled up to its last token, then each sequence decodes it (group_fork.py).
+    messages = _run_steps(processor, scheduler, 4)
+    assert len(messages) == 3 and list(messages[0].prompt_token_ids) == [10, 11, 12, 13, 14]
+    assert all(not m.prompt_token_ids for m in messages[1:])
+    # The client keeps them for every sequence.
+    assert [c.prompt_token_ids for c in collect_completions(messages)] == [[10, 11, 12, 13, 14]] * 2
+
+
+def test_a_restored_stream_sends_the_prompt_token_ids_only_if_no_message_was_sent(tokenizer: object) -> None:
+    processor, scheduler = _processor(tokenizer)
+    processor.restore(RestoredRequest(_record(1), {1: [100, 101]}))  # its first message is in the stream
+    assert all(not m.prompt_token_ids for m in _run_steps(processor, scheduler, 2))
+    processor, scheduler = _processor(tokenizer)
+    processor.restore(RestoredRequest(_record(1), {}))
+    assert list(_run_steps(processor, scheduler, 2)[0].prompt_token_ids) == [10, 11, 12, 13, 14]
+
+
+def test_best_of_and_aborted_requests_carry_them_in_their_only_message(tokenizer: object) -> None:
+    processor, scheduler = _processor(tokenizer)
+    record = _record(1)
+    record.sampling.best_of, record.seq_ids[:] = 2, [1, 2]
+    # Outputs committed by an earlier owner: best_of > n sent no message before its final one.
+    processor.restore(RestoredRequest(record, {1: [100], 2: [100]}))
+    (final,) = _run_steps(processor, scheduler, 8)
+    assert final.HasField("usage") and list(final.prompt_token_ids) == [10, 11, 12, 13, 14]
+    processor.add(_record(1))
+    commit = StepCommit(worker_id="w")
+    assert processor.abort("r", commit)
+    ((_, aborted),) = commit.outputs
+    assert aborted.HasField("usage") and list(aborted.prompt_token_ids) == [10, 11, 12, 13, 14]
