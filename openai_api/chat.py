@@ -1,4 +1,8 @@
-"""/v1/chat/completions: chunks of a streamed chat completion and the body of a whole one."""
+"""/v1/chat/completions: chunks of a streamed chat completion and the body of a whole one.
+
+Besides OpenAI's fields, vLLM's: the response carries `prompt_logprobs` (when asked for) and `prompt_token_ids`
+(return_token_ids), a stream in its first chunk; each choice (or chunk) carries its `token_ids` (return_token_ids).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ from typing import Any
 
 from openai_api.engine_client import GenerationStream
 from openai_api.errors import failed_after_admission
-from openai_api.logprobs import TokenNamer, chat_logprobs
+from openai_api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from openai_api.outputs import collect, finish_reason, merge, stop_reason
+from openai_api.prompts import PromptInfo
 from openai_api.protocol import ChatCompletionRequest, Usage
 from openai_api.streaming import ChunkHeader
 
@@ -17,13 +22,13 @@ CHUNK_OBJECT = "chat.completion.chunk"
 
 
 async def chat_chunks(
-    req: ChatCompletionRequest, stream: GenerationStream, header: ChunkHeader, namer: TokenNamer
+    req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer
 ) -> AsyncIterator[dict[str, Any]]:
     """A role chunk per choice, then one chunk per engine response with progress, then usage if asked."""
     yield header.chunk([
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         for i in range(req.n)
-    ])
+    ], extra=_prompt_fields(req, prompt, namer))
     usage = Usage()
     async for _, msg in merge([stream]):
         choices = []
@@ -32,8 +37,11 @@ async def chat_chunks(
             if not (delta.text or delta.token_ids or reason):
                 continue
             logprobs = chat_logprobs(namer, list(delta.token_ids), list(delta.logprobs)) if req.logprobs else None
-            choices.append({"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                            "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason(delta)})
+            choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason(delta)}
+            if req.return_token_ids:
+                choice["token_ids"] = list(delta.token_ids)
+            choices.append(choice)
         if choices:
             yield header.chunk(choices)
         if msg.error:
@@ -45,19 +53,32 @@ async def chat_chunks(
 
 
 async def chat_body(
-    req: ChatCompletionRequest, stream: GenerationStream, header: ChunkHeader, namer: TokenNamer
+    req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer
 ) -> dict[str, Any]:
     """The whole response, once every sequence has finished."""
     out = await collect([stream], req.n)
     choices = []
     for index in sorted(out.choices):
         seq = out.choices[index]
-        choices.append({
+        choice = {
             "index": index,
             "message": {"role": "assistant", "content": seq.text},
             "logprobs": chat_logprobs(namer, seq.token_ids, seq.logprobs) if req.logprobs else None,
             "finish_reason": seq.finish_reason,
             "stop_reason": seq.stop_reason,
-        })
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = seq.token_ids
+        choices.append(choice)
     return {"id": header.request_id, "object": OBJECT, "created": header.created, "model": header.model,
-            "choices": choices, "usage": out.usage.model_dump()}
+            "choices": choices, "usage": out.usage.model_dump(), **_prompt_fields(req, prompt, namer)}
+
+
+def _prompt_fields(req: ChatCompletionRequest, prompt: PromptInfo, namer: TokenNamer) -> dict[str, Any]:
+    """What the response (or the stream's first chunk) reports of the rendered prompt, at its top level."""
+    fields: dict[str, Any] = {}
+    if prompt.logprobs is not None:
+        fields["prompt_logprobs"] = prompt_logprobs(namer, prompt.token_ids, prompt.logprobs)
+    if req.return_token_ids:
+        fields["prompt_token_ids"] = prompt.token_ids
+    return fields

@@ -29,6 +29,9 @@ class GenerationStream:
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, first: generation_pb2.GenerateResponse) -> None:
         self._call = call
+        # The stream's first message, kept after it was yielded: it carries the prompt's token ids and
+        # prompt logprobs (generation.proto), which responses report before any output.
+        self.first = first
         self._first: generation_pb2.GenerateResponse | None = first
 
     async def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateResponse]:

@@ -86,6 +86,10 @@ class SamplingRequest(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: each prompt token's logprob and the most likely tokens there (how many); the prompt's and the
+    # generated token ids in the response.
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingRequest):

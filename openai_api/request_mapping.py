@@ -40,7 +40,8 @@ def _reject_unsupported(req: SamplingRequest) -> None:
         raise invalid_request("stream_options can only be set when stream is true", "stream_options")
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> common_pb2.SamplingParams:
     """The SamplingParams message for the shared fields; None leaves a field at the scheduler's default.
 
     max_tokens: None = the scheduler's default (16); 0 = up to the model's context length.
@@ -93,6 +94,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         msg.spaces_between_special_tokens = False
     if logprobs is not None:
         msg.logprobs = logprobs
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = _non_negative(prompt_logprobs, "prompt_logprobs")  # type: ignore[assignment]
     return msg
 
 
@@ -114,14 +117,20 @@ def _prompt_options(req: SamplingRequest, msg: generation_pb2.GenerateRequest) -
     return msg
 
 
+def completion_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """How many top tokens per prompt position the engine reports (None: no prompt logprobs). Echo with logprobs
+    needs the prompt's: `logprobs` applies to them unless prompt_logprobs is set, as in vLLM."""
+    if req.prompt_logprobs is None and req.echo:
+        return req.logprobs
+    return req.prompt_logprobs
+
+
 def completion_requests(req: CompletionRequest, request_id: str) -> list[generation_pb2.GenerateRequest]:
     """One GenerateRequest per prompt of the batch, with ids `request_id-<i>` when there are several."""
-    if req.echo:
-        raise invalid_request("echo is not supported", "echo")
     if req.suffix:
         raise invalid_request("suffix is not supported", "suffix")
     max_tokens = _non_negative(req.max_tokens, "max_tokens", 1)
-    sampling = sampling_params(req, max_tokens, _non_negative(req.logprobs, "logprobs"))
+    sampling = sampling_params(req, max_tokens, _non_negative(req.logprobs, "logprobs"), completion_prompt_logprobs(req))
     prompts = _prompt_batch(req.prompt)
     out = []
     for i, prompt in enumerate(prompts):
@@ -161,7 +170,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.
     return _prompt_options(req, generation_pb2.GenerateRequest(
         request_id=request_id,
         messages=[_chat_message(m, i) for i, m in enumerate(req.messages)],
-        sampling=sampling_params(req, max_tokens, logprobs),
+        sampling=sampling_params(req, max_tokens, logprobs, req.prompt_logprobs),
     ))
 
 

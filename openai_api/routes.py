@@ -33,7 +33,14 @@ from openai_api.protocol import (
     SamplingRequest,
     TokenizeRequest,
 )
-from openai_api.request_mapping import chat_request, completion_requests, detokenize_ids, tokenize_request
+from openai_api.prompts import completion_prompts, prompt_info
+from openai_api.request_mapping import (
+    chat_request,
+    completion_prompt_logprobs,
+    completion_requests,
+    detokenize_ids,
+    tokenize_request,
+)
 from openai_api.streaming import MEDIA_TYPE, ChunkHeader, sse_stream
 from shared.grpc_server import PUBLIC_MAX_REQUEST_BYTES
 from shared.metrics import FrontMetrics
@@ -133,13 +140,21 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     model = _model_name(state, req)
     _reject_unknown(req)
     request_id = f"cmpl-{_base_request_id(request)}"
-    streams = await state.engine.open_all(completion_requests(req, request_id), _trace_metadata(request))
+    requests = completion_requests(req, request_id)
+    streams = await state.engine.open_all(requests, _trace_metadata(request))
+    try:
+        prompts = await completion_prompts(requests, streams, completion_prompt_logprobs(req) is not None, req.echo,
+                                           lambda token_ids: state.engine.detokenize(token_ids))
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
     obj = completions.OBJECT
     header = _header(request_id, model, obj, req)
     return await _respond(
         request, streams, req.stream,
-        lambda: completions.completion_chunks(req, streams, header, state.namer),
-        lambda: completions.completion_body(req, streams, header, state.namer),
+        lambda: completions.completion_chunks(req, streams, prompts, header, state.namer),
+        lambda: completions.completion_body(req, streams, prompts, header, state.namer),
     )
 
 
@@ -150,12 +165,13 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     _reject_unknown(req)
     request_id = f"chatcmpl-{_base_request_id(request)}"
     (stream,) = await state.engine.open_all([chat_request(req, request_id)], _trace_metadata(request))
+    prompt = prompt_info(stream.first, req.prompt_logprobs is not None)
     obj = chat.CHUNK_OBJECT if req.stream else chat.OBJECT
     header = _header(request_id, model, obj, req)
     return await _respond(
         request, [stream], req.stream,
-        lambda: chat.chat_chunks(req, stream, header, state.namer),
-        lambda: chat.chat_body(req, stream, header, state.namer),
+        lambda: chat.chat_chunks(req, stream, prompt, header, state.namer),
+        lambda: chat.chat_body(req, stream, prompt, header, state.namer),
     )
 
 

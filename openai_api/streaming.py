@@ -53,11 +53,13 @@ class ChunkHeader:
         self.object = obj
         self.include_usage = include_usage
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-        """A chunk; with include_usage every chunk has a `usage` key, null but in the last one."""
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A chunk; with include_usage every chunk has a `usage` key, null but in the last one. `extra`: more
+        top-level fields (vLLM's prompt_token_ids in a chat stream's first chunk)."""
         out: dict[str, Any] = {
             "id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
-            "choices": choices,
+            "choices": choices, **(extra or {}),
         }
         if self.include_usage:
             out["usage"] = usage

@@ -6,6 +6,7 @@ front reaches the engine only through the scheduler's public gRPC API.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +107,7 @@ def test_seeded_n_choices_are_reproducible(client: "openai.OpenAI") -> None:
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 100000}, "lower max_tokens"),
+        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21."),
     ],
 )
 def test_invalid_parameters_are_400_in_openai_format(
@@ -218,3 +220,62 @@ def test_logit_bias_and_allowed_token_ids_steer_the_worker(cluster: LocalCluster
     reply = httpx.post(f"{url}/v1/completions", json={**base, "logprobs": 0, "bad_words": [word]}, timeout=60)
     assert reply.status_code == 200, reply.text
     assert word not in reply.json()["choices"][0]["logprobs"]["tokens"], (word, reply.json())
+
+
+def _chunks(url: str, body: dict) -> list[dict]:
+    """The chunks of a streamed response, [DONE] checked and left out."""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as reply:
+        assert reply.status_code == 200, reply.read()
+        events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completion_prompt_logprobs_echo_and_token_ids(cluster: LocalCluster) -> None:
+    """vLLM's prompt_logprobs and return_token_ids, OpenAI's echo: the prompt as the scheduler's first message
+    reports it, whole and streamed."""
+    url, text = cluster.http_url, "The quick brown fox"
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
+    body = {"model": MODEL, "prompt": text, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True, "echo": True,
+            "logprobs": 1, "prompt_logprobs": 2, "return_token_ids": True}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    (choice,) = reply.json()["choices"]
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 3
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    for token_id, position in zip(ids[1:], prompt_logprobs[1:]):
+        # The prompt token first (its rank in the vocabulary), then the two most likely ones (ranks 1 and 2).
+        assert list(position)[0] == str(token_id)
+        assert sorted(e["rank"] for e in position.values())[:2] == [1, 2]
+    # Echo: the prompt's text and tokens first, its first token without logprobs.
+    assert choice["text"].startswith(text)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 3 and logprobs["token_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:len(ids)] == [p[str(t)]["logprob"] for t, p in zip(ids[1:], prompt_logprobs[1:])]
+    chunks = _chunks(f"{url}/v1/completions", body)
+    first = chunks[0]["choices"][0]
+    assert (first["prompt_token_ids"], first["prompt_logprobs"]) == (ids, prompt_logprobs)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    # A token-id prompt echoes as its text.
+    reply = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ids, "logprobs": None}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == choice["text"]
+
+
+def test_chat_prompt_logprobs_and_token_ids(cluster: LocalCluster) -> None:
+    """The rendered chat prompt's ids and logprobs at the response's top level (a stream's first chunk)."""
+    url, messages = cluster.http_url, [{"role": "user", "content": "Say hello"}]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+            "prompt_logprobs": 0, "return_token_ids": True, "spaces_between_special_tokens": False,
+            "skip_special_tokens": False}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    whole = reply.json()
+    assert whole["prompt_token_ids"] == ids and whole["prompt_logprobs"][0] is None
+    # prompt_logprobs 0: each position has the prompt token alone.
+    assert [list(p) for p in whole["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+    role, *rest = _chunks(f"{url}/v1/chat/completions", body)
+    assert (role["prompt_token_ids"], role["prompt_logprobs"]) == (ids, whole["prompt_logprobs"])
+    assert [t for c in rest for ch in c["choices"] for t in ch["token_ids"]] == whole["choices"][0]["token_ids"]

@@ -61,7 +61,7 @@ def _post(path: str, body: object) -> httpx.Response:
     [
         ("/v1/completions", {"model": "m"}, 400, "prompt"),  # missing field: 400, not FastAPI's 422
         ("/v1/completions", {"model": "m", "prompt": "hi", "n": "two"}, 400, "n"),
-        ("/v1/completions", {"model": "m", "prompt": "hi", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
         ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": "other", "messages": []}, 404, "model"),
         # A parameter the front does not serve is refused by name, never ignored.

@@ -23,6 +23,7 @@ class _Stream:
             outputs=[generation_pb2.CompletionDelta(index=0, text="x", token_ids=[7],
                                                     finish_reason=common_pb2.FINISH_REASON_LENGTH)],
             usage=generation_pb2.Usage(prompt_tokens=1, completion_tokens=1))
+        self.first = self._msg
 
     async def __aiter__(self):  # noqa: ANN204
         yield self._msg

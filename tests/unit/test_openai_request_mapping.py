@@ -52,6 +52,16 @@ def test_spaces_between_special_tokens_reaches_the_sampling_params() -> None:
     assert not sampling_from_proto(_chat(spaces_between_special_tokens=False).sampling).spaces_between_special_tokens
 
 
+def test_prompt_logprobs_and_echo() -> None:
+    assert not _completion()[0].sampling.HasField("prompt_logprobs")
+    assert _completion(prompt_logprobs=0)[0].sampling.prompt_logprobs == 0
+    assert _chat(prompt_logprobs=3).sampling.prompt_logprobs == 3
+    # Echo with logprobs reports the prompt's too: `logprobs` of them unless prompt_logprobs says otherwise.
+    assert _completion(echo=True, logprobs=2)[0].sampling.prompt_logprobs == 2
+    assert _completion(echo=True, logprobs=2, prompt_logprobs=0)[0].sampling.prompt_logprobs == 0
+    assert not _completion(echo=True)[0].sampling.HasField("prompt_logprobs")
+
+
 def test_prompt_forms_and_batches() -> None:
     assert [r.prompt_token_ids for r in _completion(prompt=[1, 2, 3])] == [[1, 2, 3]]
     batch = _completion(prompt=["a", "b"])
@@ -92,7 +102,8 @@ def test_chat_logprobs() -> None:
         (_completion, dict(logprobs=-1), "logprobs"),
         (_completion, dict(prompt=[]), "prompt"),
         (_completion, dict(prompt=[1, -2]), "prompt"),
-        (_completion, dict(echo=True), "echo"),
+        (_completion, dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (_completion, dict(echo=True, logprobs=1, prompt_logprobs=2**32), "prompt_logprobs"),
         (_completion, dict(suffix="x"), "suffix"),
         (_completion, dict(logit_bias={"five": 1.0}), "logit_bias"),
         (_completion, dict(logit_bias={"-3": 1.0}), "logit_bias"),
