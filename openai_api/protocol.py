@@ -87,9 +87,10 @@ class SamplingRequest(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's: each prompt token's logprob and the most likely tokens there (how many); the prompt's and the
-    # generated token ids in the response.
+    # generated token ids in the response; the scheduling priority (only 0: scheduling is first come, first served).
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
+    priority: int = 0
 
 
 class CompletionRequest(SamplingRequest):

@@ -38,6 +38,9 @@ def _non_negative(value: int | None, param: str, minimum: int = 0) -> int | None
 def _reject_unsupported(req: SamplingRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid_request("stream_options can only be set when stream is true", "stream_options")
+    if req.priority != 0:
+        # vLLM's answer when its scheduling policy is first come, first served, as the scheduler's is.
+        raise invalid_request(f"Got priority {req.priority} but Priority scheduling is not enabled.", "priority")
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,

@@ -108,6 +108,8 @@ def test_seeded_n_choices_are_reproducible(client: "openai.OpenAI") -> None:
         ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 100000}, "lower max_tokens"),
         ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21."),
+        # First come, first served: vLLM's answer to a priority without priority scheduling.
+        ({"prompt": "hi", "priority": 2}, "Got priority 2 but Priority scheduling is not enabled."),
     ],
 )
 def test_invalid_parameters_are_400_in_openai_format(
@@ -237,7 +239,7 @@ def test_completion_prompt_logprobs_echo_and_token_ids(cluster: LocalCluster) ->
     url, text = cluster.http_url, "The quick brown fox"
     ids = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
     body = {"model": MODEL, "prompt": text, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True, "echo": True,
-            "logprobs": 1, "prompt_logprobs": 2, "return_token_ids": True}
+            "logprobs": 1, "prompt_logprobs": 2, "return_token_ids": True, "priority": 0}
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     (choice,) = reply.json()["choices"]

@@ -52,7 +52,7 @@ def test_spaces_between_special_tokens_reaches_the_sampling_params() -> None:
     assert not sampling_from_proto(_chat(spaces_between_special_tokens=False).sampling).spaces_between_special_tokens
 
 
-def test_prompt_logprobs_and_echo() -> None:
+def test_prompt_logprobs_echo_and_priority_zero() -> None:
     assert not _completion()[0].sampling.HasField("prompt_logprobs")
     assert _completion(prompt_logprobs=0)[0].sampling.prompt_logprobs == 0
     assert _chat(prompt_logprobs=3).sampling.prompt_logprobs == 3
@@ -60,6 +60,8 @@ def test_prompt_logprobs_and_echo() -> None:
     assert _completion(echo=True, logprobs=2)[0].sampling.prompt_logprobs == 2
     assert _completion(echo=True, logprobs=2, prompt_logprobs=0)[0].sampling.prompt_logprobs == 0
     assert not _completion(echo=True)[0].sampling.HasField("prompt_logprobs")
+    (req,) = _completion(priority=0)
+    assert req.prompt == "hi" and _chat(priority=0).messages
 
 
 def test_prompt_forms_and_batches() -> None:
@@ -104,6 +106,9 @@ def test_chat_logprobs() -> None:
         (_completion, dict(prompt=[1, -2]), "prompt"),
         (_completion, dict(prompt_logprobs=-1), "prompt_logprobs"),
         (_completion, dict(echo=True, logprobs=1, prompt_logprobs=2**32), "prompt_logprobs"),
+        # The scheduler is first come, first served: vLLM's 400 for a priority it cannot honour.
+        (_completion, dict(priority=1), "priority"),
+        (_chat, dict(priority=-3), "priority"),
         (_completion, dict(suffix="x"), "suffix"),
         (_completion, dict(logit_bias={"five": 1.0}), "logit_bias"),
         (_completion, dict(logit_bias={"-3": 1.0}), "logit_bias"),
