@@ -1,10 +1,17 @@
 """Request and response models of the OpenAI API subset the front serves.
 
-Fields the front does not know, and fields it knows but cannot honour (`suffix`, `echo`, tools, a non-text
-`response_format`), are rejected with a 400 naming them (never ignored: the answer would
-be to another request), and vLLM's extra sampling parameters (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `use_beam_search`, ...) are
-accepted too (`extra_body=` in the openai client).
+Served: the fields defined here. OpenAI's sampling fields, completions' `echo` (the prompt's text, and with
+`logprobs` its tokens' logprobs, before each choice's), vLLM's extra sampling parameters (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `use_beam_search`,
+`spaces_between_special_tokens`, ...), its prompt options (`add_special_tokens`, `truncate_prompt_tokens`)
+and its extra outputs (`prompt_logprobs`, `return_token_ids`); vLLM's with `extra_body=` in the openai client.
+`priority` is served as vLLM serves it under first-come-first-served scheduling, the scheduler's only policy:
+0 is accepted, any other value is a 400 naming it. Accepted without effect: `user` (as in vLLM), a message's
+`name` and `tool_choice` (no tools are served).
+
+Rejected with a 400 naming them (never ignored: the answer would be to another request): every field not
+defined here (chat's `echo` among them), and the defined ones the front cannot honour: `suffix`, `tools`, a
+non-text `response_format`.
 """
 
 from __future__ import annotations
