@@ -5,13 +5,15 @@ Served: the fields defined here. OpenAI's sampling fields, completions' `echo` (
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `use_beam_search`,
 `spaces_between_special_tokens`, ...), its prompt options (`add_special_tokens`, `truncate_prompt_tokens`)
 and its extra outputs (`prompt_logprobs`, `return_token_ids`); vLLM's with `extra_body=` in the openai client.
+Structured outputs in all three spellings: OpenAI's `response_format`, vLLM's `structured_outputs` and its older
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 `priority` is served as vLLM serves it under first-come-first-served scheduling, the scheduler's only policy:
 0 is accepted, any other value is a 400 naming it. Accepted without effect: `user` (as in vLLM), a message's
-`name` and `tool_choice` (no tools are served).
+`name`, and `tool_choice` "none" or "auto" (no tools are served).
 
 Rejected with a 400 naming them (never ignored: the answer would be to another request): every field not
-defined here (chat's `echo` among them), and the defined ones the front cannot honour: `suffix`, `tools`, a
-non-text `response_format`.
+defined here (chat's `echo` among them), and the defined ones the front cannot honour: `suffix`, `tools`,
+any other `tool_choice`. The README's table lists every OpenAI and vLLM request field.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    # Only what Generate does is served: special tokens for a prompt, a generation prompt after messages.
+    # As Generate's: unset adds the tokenizer's special tokens to a prompt, none to messages. Only the generation
+    # prompt after messages is served (Generate always adds it).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False

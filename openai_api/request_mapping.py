@@ -163,6 +163,9 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.
     """The GenerateRequest of a chat completion; the scheduler renders the chat template."""
     if req.tools:
         raise invalid_request("tools are not supported", "tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        # Without tools "none" and "auto" both mean "answer in text"; anything else asks for a tool call.
+        raise invalid_request("tool_choice needs tools, which are not supported", "tool_choice")
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; unset = up to the context length.
     max_tokens = _non_negative(req.max_completion_tokens, "max_completion_tokens", 1)
     if max_tokens is None:
@@ -197,17 +200,15 @@ def tokenize_request(req: TokenizeRequest) -> generation_pb2.TokenizeRequest:
     """The Tokenize call for /tokenize; only what Generate does is served (the tokens it would compute)."""
     if (req.prompt is None) == (req.messages is None):
         raise invalid_request("set exactly one of prompt or messages", "prompt")
-    chat = req.messages is not None
-    # Generate gives a prompt the tokenizer's special tokens, and messages only the chat template's.
-    if req.add_special_tokens is not None and req.add_special_tokens == chat:
-        where = "with messages" if chat else "for a prompt"
-        raise invalid_request(f"add_special_tokens={str(req.add_special_tokens).lower()} is not supported {where}",
-                              "add_special_tokens")
     if not req.add_generation_prompt:
         raise invalid_request("add_generation_prompt=false is not supported", "add_generation_prompt")
-    if chat:
-        return generation_pb2.TokenizeRequest(messages=[_chat_message(m, i) for i, m in enumerate(req.messages or [])])
-    return generation_pb2.TokenizeRequest(prompt=req.prompt)
+    if req.messages is not None:
+        msg = generation_pb2.TokenizeRequest(messages=[_chat_message(m, i) for i, m in enumerate(req.messages)])
+    else:
+        msg = generation_pb2.TokenizeRequest(prompt=req.prompt)
+    if req.add_special_tokens is not None:
+        msg.add_special_tokens = req.add_special_tokens
+    return msg
 
 
 def detokenize_ids(req: DetokenizeRequest) -> list[int]:

@@ -65,7 +65,10 @@ class Admission:
 
     def tokenize(self, req: generation_pb2.TokenizeRequest) -> tuple[list[int], list[str]]:
         """Token ids and their strings for a prompt or chat messages, as Generate would compute them."""
-        ids = self._prompt_tokens(generation_pb2.GenerateRequest(prompt=req.prompt, messages=req.messages))
+        as_generate = generation_pb2.GenerateRequest(prompt=req.prompt, messages=req.messages)
+        if req.HasField("add_special_tokens"):
+            as_generate.add_special_tokens = req.add_special_tokens
+        ids = self._prompt_tokens(as_generate)
         return ids, list(self._tok.convert_ids_to_tokens(ids))  # type: ignore[attr-defined]
 
     def detokenize(self, token_ids: list[int]) -> str:

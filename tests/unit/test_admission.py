@@ -392,6 +392,13 @@ def test_add_special_tokens_reaches_the_tokenizer() -> None:
     assert tok.calls == [True, False, False, True]
     rejects(admission, generation_pb2.GenerateRequest(prompt_token_ids=[1, 2], add_special_tokens=True),
             "add_special_tokens applies to a text prompt or messages")
+    # Tokenize takes the same option (vLLM's /tokenize, which its benchmark client calls without special tokens).
+    tok.calls.clear()
+    tok.convert_ids_to_tokens = lambda ids: [str(i) for i in ids]  # type: ignore[attr-defined]
+    admission.tokenize(generation_pb2.TokenizeRequest(prompt="a", add_special_tokens=False))
+    admission.tokenize(generation_pb2.TokenizeRequest(prompt="a"))
+    admission.tokenize(generation_pb2.TokenizeRequest(messages=chat, add_special_tokens=True))
+    assert tok.calls == [False, True, True]
 
 
 def test_logit_bias_and_allowed_token_ids_are_checked_and_round_trip(admission: Admission, tokenizer) -> None:

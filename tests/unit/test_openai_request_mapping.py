@@ -117,6 +117,7 @@ def test_chat_logprobs() -> None:
         (_chat, dict(top_logprobs=2), "top_logprobs"),
         (_chat, dict(max_completion_tokens=0), "max_completion_tokens"),
         (_chat, dict(tools=[{"type": "function"}]), "tools"),
+        (_chat, dict(tool_choice="required"), "tool_choice"),
         (_chat, dict(response_format={"type": "structural_tag"}), "response_format.type"),
         (_chat, dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
          "response_format.json_schema"),
