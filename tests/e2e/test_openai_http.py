@@ -283,3 +283,40 @@ def test_chat_prompt_logprobs_and_token_ids(cluster: LocalCluster) -> None:
     role, *rest = _chunks(f"{url}/v1/chat/completions", body)
     assert (role["prompt_token_ids"], role["prompt_logprobs"]) == (ids, whole["prompt_logprobs"])
     assert [t for c in rest for ch in c["choices"] for t in ch["token_ids"]] == whole["choices"][0]["token_ids"]
+
+
+def test_the_openai_client_through_every_vllm_parameter(client: "openai.OpenAI", cluster: LocalCluster) -> None:
+    """One completion and one chat completion from the official client with every sampling and prompt option of
+    vLLM's at once (extra_body), each checked for its effect; structured outputs: test_structured_outputs.py."""
+    url = cluster.http_url
+
+    def ids_of(text: str) -> list[int]:
+        return httpx.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30).json()["tokens"]
+
+    allowed = ids_of(" red green blue yellow")
+    banned_by_bias, bad_word = allowed[0], httpx.post(f"{url}/detokenize", json={"tokens": [allowed[1]]},
+                                                      timeout=30).json()["prompt"]
+    text = "Colours: red, green"
+    completion = client.completions.create(
+        model=MODEL, prompt=text, max_tokens=6, temperature=0.0, echo=True, logprobs=1,
+        logit_bias={str(banned_by_bias): -100},
+        extra_body={"allowed_token_ids": allowed, "bad_words": [bad_word], "prompt_logprobs": 1,
+                    "return_token_ids": True, "add_special_tokens": True, "spaces_between_special_tokens": False,
+                    "skip_special_tokens": False, "priority": 0, "ignore_eos": True, "min_tokens": 6})
+    (choice,) = completion.choices
+    extra = choice.model_extra or {}
+    generated = extra["token_ids"]
+    # allowed_token_ids, minus the -100 bias and the bad word.
+    assert len(generated) == 6 and set(generated) <= set(allowed) - {banned_by_bias, allowed[1]}, generated
+    assert choice.text.startswith(text) and extra["prompt_token_ids"] == ids_of(text)  # echo; no BOS here
+    assert len(extra["prompt_logprobs"]) == len(extra["prompt_token_ids"]) and extra["prompt_logprobs"][0] is None
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids_of(text)) + 6
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour. " * 20}], max_completion_tokens=4,
+        temperature=0.0, extra_body={"truncate_prompt_tokens": 12, "return_token_ids": True, "prompt_logprobs": 0,
+                                     "allowed_token_ids": allowed, "ignore_eos": True})
+    assert chat.usage.prompt_tokens == 12 and len((chat.model_extra or {})["prompt_token_ids"]) == 12
+    assert set(chat.choices[0].model_extra["token_ids"]) <= set(allowed)
+    with pytest.raises(openai.BadRequestError, match="Priority scheduling is not enabled"):
+        client.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"priority": 1})
+    assert_all_blocks_free(cluster)
