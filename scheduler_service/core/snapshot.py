@@ -174,12 +174,14 @@ def restore_inflight_step(scheduler: Scheduler, scheduled: list[tuple[int, int, 
 
     Its sequences' counts moved on since it was planned (Scheduler.advance), so each entry is rebuilt as
     planned: it samples exactly when the sequence holds a token in flight, which only this step can have added
-    (the one before it landed first). Sequences the restored scheduler no longer holds are left out.
+    (the one before it landed first). Sequences the restored scheduler no longer holds, or holds finished, are
+    left out: a finished sequence's token in flight is dropped when the step lands (Scheduler.resolve), and the
+    snapshot keeps none for it, so it could not be rebuilt as planned.
     """
     seqs = _seqs_by_id(scheduler)
     out = SchedulerOutput()
     for seq_id, num_new_tokens, num_computed_tokens in scheduled:
-        if seq_id in seqs:
+        if seq_id in seqs and not seqs[seq_id][1].is_finished:
             group, seq = seqs[seq_id]
             num_tokens = num_computed_tokens + num_new_tokens if seq.num_inflight_tokens else seq.num_tokens
             out.scheduled.append(ScheduledSequence.as_planned(group, seq, num_new_tokens, num_computed_tokens,

@@ -196,6 +196,30 @@ def test_a_step_in_flight_restores_as_planned() -> None:
     assert_same_scheduler(live, rebuilt)
 
 
+def test_a_sequence_finished_while_its_step_is_in_flight_is_left_out_of_the_restored_step() -> None:
+    """A parallel pair: one sequence stops after the next step was planned and sent. The stored step in flight
+    still names it, but its token there is dropped when the step lands, and the snapshot keeps no token in
+    flight for a finished sequence: the restored step holds its sibling only, as landing it would leave."""
+    live = make_scheduler(num_gpu_blocks=8, block_size=4)
+    live.add_request(make_parallel_group("r", 0, [1], 2))
+    first = live.schedule()
+    live.advance(first)
+    second = live.schedule()
+    group = live.running[0]
+    live.finish_sequence(group, group.seqs[0], SequenceStatus.FINISHED_STOPPED)
+    live.resolve(first, {1: 7})
+    live.advance(second)  # sent: in flight
+    rebuilt = restore_scheduler(live.scheduler_config, live.cache_config, snapshot_scheduler(live))
+    out = restore_inflight_step(rebuilt, [(s.seq.seq_id, s.num_new_tokens, s.num_computed_tokens)
+                                          for s in second.scheduled])
+    assert [(s.seq.seq_id, s.num_new_tokens, s.num_computed_tokens, s.num_tokens, s.samples)
+            for s in out.scheduled] == [(1, 1, 1, 2, True)]
+    for sched, landed in ((live, second), (rebuilt, out)):
+        sched.resolve(landed, {1: 8})
+    assert_same_scheduler(live, rebuilt)
+    assert rebuilt.running[0].seqs[1].output_token_ids == [7, 8]
+
+
 def _one_running(block_table: tuple[int, ...], **seq: object) -> SchedulerSnapshot:
     s = SeqSnapshot(seq_id=0, status=SequenceStatus.RUNNING, output_token_ids=(), num_computed_tokens=4,
                     block_table=block_table, **seq)
