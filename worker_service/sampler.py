@@ -75,7 +75,7 @@ def sample(
     positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
     constrained = _constrain(logits, params, seqs, positions, eos_token_ids)
     if grammar_masks is not None:
-        constrained = _apply_grammar(logits, constrained, grammar_masks)
+        constrained = apply_grammar(logits, constrained, grammar_masks)
     logits = constrained
     chosen = _argmax(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -144,7 +144,7 @@ def _constrain(
     return logits
 
 
-def _apply_grammar(raw: torch.Tensor, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+def apply_grammar(raw: torch.Tensor, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
     """Masks the tokens each constrained row's grammar refuses, last (on a copy of the raw logits if needed).
 
     Where the other constraints leave the grammar no token (min_tokens hiding the EOS that ends a
