@@ -14,10 +14,10 @@ export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 PROTO_MESSAGES := protos/common.proto protos/state.proto
 PROTO_SERVICES := protos/generation.proto protos/worker.proto
 
-.PHONY: help install model run test unit lint protos check-protos check-deploy clean bench bench-kernels soak faults
+.PHONY: help install model run test unit fuzz lint protos check-protos check-deploy clean bench bench-kernels soak faults
 
 help:
-	@echo "make run | test | unit | bench | bench-kernels | soak | faults | install | model | protos | check-protos | check-deploy | clean"
+	@echo "make run | test | unit | fuzz | bench | bench-kernels | soak | faults | install | model | protos | check-protos | check-deploy | clean"
 
 # torch is installed first, pinned, so that no looser requirement pulls another build. Which build pip
 # takes is its index's choice: plain PyPI serves the multi-GB CUDA build on Linux, so on a CPU machine
@@ -48,6 +48,12 @@ lint: install
 
 unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# The property tests (scheduler state machines, kernels, detokenizer, the API fuzzer) with fresh random
+# examples, ten times as many as `make test`'s fixed draw; a failure prints the blob that replays it.
+fuzz: model
+	LLMSERVE_HYPOTHESIS=fuzz $(PY) -m pytest -q -m 'not slow' tests/unit tests/integration/test_store_engine_state.py \
+		tests/e2e/test_fuzz_api.py $(PYTEST_ARGS)
 
 # $(call gen_protos,OUTDIR): the one command that generates the Python protobuf and gRPC code.
 gen_protos = $(PY) -m grpc_tools.protoc -I . --python_out=$(1) --pyi_out=$(1) $(PROTO_MESSAGES) && \

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.hypothesis_profiles  # noqa: F401  (loads the profile before any test module builds settings)
 from shared.default_model import prepare_default_model
 from shared.redis_server import RedisServer
 from tests.tiny_models import build_tiny_llama

@@ -9,8 +9,6 @@ stay up, and afterwards every KV block is free and the queue counters are back t
 
 from __future__ import annotations
 
-import os
-
 import itertools
 import math
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2, generation_pb2
 from scheduler_service import keys
 from tests.e2e.cluster_checks import assert_all_blocks_free
+from tests.hypothesis_profiles import examples
 
 MAX_MODEL_LEN = 256
 VOCAB = 49152  # the tiny model shares the default model's tokenizer
@@ -111,9 +110,8 @@ def _request(prompt: dict, sampling: dict, request_id: str | None) -> generation
     )
 
 
-# Derandomized: CI draws the same 60 examples every run, so a landing is never blocked by chance;
-# LLMSERVE_FUZZ_RANDOM=1 explores new ones.
-@settings(max_examples=60, deadline=None, database=None, derandomize=not os.environ.get("LLMSERVE_FUZZ_RANDOM"),
+# The same 60 examples on every `make test` (tests/hypothesis_profiles.py); `make fuzz` draws new ones.
+@settings(max_examples=examples(60), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=PROMPT, sampling=SAMPLING, request_id=_maybe(st.text(max_size=300)),
        cancel_after=_maybe(st.integers(0, 3)))

@@ -17,6 +17,8 @@ import redis
 from hypothesis import event, settings
 from hypothesis.stateful import rule
 
+from tests.hypothesis_profiles import examples
+
 from protos import state_pb2, worker_pb2
 from scheduler_service import keys
 from scheduler_service.core.scheduler import Scheduler
@@ -135,8 +137,8 @@ class StoredPrefixCachingMachine(StoreRoundTrip, ChunkedPrefixCachingMachine):
 
 TestStoredSchedulerMachine = StoredSchedulerMachine.TestCase
 TestStoredPrefixCachingMachine = StoredPrefixCachingMachine.TestCase
-TestStoredSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
-TestStoredPrefixCachingMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestStoredSchedulerMachine.settings = settings(max_examples=examples(40), stateful_step_count=30, deadline=None)
+TestStoredPrefixCachingMachine.settings = settings(max_examples=examples(100), stateful_step_count=40, deadline=None)
 
 
 def _round_trip(url: str, journal: StateJournal, live: Scheduler) -> Scheduler:

@@ -6,6 +6,8 @@ import pytest
 from hypothesis import event, settings
 from hypothesis.stateful import precondition, rule
 
+from tests.hypothesis_profiles import examples
+
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceGroup, SequenceStatus
@@ -230,4 +232,4 @@ class AsyncSchedulerMachine(SchedulerMachine):
 
 
 TestAsyncSchedulerMachine = AsyncSchedulerMachine.TestCase
-TestAsyncSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestAsyncSchedulerMachine.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)

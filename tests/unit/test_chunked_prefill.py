@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from hypothesis import event
 from hypothesis.stateful import invariant, rule
 
+from tests.hypothesis_profiles import examples
+
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from shared.sampling_params import SamplingParams
@@ -241,11 +243,11 @@ class ChunkedPrefixCachingMachine(PrefixCachingMachine):
 
 
 TestChunkedPrefillMachine = ChunkedPrefillMachine.TestCase
-TestChunkedPrefillMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestChunkedPrefillMachine.settings = settings(max_examples=examples(100), stateful_step_count=40, deadline=None)
 TestSlidingWindowMachine = SlidingWindowMachine.TestCase
-TestSlidingWindowMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestSlidingWindowMachine.settings = settings(max_examples=examples(100), stateful_step_count=40, deadline=None)
 TestChunkedPrefixCachingMachine = ChunkedPrefixCachingMachine.TestCase
-TestChunkedPrefixCachingMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestChunkedPrefixCachingMachine.settings = settings(max_examples=examples(100), stateful_step_count=40, deadline=None)
 
 
 def test_ring_size_covers_the_window_plus_one_step_of_tokens() -> None:

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_profiles import examples
+
 from scheduler_service.core.sequence import Sequence, SequenceStatus
 from scheduler_service.core.stop_checker import (
     StopDecision,
@@ -330,7 +332,7 @@ def test_check_stop_validation() -> None:
         check_stop(seq, SamplingParams(), output_text="x", num_new_chars=2, eos_token_id=2, max_model_len=10)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     pieces=st.lists(st.text(alphabet="ab c", min_size=0, max_size=3), max_size=25),
     stop=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4), min_size=1, max_size=3),

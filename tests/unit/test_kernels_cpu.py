@@ -15,6 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_profiles import examples
+
 from llmserve import kernels
 from llmserve.kernels.backend import ContextAttentionFn, PagedAttentionFn
 from llmserve.kernels.cpu import attention as cpu_attention
@@ -136,7 +138,7 @@ def test_paged_attention_loose_max_context_len(paged: PagedAttentionFn) -> None:
 
 
 @for_each_decode_kernel
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(
     data=st.data(),
     num_kv_heads=st.sampled_from([1, 2]),
@@ -196,7 +198,7 @@ def test_context_attention_query_tiles(monkeypatch: pytest.MonkeyPatch, budget: 
 
 
 @for_each_context_kernel
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(
     data=st.data(),
     num_kv_heads=st.sampled_from([1, 2]),

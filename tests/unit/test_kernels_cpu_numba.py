@@ -16,6 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_profiles import examples
+
 from llmserve.kernels.cpu import _numba_prefill
 from llmserve.kernels.cpu import attention as cpu_attention
 from llmserve.kernels.cpu import numba_attention
@@ -152,7 +154,7 @@ def test_odd_block_sizes_and_non_contiguous_caches_fall_back(torch_calls: list) 
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     data=st.data(),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),

@@ -10,6 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
+from tests.hypothesis_profiles import examples
+
 from scheduler_service.core.block_manager import AllocStatus
 from scheduler_service.core.block_pool import NoFreeBlocksError
 from scheduler_service.core.block_manager import BlockManager
@@ -464,7 +466,7 @@ class PrefixCachingMachine(SchedulerMachine):
 
 
 TestPrefixCachingMachine = PrefixCachingMachine.TestCase
-TestPrefixCachingMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestPrefixCachingMachine.settings = settings(max_examples=examples(100), stateful_step_count=40, deadline=None)
 
 
 def test_allocate_refuses_a_plan_whose_hit_was_evicted() -> None:

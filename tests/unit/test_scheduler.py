@@ -9,6 +9,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.hypothesis_profiles import examples
+
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -815,7 +817,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSchedulerMachine.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 
 
 def test_kv_occupancy_counts_filled_slots_of_allocated_blocks_once() -> None:
