@@ -14,10 +14,10 @@ export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 PROTO_MESSAGES := protos/common.proto protos/state.proto
 PROTO_SERVICES := protos/generation.proto protos/worker.proto
 
-.PHONY: help install model run test unit fuzz lint protos check-protos check-deploy clean bench bench-kernels soak faults
+.PHONY: help install model run test test-gpu unit fuzz lint protos check-protos check-deploy clean bench bench-kernels soak faults
 
 help:
-	@echo "make run | test | unit | fuzz | bench | bench-kernels | soak | faults | install | model | protos | check-protos | check-deploy | clean"
+	@echo "make run | test | test-gpu | unit | fuzz | bench | bench-kernels | soak | faults | install | model | protos | check-protos | check-deploy | clean"
 
 # torch is installed first, pinned, so that no looser requirement pulls another build. Which build pip
 # takes is its index's choice: plain PyPI serves the multi-GB CUDA build on Linux, so on a CPU machine
@@ -48,6 +48,12 @@ lint: install
 
 unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# On a machine with a CUDA device (and the `cuda` extra): the kernels at serving shapes and the engine on the
+# GPU against transformers, in a process of their own (numba picks the simulator or the GPU once per process).
+test-gpu: model
+	$(PY) -m pip install --quiet -e '.[cuda]'
+	$(PY) -m pytest tests/gpu tests/unit/test_cache_engine.py $(PYTEST_ARGS)
 
 # The property tests (scheduler state machines, kernels, detokenizer, the API fuzzer) with fresh random
 # examples, ten times as many as `make test`'s fixed draw; a failure prints the blob that replays it.

@@ -27,20 +27,22 @@ class Reference:
 class HFReference:
     """Greedy generation with transformers, one prompt at a time (no padding effects)."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
         self.model.eval()
+        self.device = torch.device(device)
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Reference:
         kwargs = {} if stop_at_eos else {"eos_token_id": None}
         out = self.model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            torch.tensor([prompt_ids], device=self.device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=self.device),
             max_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
             pad_token_id=self.model.config.eos_token_id, **kwargs,
         )
         tokens = out.sequences[0, len(prompt_ids):].tolist()
-        logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
+        logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1).cpu()
         return Reference(tokens, logprobs)
 
 

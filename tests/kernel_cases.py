@@ -12,11 +12,13 @@ references of :mod:`tests.kernels_reference`.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import torch
 
 from llmserve import kernels
 from llmserve.kernels.backend import ContextAttentionFn, PagedAttentionFn
+from tests import kernels_dense_reference as dense_ref
 from tests.kernels_reference import ref_context_attention, ref_paged_attention, ref_reshape_and_cache
 
 # Max-abs error relative to the reference's max-abs value. fp32 computes in fp32;
@@ -43,6 +45,7 @@ class PagedCache:
         gen: torch.Generator,
         spare_blocks: int = 3,
         unused_table_entry: int | None = None,
+        dense: bool = False,
     ) -> None:
         blocks_per_seq = [-(-n // block_size) for n in seq_lens]
         num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -70,7 +73,8 @@ class PagedCache:
         self.keys = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
         self.values = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
         self.slot_mapping = torch.tensor(slots, dtype=torch.int64)
-        ref_reshape_and_cache(self.keys, self.values, self.key_cache, self.value_cache, self.slot_mapping)
+        write = dense_ref.write_kv if dense else ref_reshape_and_cache
+        write(self.keys, self.values, self.key_cache, self.value_cache, self.slot_mapping)
 
 
 def alibi_slopes_for(num_heads: int) -> torch.Tensor:
@@ -107,12 +111,15 @@ def run_paged(
     sliding_window: int | None,
     seed: int,
     unused_table_entry: int | None = None,
+    dense: bool = False,
 ) -> float:
-    """Decode attention of ``kernel`` on a fresh case; returns the relative error."""
+    """Decode attention of ``kernel`` on a fresh case; returns the relative error. ``dense``: build the case and
+    the expected output with tests/kernels_dense_reference.py (serving shapes)."""
     dtype, num_heads, num_kv_heads, head_size, block_size = cfg
     gen = torch.Generator().manual_seed(seed)
     cache = PagedCache(
-        context_lens, num_kv_heads, head_size, block_size, dtype, gen, unused_table_entry=unused_table_entry
+        context_lens, num_kv_heads, head_size, block_size, dtype, gen, unused_table_entry=unused_table_entry,
+        dense=dense,
     )
     query = torch.randn(len(context_lens), num_heads, head_size, generator=gen).to(dtype)
     slopes = alibi_slopes_for(num_heads) if use_alibi else None
@@ -123,7 +130,7 @@ def run_paged(
         out, query, cache.key_cache, cache.value_cache, num_kv_heads, scale, cache.block_tables, lens,
         block_size, max(context_lens), alibi_slopes=slopes, sliding_window=sliding_window,
     )  # fmt: skip
-    expected = ref_paged_attention(
+    expected = (dense_ref.paged_attention if dense else ref_paged_attention)(
         query, cache.key_cache, cache.value_cache, cache.block_tables, lens, scale, slopes, sliding_window
     )
     assert out.dtype == dtype
@@ -137,13 +144,14 @@ def run_context(
     use_alibi: bool,
     sliding_window: int | None,
     seed: int,
+    dense: bool = False,
 ) -> float:
     """Prefill attention of ``kernel`` on a fresh case; ``seqs``: (seq_len, q_len) per sequence, the
-    q_len newest positions being the queries. Returns the relative error."""
+    q_len newest positions being the queries. Returns the relative error. ``dense`` as for run_paged."""
     dtype, num_heads, num_kv_heads, head_size, block_size = cfg
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [n for n, _ in seqs]
-    cache = PagedCache(seq_lens, num_kv_heads, head_size, block_size, dtype, gen)
+    cache = PagedCache(seq_lens, num_kv_heads, head_size, block_size, dtype, gen, dense=dense)
     starts = [0]
     for _, q_len in seqs:
         starts.append(starts[-1] + q_len)
@@ -157,8 +165,43 @@ def run_context(
         out, query, cache.key_cache, cache.value_cache, num_kv_heads, scale, cache.block_tables, qsl, lens,
         block_size, alibi_slopes=slopes, sliding_window=sliding_window,
     )  # fmt: skip
-    expected = ref_context_attention(
+    expected = (dense_ref.context_attention if dense else ref_context_attention)(
         query, cache.key_cache, cache.value_cache, cache.block_tables, qsl, lens, scale, slopes, sliding_window
     )
     assert out.dtype == dtype
     return rel_error(out, expected)
+
+
+@dataclass
+class CacheWriteCase:
+    """Tokens to write into random caches, and the caches as the reference writer leaves them."""
+
+    kv: torch.Tensor  # [tokens, 2, kv_heads, head_size]: key and value are strided views, as from a fused qkv
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # padding tokens have slot -1
+    expected_key_cache: torch.Tensor
+    expected_value_cache: torch.Tensor
+
+    @property
+    def key(self) -> torch.Tensor:
+        return self.kv[:, 0]
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.kv[:, 1]
+
+
+def cache_write_case(dtype: torch.dtype, num_blocks: int, num_kv_heads: int, head_size: int, block_size: int,
+                     num_tokens: int, padding: list[int], seed: int, dense: bool = False) -> CacheWriteCase:
+    """A reshape_and_cache case on the CPU: distinct random slots, the tokens at ``padding`` marked -1."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = (num_blocks, num_kv_heads, head_size, block_size, dtype)
+    key_cache = torch.randn(kernels.key_cache_shape(*sizes), generator=gen).to(dtype)
+    value_cache = torch.randn(kernels.value_cache_shape(*sizes), generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[padding] = -1
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_size, generator=gen).to(dtype)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    (dense_ref.write_kv if dense else ref_reshape_and_cache)(kv[:, 0], kv[:, 1], expected_k, expected_v, slots)
+    return CacheWriteCase(kv, key_cache, value_cache, slots, expected_k, expected_v)

@@ -29,7 +29,8 @@ COPY kernels /src/kernels
 COPY shared /src/shared
 COPY openai_api /src/openai_api
 COPY benchmarks /src/benchmarks
-RUN pip install /src && rm -rf /src
+# The cuda extra: numba-cuda, which compiles the kernels (pyproject.toml).
+RUN pip install /src[cuda] && rm -rf /src
 
 # Non-root, read-only-root friendly: writable paths are /cache (an emptyDir) and /tmp; models come
 # read-only from a volume at /models; nothing is downloaded at run time.

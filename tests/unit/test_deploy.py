@@ -84,6 +84,8 @@ def test_dockerfile_pins_torch_and_runs_llmserve_as_non_root(name: str, base: st
     package_install = [rest for keyword, rest in instructions if keyword == "RUN" and "pip install /src" in rest]
     assert package_install, "the package is installed after torch"
     assert instructions.index(("RUN", torch_installs[0])) < instructions.index(("RUN", package_install[0]))
+    # The GPU worker needs the kernels' compiler (numba-cuda, the `cuda` extra); the CPU scheduler does not.
+    assert ("pip install /src[cuda]" in package_install[0]) == (name == "worker"), package_install
 
     users = [rest for keyword, rest in instructions if keyword == "USER"]
     assert users, "the image sets USER"

@@ -25,6 +25,7 @@ from tests import kernel_cases
 from tests.kernel_cases import (
     TOLERANCE,
     PagedCache,
+    cache_write_case,
     alibi_slopes_for,
     config_id,
     feature_id,
@@ -32,7 +33,7 @@ from tests.kernel_cases import (
     rel_error,
     stable_seed,
 )
-from tests.kernels_reference import ref_paged_attention, ref_reshape_and_cache
+from tests.kernels_reference import ref_paged_attention
 
 # (dtype, num_heads, num_kv_heads, head_size, block_size): GQA, MHA and MQA,
 # every head size and block size, each dtype at least twice.
@@ -280,21 +281,10 @@ def test_attention_accepts_strided_query_and_out_and_empty_batches(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reshape_and_cache_matches_reference_and_skips_padding(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(10)
-    num_blocks, kv_heads, head_size, block_size = 6, 2, 64, 8
-    sizes = (num_blocks, kv_heads, head_size, block_size, dtype)
-    key_cache = torch.randn(kernels.key_cache_shape(*sizes), generator=gen).to(dtype)
-    value_cache = torch.randn(kernels.value_cache_shape(*sizes), generator=gen).to(dtype)
-    num_tokens = 20
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[[0, 7, 19]] = -1  # padding tokens
-    key = torch.randn(num_tokens, kv_heads, head_size, generator=gen).to(dtype)
-    value = torch.randn(num_tokens, kv_heads, head_size, generator=gen).to(dtype)
-    expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    ref_reshape_and_cache(key, value, expected_k, expected_v, slots)
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
-    assert torch.equal(key_cache, expected_k)
-    assert torch.equal(value_cache, expected_v)
+    case = cache_write_case(dtype, 6, 2, 64, 8, num_tokens=20, padding=[0, 7, 19], seed=10)
+    kernels.reshape_and_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping)
+    assert torch.equal(case.key_cache, case.expected_key_cache)
+    assert torch.equal(case.value_cache, case.expected_value_cache)
 
 
 def test_reshape_and_cache_element_addressing() -> None:

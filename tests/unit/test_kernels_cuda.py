@@ -50,8 +50,16 @@ import llmserve.kernels.cuda as kcuda  # noqa: E402
 from llmserve.kernels.cuda import _dtypes, _warp, attention, cache_ops  # noqa: E402
 from llmserve.kernels.cuda._device import SIMULATOR  # noqa: E402
 from tests import kernel_cases  # noqa: E402
-from tests.kernel_cases import TOLERANCE, PagedCache, config_id, feature_id, rel_error, stable_seed  # noqa: E402
-from tests.kernels_reference import ref_paged_attention, ref_reshape_and_cache  # noqa: E402
+from tests.kernel_cases import (  # noqa: E402
+    TOLERANCE,
+    PagedCache,
+    cache_write_case,
+    config_id,
+    feature_id,
+    rel_error,
+    stable_seed,
+)
+from tests.kernels_reference import ref_paged_attention  # noqa: E402
 
 assert SIMULATOR, "kernels.cuda must run under the simulator in this test module"
 
@@ -183,23 +191,11 @@ def test_context_attention_partitioned(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reshape_and_cache_matches_reference_and_skips_padding(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(10)
-    num_blocks, kv_heads, head_size, block_size = 4, 2, 32, 8
-    sizes = (num_blocks, kv_heads, head_size, block_size, dtype)
-    key_cache = torch.randn(kernels.key_cache_shape(*sizes), generator=gen).to(dtype)
-    value_cache = torch.randn(kernels.value_cache_shape(*sizes), generator=gen).to(dtype)
-    num_tokens = 6
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[[0, 4]] = -1  # padding tokens
-    # Strided key/value, as when they are views into a fused qkv projection.
-    kv = torch.randn(num_tokens, 2, kv_heads, head_size, generator=gen).to(dtype)
-    key, value = kv[:, 0], kv[:, 1]
-    expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    ref_reshape_and_cache(key, value, expected_k, expected_v, slots)
-    kcuda.reshape_and_cache(key, value, key_cache, value_cache, slots)
-    assert torch.equal(key_cache.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       expected_k.view(torch.int16 if dtype != torch.float32 else torch.int32))  # fmt: skip
-    assert torch.equal(value_cache, expected_v)
+    case = cache_write_case(dtype, 4, 2, 32, 8, num_tokens=6, padding=[0, 4], seed=10)
+    kcuda.reshape_and_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping)
+    bits = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(case.key_cache.view(bits), case.expected_key_cache.view(bits))
+    assert torch.equal(case.value_cache, case.expected_value_cache)
 
 
 def _random_layers(layers: int, gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
