@@ -108,6 +108,14 @@ def _liveness_flag(p: argparse.ArgumentParser, stalled: str) -> None:
                         f"{stalled} for this long; keep it well above --step-timeout")
 
 
+def _engine_metrics_flags(host: str, metrics_port: int) -> list[str]:
+    """The HTTP front's --engine-metrics under `up`: the scheduler's port and the worker's (the next one)."""
+    if not metrics_port:
+        return []
+    return [flag for port in (metrics_port, metrics_port + 1)
+            for flag in ("--engine-metrics", f"http://{host}:{port}/metrics")]
+
+
 def _observability_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("observability")
     g.add_argument("--otlp-endpoint", default="",
@@ -214,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="", help="checkpoint whose tokenizer names tokens in logprobs "
                    "(default: none, tokens are named token_id:<id>)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
+                   help="Prometheus endpoint of the engine (a scheduler's or worker's --metrics-port, e.g. "
+                        "http://127.0.0.1:9090/metrics) whose series /metrics serves after the front's own, as "
+                        "vLLM's API server does (repeatable; `up --http-port --metrics-port` sets both)")
     sec.add_client_security_flags(p)
     p.add_argument("--api-key-file", default="", metavar="PATH",
                    help="file holding the key HTTP clients must send as 'Authorization: Bearer <key>' on /v1 "
@@ -378,7 +390,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         worker_args=_passthrough(args, _WORKER_PASS) + (["--metrics-port", str(args.metrics_port + 1)]
                                                         if args.metrics_port else []),
         scheduler_args=_passthrough(args, _SCHEDULER_PASS),
-        log_dir=args.log_dir, http_port=args.http_port, http_args=_passthrough(args, _HTTP_PASS),
+        log_dir=args.log_dir, http_port=args.http_port,
+        http_args=_passthrough(args, _HTTP_PASS) + _engine_metrics_flags(args.host, args.metrics_port),
         tls_ca_file=args.tls_ca_file,
     )
     stop = threading.Event()
@@ -443,7 +456,7 @@ def _cmd_openai(args: argparse.Namespace) -> int:
     serve(FrontConfig(scheduler=args.scheduler, host=args.host, port=args.port,
                       served_model_names=args.served_model_name, tokenizer=args.tokenizer,
                       scheduler_tls=sec.client_tls_from(args), auth_token=sec.auth_token_from(args),
-                      api_key=sec.api_key_from(args)), args.log_level)
+                      api_key=sec.api_key_from(args), engine_metrics=args.engine_metrics), args.log_level)
     return 0
 
 

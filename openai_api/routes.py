@@ -22,6 +22,7 @@ from openai_api import chat, completions
 from openai_api.engine_client import EngineClient, GenerationStream
 from openai_api.errors import OpenAIError, invalid_request, model_not_found
 from openai_api.logprobs import TokenNamer
+from openai_api.metrics_relay import relayed_exposition
 from llmserve import __version__
 from openai_api.protocol import (
     ChatCompletionRequest,
@@ -202,8 +203,11 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]
 
 
 async def metrics(request: Request) -> Response:
-    """GET /metrics: the front's Prometheus series (the engine's are on the scheduler's --metrics-port)."""
-    return Response(generate_latest(request.app.state.front_metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """GET /metrics: the front's Prometheus series, then the engine's from the --engine-metrics endpoints."""
+    registry = request.app.state.front_metrics.registry
+    sources: list[str] = getattr(request.app.state, "engine_metrics", [])
+    body = await relayed_exposition(registry, sources) if sources else generate_latest(registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 async def version() -> dict[str, str]:

@@ -32,6 +32,8 @@ class FrontConfig:
     scheduler_tls: verify the scheduler's certificate (TLS) instead of a plaintext channel.
     auth_token: bearer token the front sends to the scheduler (its --auth-token-file).
     api_key: when set, every /v1 request must carry `Authorization: Bearer <api_key>` (vLLM's --api-key).
+    engine_metrics: Prometheus endpoints of the engine (the scheduler's and worker's --metrics-port) whose
+        series /metrics serves after the front's own (openai_api/metrics_relay.py).
     """
 
     scheduler: str
@@ -42,12 +44,16 @@ class FrontConfig:
     scheduler_tls: ClientTLS | None = None
     auth_token: str = field(default="", repr=False)
     api_key: str = field(default="", repr=False)
+    engine_metrics: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.scheduler:
             raise ValueError("scheduler must be a host:port address, got ''")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for url in self.engine_metrics:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine_metrics must be http(s) URLs, got {url!r}")
         if not self.served_model_names:
             name = Path(self.tokenizer.rstrip("/")).name.removesuffix(".gguf") if self.tokenizer else ""
             self.served_model_names = [name or "llmserve"]
@@ -79,6 +85,7 @@ def make_app(config: FrontConfig) -> FastAPI:
             await engine.close()
 
     app = build_app(lifespan=lifespan)
+    app.state.engine_metrics = list(config.engine_metrics)
     if config.api_key:
         require_api_key(app, config.api_key)
     return app

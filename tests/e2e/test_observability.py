@@ -46,6 +46,10 @@ def observed(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         worker_args=["--num-gpu-blocks-override", "64", "--max-model-len", "512", "--num-threads", "1",
                      "--trace-file", str(worker_trace), "--metrics-port", str(worker_port)],
         scheduler_args=["--trace-file", str(scheduler_trace), "--metrics-port", str(scheduler_port)],
+        # The HTTP front relays both services' series on its own /metrics, as vLLM's API server serves them.
+        http_port=0,
+        http_args=["--engine-metrics", f"http://127.0.0.1:{scheduler_port}/metrics",
+                   "--engine-metrics", f"http://127.0.0.1:{worker_port}/metrics"],
     )
     with LocalCluster(spec) as cluster:
         yield Observed(cluster, [scheduler_trace, worker_trace], f"http://127.0.0.1:{scheduler_port}/metrics",
@@ -222,3 +226,21 @@ def test_metrics_count_a_known_workload(observed: Observed) -> None:
     assert delta(after_w, before_w, "llmserve:worker_sampled_tokens_total") == 18
     # Prefill computes every prompt token, each later decode one token.
     assert delta(after_w, before_w, "llmserve:worker_tokens_total") == 21 + (18 - 3)
+
+
+def test_the_http_port_serves_the_engine_series(observed: Observed) -> None:
+    """GET /metrics on the HTTP front: its own series, and the scheduler's and worker's with their values."""
+    front = f"{observed.cluster.http_url}/metrics"
+    with urllib.request.urlopen(f"{observed.cluster.http_url}/v1/models", timeout=10) as reply:
+        assert reply.status == 200
+
+    def same_values() -> dict[str, float] | None:
+        direct = {**_scrape(observed.scheduler_metrics), **_scrape(observed.worker_metrics)}
+        relayed = _scrape(front)
+        return relayed if all(relayed.get(k) == v for k, v in direct.items()) else None
+
+    relayed = _wait_for(same_values, "the front's /metrics to carry the engine's values")
+    assert "vllm:kv_cache_usage_perc" in relayed and "llmserve:worker_kv_blocks_used" in relayed
+    assert relayed["http_requests_total{handler=/v1/models,method=GET,status=2xx}"] >= 1
+    assert relayed["llmserve:metrics_relay_up{source=" + observed.scheduler_metrics + "}"] == 1
+    assert relayed["llmserve:metrics_relay_up{source=" + observed.worker_metrics + "}"] == 1
