@@ -49,15 +49,32 @@ def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
 
 
 def kernel_array(tensor: torch.Tensor):  # -> numba DeviceNDArray | numpy.ndarray
-    """A zero-copy array view of ``tensor`` for a kernel argument (bf16 viewed as int16)."""
+    """A zero-copy array view of ``tensor`` for a kernel argument (bf16 viewed as int16).
+
+    The view does not keep ``tensor`` alive: the caller holds it in a variable until the kernel is launched.
+    A temporary (``kernel_array(x.to(device))``) is freed at once, and the caching allocator gives its
+    address to the next tensor, whose view is then the same object.
+    """
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return _as_array(tensor)
 
 
 def bits_array(tensor: torch.Tensor):  # -> numba DeviceNDArray | numpy.ndarray
-    """A zero-copy view of ``tensor``'s elements as same-sized integers, for exact copies."""
+    """A zero-copy view of ``tensor``'s elements as same-sized integers, for exact copies (held as for
+    kernel_array)."""
     return _as_array(tensor.view(_BITS_DTYPES[tensor.element_size()]))
+
+
+# Device-array views for kernel arguments, by everything that defines a view: address, shape, strides,
+# element type and device. Wrapping a tensor (`as_cuda_array`: its interface dict, a new array type, the
+# CUDA context checks) costs ~20 us on the host, and a kernel call takes up to 11 arguments, while a GPU
+# step reuses the same few addresses and shapes (the KV caches of every layer, the caching allocator's
+# blocks of the step's inputs). A cached view owns nothing: it is only ever used for a tensor with
+# exactly its key, which the caller holds alive through the launch.
+_views: dict[tuple, object] = {}
+_MAX_VIEWS = 1024
+REUSE_VIEWS = True  # benchmarks turn it off to measure what it saves
 
 
 def _as_array(tensor: torch.Tensor):
@@ -66,9 +83,17 @@ def _as_array(tensor: torch.Tensor):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
         return FakeCUDAArray(tensor.numpy())
-    # sync=False: the kernel is launched on torch's current stream (launch_stream),
-    # which already orders it after whatever produced the tensor.
-    return cuda.as_cuda_array(tensor, sync=False)
+    if not REUSE_VIEWS:
+        return cuda.as_cuda_array(tensor, sync=False)
+    key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device.index)
+    view = _views.get(key)
+    if view is None:
+        if len(_views) >= _MAX_VIEWS:
+            _views.pop(next(iter(_views)))  # the oldest
+        # sync=False: the kernel is launched on torch's current stream (launch_on), which already
+        # orders it after whatever produced the tensor. owner=None: the view keeps no tensor alive.
+        view = _views[key] = cuda.from_cuda_array_interface(tensor.__cuda_array_interface__, owner=None, sync=False)
+    return view
 
 
 def device_function(func: Callable) -> Callable:

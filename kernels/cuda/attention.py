@@ -9,6 +9,8 @@ row it reads.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -72,11 +74,17 @@ def paged_attention(
     _check_kernel_inputs(out, query, key_cache, value_cache, dims)
     if query.shape[0] == 0:
         return
-    row_seq = torch.arange(query.shape[0], dtype=torch.int32, device=query.device)
+    row_seq = _rows(query.shape[0], query.device)
     _attend(
         out, query, key_cache, value_cache, dims, scale, block_tables, row_seq, context_lens, longest,
         alibi_slopes, sliding_window,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _rows(num_rows: int, device: torch.device) -> torch.Tensor:
+    """0 .. num_rows-1 (int32): a decode row's block-table row is its own index. Read-only, so shared."""
+    return torch.arange(num_rows, dtype=torch.int32, device=device)
 
 
 def context_attention(
@@ -120,6 +128,14 @@ def context_attention(
     )  # fmt: skip
 
 
+@functools.cache
+def _unused_arguments(device: torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per device, allocated once: the empty ALiBi slopes and the unpartitioned kernel's stand-in partials."""
+    stats = torch.empty((1, 1, 1), dtype=torch.float32, device=device)
+    return (torch.empty(0, dtype=torch.float32, device=device),
+            (stats, torch.empty_like(stats), torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)))
+
+
 def _check_kernel_inputs(
     out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, dims: KVCacheDims
 ) -> None:
@@ -148,17 +164,18 @@ def _attend(
     partition_size = partition_size_for(num_rows, num_heads, longest, dims.block_size)
     kernel = ak.attention_kernel(head_size, dims.block_size, partition_size, query.dtype, key_cache.dtype, out.dtype)
     shared_bytes = 4 * ak.shared_floats(head_size, dims.block_size, longest, partition_size)
-    if alibi_slopes is None:
-        slopes = torch.empty(0, dtype=torch.float32, device=device)
-    else:
-        slopes = alibi_slopes.to(device=device, dtype=torch.float32).contiguous()
+    no_slopes, stand_ins = _unused_arguments(device)
+    slopes = no_slopes if alibi_slopes is None else alibi_slopes.to(device=device, dtype=torch.float32).contiguous()
     window = sliding_window or 0
     num_parts = -(-longest // partition_size) if partition_size else 1
-    # float32 partials of the partitioned kernel; 1-element stand-ins otherwise.
-    stats_shape = (num_rows, num_heads, num_parts) if partition_size else (1, 1, 1)
-    exp_sums = torch.empty(stats_shape, dtype=torch.float32, device=device)
-    max_logits = torch.empty(stats_shape, dtype=torch.float32, device=device)
-    tmp_out = torch.empty((*stats_shape, head_size if partition_size else 1), dtype=torch.float32, device=device)
+    # float32 partials of the partitioned kernel; stand-ins the unpartitioned one never touches otherwise.
+    if partition_size:
+        stats_shape = (num_rows, num_heads, num_parts)
+        exp_sums = torch.empty(stats_shape, dtype=torch.float32, device=device)
+        max_logits = torch.empty(stats_shape, dtype=torch.float32, device=device)
+        tmp_out = torch.empty((*stats_shape, head_size), dtype=torch.float32, device=device)
+    else:
+        exp_sums, max_logits, tmp_out = stand_ins
     partials = (kernel_array(exp_sums), kernel_array(max_logits), kernel_array(tmp_out))
     out_array = kernel_array(out)
     ctx_array = kernel_array(row_ctx)
