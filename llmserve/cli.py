@@ -63,6 +63,11 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="processes (GPUs cuda:k..k+N-1, or CPU processes with gloo) that split each layer's heads "
                         "and the KV cache; the worker starts them. --kv-cache-memory, --swap-space and "
                         "--num-threads apply to each")
+    g.add_argument("--simulate", default="", metavar="PROFILE",
+                   help="serve the Worker API with no model: steps take the time a profile of a model on a GPU "
+                        "gives them (worker_service/profiles: llama-3-8b-h100, llama-3-70b-h100x4, or a JSON file) "
+                        "and tokens are a function of sequence, position and seed; --model still gives the "
+                        "vocabulary the scheduler tokenizes with")
 
 
 def _scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -308,6 +313,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         num_threads=args.num_threads, otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file,
         metrics_port=args.metrics_port, tls=sec.server_tls_from(args),
         tensor_parallel_size=args.tensor_parallel_size, liveness_timeout_s=args.liveness_timeout,
+        simulate=args.simulate,
     )
     registration = None
     if args.redis_url:
@@ -368,7 +374,7 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-utilization",
                 "num-gpu-blocks-override", "swap-space", "seed", "num-threads", "max-model-len", "log-level",
                 "otlp-endpoint", "trace-file", "redis-password-file", "redis-ca-file", "tensor-parallel-size",
-                "liveness-timeout"]
+                "liveness-timeout", "simulate"]
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
                    "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port",
                    "max-num-queued-requests", "max-queued-tokens", "step-timeout", "async-scheduling",

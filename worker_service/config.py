@@ -35,6 +35,7 @@ class WorkerConfig:
     tensor_parallel_size: ranks that split each layer's heads and MLP (and the KV cache's heads);
         rank 0 is this process, it starts the others. kv_cache_memory_gib and swap_space_gib are
         per rank (as vLLM's per-GPU budgets): N ranks hold N shards of the same number of blocks.
+    simulate: a simulation profile (worker_service/simulation.py): no model, modelled step times.
     """
 
     model: str
@@ -54,6 +55,7 @@ class WorkerConfig:
     tls: ServerTLS | None = None
     tensor_parallel_size: int = 1
     liveness_timeout_s: float = defaults.LIVENESS_TIMEOUT_S
+    simulate: str = ""
 
     def __post_init__(self) -> None:
         is_gguf = self.model.lower().endswith(".gguf") and os.path.isfile(self.model)
@@ -79,6 +81,9 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be in 0..65535 (0 = off), got {self.metrics_port}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.simulate and self.tensor_parallel_size != 1:
+            raise ValueError("simulate models a whole GPU worker: tensor_parallel_size must be 1 "
+                             "(a profile can describe several GPUs).")
         if not self.liveness_timeout_s > 0:
             raise ValueError(f"liveness_timeout_s must be positive, got {self.liveness_timeout_s}.")
 

@@ -178,6 +178,15 @@ class ModelRunner:
         if not scheduled:
             return self._ran(plan, StepOutput(plan.step_id, [], time.perf_counter() - start), summary)
 
+        sampled, prompt_logprobs, sampled_ids = self._compute(scheduled, start)
+        for seq in scheduled:
+            self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
+        return self._ran(plan, StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs), summary)
+
+    def _compute(self, scheduled: list[CachedSequence], start: float
+                 ) -> tuple[list[SampledTokenData], list[PromptLogprobsData], dict[int, int]]:
+        """The forward pass and sampling of a step (its bookkeeping is execute's): what it returns, the
+        prompt logprobs, and each sampled token by sequence id. `start`: when the step began."""
         inputs = build_inputs(scheduled, self.cache, self.device)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn)
         sampled: list[SampledTokenData] = []
@@ -190,10 +199,7 @@ class ModelRunner:
             token_ids = [s.token_id for s in sampled]
             if self.tp is not None:
                 self.tp.send_tokens(token_ids)
-        sampled_ids = {seq.seq_id: token for seq, token in zip(inputs.sampling_seqs, token_ids)}
-        for seq in scheduled:
-            self.seqs.commit_step(seq, sampled_ids.get(seq.seq_id))
-        return self._ran(plan, StepOutput(plan.step_id, sampled, time.perf_counter() - start, prompt_logprobs), summary)
+        return sampled, prompt_logprobs, {seq.seq_id: token for seq, token in zip(inputs.sampling_seqs, token_ids)}
 
     def _move_blocks(self, plan: StepPlanData) -> None:
         """A plan's block operations, in the worker's order; before the forward pass, which may read the blocks."""

@@ -123,6 +123,10 @@ def start_runner(config: WorkerConfig) -> tuple[ModelRunner, RankProcesses | Non
 
     A model whose heads the size does not divide fails here, before any process starts.
     """
+    if config.simulate:
+        from worker_service.simulation import SimulatedRunner, SimulationProfile  # noqa: PLC0415
+
+        return SimulatedRunner(config, SimulationProfile.load(config.simulate)), None
     size = config.tensor_parallel_size
     if size == 1:
         return ModelRunner(config), None
