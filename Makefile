@@ -14,10 +14,10 @@ export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 PROTO_MESSAGES := protos/common.proto protos/state.proto
 PROTO_SERVICES := protos/generation.proto protos/worker.proto
 
-.PHONY: help install model run test test-gpu unit fuzz lint protos check-protos check-deploy clean bench bench-kernels soak faults
+.PHONY: help install model run test test-gpu unit fuzz lint protos check-protos check-deploy clean bench bench-kernels bench-fleet soak faults
 
 help:
-	@echo "make run | test | test-gpu | unit | fuzz | bench | bench-kernels | soak | faults | install | model | protos | check-protos | check-deploy | clean"
+	@echo "make run | test | test-gpu | unit | fuzz | bench | bench-kernels | bench-fleet | soak | faults | install | model | protos | check-protos | check-deploy | clean"
 
 # torch is installed first, pinned, so that no looser requirement pulls another build. Which build pip
 # takes is its index's choice: plain PyPI serves the multi-GB CUDA build on Linux, so on a CPU machine
@@ -113,6 +113,12 @@ bench: model $(BENCH_STAMP)
 # writes docs/kernels.md on a GPU, docs/kernels-cpu.md (CPU backend, small grid) on a CPU.
 bench-kernels: install
 	$(PY) -m benchmarks.kernels
+
+# The control plane at fleet scale: scheduler replicas against simulated GPU workers (benchmarks/fleet.py);
+# writes benchmarks/results/fleet.json. FLEET_ARGS passes its flags (--workers 1,4,16 --replicas 1,2 ...).
+FLEET_ARGS ?=
+bench-fleet: model
+	$(PY) -m benchmarks.fleet $(FLEET_ARGS)
 
 # Fault injection on the manifests' processes (worker SIGKILL, scheduler replica SIGKILL, Redis restart,
 # each under load): every request must complete with transformers' tokens; each run adds a row to the
