@@ -107,8 +107,10 @@ def _redis_totals(client: redis.Redis) -> tuple[int, int]:
 class Fleet:
     """Redis, simulated workers and scheduler replicas as local processes; `with Fleet(...) as f:`."""
 
-    def __init__(self, model: str, profile: str, workers: int, replicas: int, workdir: Path) -> None:
+    def __init__(self, model: str, profile: str, workers: int, replicas: int, workdir: Path,
+                 scheduler_args: list[str] | None = None) -> None:
         self.model, self.profile, self.num_workers, self.num_replicas = model, profile, workers, replicas
+        self.scheduler_args = scheduler_args or []
         self.workdir = workdir
         self.redis = RedisServer()
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -138,7 +140,7 @@ class Fleet:
                 port = free_port()
                 proc = self._spawn(f"scheduler{j}", [
                     "scheduler", "--model", self.model, "--port", str(port), "--redis-url", self.redis.url,
-                    "--log-level", "WARNING"])
+                    "--log-level", "WARNING", *self.scheduler_args])
                 self.scheduler_pids.append(proc.pid)
                 self.scheduler_addresses.append(f"127.0.0.1:{port}")
             self._wait_leased(timeout_s=120 + 15 * (self.num_workers + self.num_replicas))
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=Load.warmup_s)
     parser.add_argument("--window", type=float, default=Load.window_s)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/fleet.json"))
+    parser.add_argument("--scheduler-arg", action="append", default=[], metavar="ARG",
+                        help="passed to every scheduler replica (repeatable), e.g. --scheduler-arg=--async-scheduling")
     args = parser.parse_args(argv)
     load = Load(args.streams_per_worker, args.prompt_len, args.max_tokens, args.warmup, args.window)
     model = str(prepare_default_model())
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         for workers in (int(w) for w in args.workers.split(",")):
             with tempfile.TemporaryDirectory(prefix="llmserve-fleet-") as tmp:
                 print(f"{replicas} replica(s), {workers} simulated worker(s): starting", flush=True)
-                with Fleet(model, args.profile, workers, replicas, Path(tmp)) as fleet:
+                with Fleet(model, args.profile, workers, replicas, Path(tmp), args.scheduler_arg) as fleet:
                     result = asyncio.run(_measure(fleet, load, args.profile))
             results.append(result)
             print(_table([result]).splitlines()[-1], flush=True)
