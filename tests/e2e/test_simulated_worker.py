@@ -23,18 +23,20 @@ SEED = 7
 def test_simulated_worker_serves_the_predicted_tokens_through_preemption(tiny_llama_dir: Path) -> None:
     config = load_config(str(tiny_llama_dir))
     vocab, eos = model_shape(config).vocab_size, frozenset(eos_token_ids(config, str(tiny_llama_dir)))
-    # 24 blocks of 16 tokens for 12 requests of up to 100 tokens: the scheduler must preempt and recompute.
+    # 8 blocks of 16 tokens; each request needs 20 + 100 = 120 tokens, all 8 blocks by its end: any two that
+    # run at once overflow the cache, so the scheduler preempts and recomputes (12 requests sent together,
+    # each at least 100 steps long).
     spec = ClusterSpec(
         model=str(tiny_llama_dir),
-        worker_args=["--simulate", "llama-3-8b-h100", "--seed", str(SEED), "--num-gpu-blocks-override", "24",
+        worker_args=["--simulate", "llama-3-8b-h100", "--seed", str(SEED), "--num-gpu-blocks-override", "8",
                      "--max-model-len", "256"],
         scheduler_args=["--max-num-seqs", "8"],
     )
-    prompts = [[(7 * i + j) % 500 + 10 for j in range(5 + 5 * i)] for i in range(12)]
-    max_tokens = [10 + 4 * i for i in range(12)]
+    prompts = [[(7 * i + j) % 500 + 10 for j in range(20)] for i in range(12)]
+    max_tokens = [100] * 12
     with LocalCluster(spec) as cluster:
         described = describe_worker(cluster)
-        assert described.device == "simulated llama-3-8b-h100" and described.num_gpu_blocks == 24
+        assert described.device == "simulated llama-3-8b-h100" and described.num_gpu_blocks == 8
         requests = [make_request(prompt_token_ids=p, max_tokens=m, temperature=0.0) for p, m in zip(prompts, max_tokens)]
         results = generate_all(cluster.address, requests, timeout=300)
         for prompt, limit, result in zip(prompts, max_tokens, results):
