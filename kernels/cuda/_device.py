@@ -49,20 +49,14 @@ def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
 
 
 def kernel_array(tensor: torch.Tensor):  # -> numba DeviceNDArray | numpy.ndarray
-    """A zero-copy array view of ``tensor`` for a kernel argument (bf16 viewed as int16).
-
-    The view does not keep ``tensor`` alive: the caller holds it in a variable until the kernel is launched.
-    A temporary (``kernel_array(x.to(device))``) is freed at once, and the caching allocator gives its
-    address to the next tensor, whose view is then the same object.
-    """
+    """A zero-copy array view of ``tensor`` for a kernel argument (bf16 viewed as int16)."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return _as_array(tensor)
 
 
 def bits_array(tensor: torch.Tensor):  # -> numba DeviceNDArray | numpy.ndarray
-    """A zero-copy view of ``tensor``'s elements as same-sized integers, for exact copies (held as for
-    kernel_array)."""
+    """A zero-copy view of ``tensor``'s elements as same-sized integers, for exact copies."""
     return _as_array(tensor.view(_BITS_DTYPES[tensor.element_size()]))
 
 
@@ -70,9 +64,12 @@ def bits_array(tensor: torch.Tensor):  # -> numba DeviceNDArray | numpy.ndarray
 # element type and device. Wrapping a tensor (`as_cuda_array`: its interface dict, a new array type, the
 # CUDA context checks) costs ~20 us on the host, and a kernel call takes up to 11 arguments, while a GPU
 # step reuses the same few addresses and shapes (the KV caches of every layer, the caching allocator's
-# blocks of the step's inputs). A cached view owns nothing: it is only ever used for a tensor with
-# exactly its key, which the caller holds alive through the launch.
+# blocks of the step's inputs). A cached view owns nothing, so the tensors wrapped since the last launch
+# are held in `_held` until launch_on has enqueued the next one: a temporary argument
+# (`kernel_array(x.to(device))`) freed before that would give its address, and so its view, to the next
+# tensor allocated. Once enqueued, the stream orders the kernel before any reuse of the memory.
 _views: dict[tuple, object] = {}
+_held: list[torch.Tensor] = []
 _MAX_VIEWS = 1024
 REUSE_VIEWS = True  # benchmarks turn it off to measure what it saves
 
@@ -85,6 +82,7 @@ def _as_array(tensor: torch.Tensor):
         return FakeCUDAArray(tensor.numpy())
     if not REUSE_VIEWS:
         return cuda.as_cuda_array(tensor, sync=False)
+    _held.append(tensor)
     key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device.index)
     view = _views.get(key)
     if view is None:
@@ -113,8 +111,11 @@ def launch_on(device: torch.device) -> Iterator[object]:
         yield 0  # the simulator runs every launch synchronously
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with cuda.gpus[index]:
-        yield _external_stream(torch.cuda.current_stream(index).cuda_stream)
+    try:
+        with cuda.gpus[index]:
+            yield _external_stream(torch.cuda.current_stream(index).cuda_stream)
+    finally:
+        _held.clear()  # the launches are enqueued on the stream: the arguments' memory is ordered after them
 
 
 @functools.lru_cache(maxsize=64)

@@ -104,10 +104,8 @@ def copy_blocks(
         _copy_blocks_staged(caches, src, dst)
         return
     block_numel = first[0].numel()  # the same for key and value blocks
-    # Held in variables through the launch: a view owns nothing (kernel_array), and a temporary freed here
-    # would hand its address to the next allocation (the two id lists would share one view).
-    src_gpu, dst_gpu = src.to(first.device), dst.to(first.device)
-    src_ids, dst_ids = kernel_array(src_gpu), kernel_array(dst_gpu)
+    src_ids = kernel_array(src.to(first.device))
+    dst_ids = kernel_array(dst.to(first.device))
     flat = [bits_array(c.view(-1)) for c in caches]
     with launch_on(first.device) as stream:
         for start in range(0, len(flat), _CACHES_PER_LAUNCH):
