@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -108,16 +109,20 @@ class Fleet:
     """Redis, simulated workers and scheduler replicas as local processes; `with Fleet(...) as f:`."""
 
     def __init__(self, model: str, profile: str, workers: int, replicas: int, workdir: Path,
-                 scheduler_args: list[str] | None = None) -> None:
+                 scheduler_args: list[str] | None = None, worker_args: list[str] | None = None) -> None:
         self.model, self.profile, self.num_workers, self.num_replicas = model, profile, workers, replicas
         self.scheduler_args = scheduler_args or []
+        self.worker_args = worker_args or []
         self.workdir = workdir
         self.redis = RedisServer()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.worker_pids: list[int] = []
         self.scheduler_pids: list[int] = []
         self.worker_metrics: list[str] = []
+        self.worker_addresses: list[str] = []
+        self.scheduler_log_level = "WARNING"
         self.scheduler_addresses: list[str] = []
+        self.killed: set[int] = set()
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         with open(self.workdir / f"{name}.log", "ab") as log:
@@ -133,28 +138,40 @@ class Fleet:
                 port, metrics = free_port(), free_port()
                 proc = self._spawn(f"worker{i}", [
                     "worker", "--simulate", self.profile, "--model", self.model, "--port", str(port),
-                    "--metrics-port", str(metrics), "--redis-url", self.redis.url, "--log-level", "WARNING"])
+                    "--metrics-port", str(metrics), "--redis-url", self.redis.url, "--log-level", "WARNING",
+                    *self.worker_args])
                 self.worker_pids.append(proc.pid)
                 self.worker_metrics.append(f"http://127.0.0.1:{metrics}/metrics")
-            for j in range(self.num_replicas):
-                port = free_port()
-                proc = self._spawn(f"scheduler{j}", [
-                    "scheduler", "--model", self.model, "--port", str(port), "--redis-url", self.redis.url,
-                    "--log-level", "WARNING", *self.scheduler_args])
-                self.scheduler_pids.append(proc.pid)
-                self.scheduler_addresses.append(f"127.0.0.1:{port}")
+                self.worker_addresses.append(f"127.0.0.1:{port}")
+            for _ in range(self.num_replicas):
+                self.add_replica()
             self._wait_leased(timeout_s=120 + 15 * (self.num_workers + self.num_replicas))
         except BaseException:
             self.__exit__()
             raise
         return self
 
+    def add_replica(self) -> str:
+        """Starts one more scheduler replica (not waited for); returns its address."""
+        port = free_port()
+        proc = self._spawn(f"scheduler{len(self.scheduler_pids)}", [
+            "scheduler", "--model", self.model, "--port", str(port), "--redis-url", self.redis.url,
+            "--log-level", self.scheduler_log_level, *self.scheduler_args])
+        self.scheduler_pids.append(proc.pid)
+        self.scheduler_addresses.append(f"127.0.0.1:{port}")
+        return self.scheduler_addresses[-1]
+
+    def kill(self, pid: int) -> None:
+        """SIGKILLs one of the fleet's processes (a crash: nothing is given back, leases expire)."""
+        self.killed.add(pid)
+        os.kill(pid, signal.SIGKILL)
+
     def _wait_leased(self, timeout_s: float) -> None:
         client = redis.Redis.from_url(self.redis.url)
         deadline = time.monotonic() + timeout_s
         while True:
             for proc in self.procs:
-                if proc.poll() is not None:
+                if proc.poll() is not None and proc.pid not in self.killed:
                     raise RuntimeError(f"a fleet process exited with {proc.returncode}; logs in {self.workdir}")
             workers = [w.decode() for w in client.hkeys(WORKERS)]
             if len(workers) == self.num_workers and all(client.exists(lease_key(w)) for w in workers):
