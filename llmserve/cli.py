@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", required=True, help="Redis holding the scheduling state (redis://host:port/db)")
     p.add_argument("--lease-ttl", type=float, default=defaults.LEASE_TTL_S, metavar="SECONDS",
                    help="a worker's engine loop moves to another replica this long after its owner stops renewing")
+    p.add_argument("--front-only", action="store_true",
+                   help="serve clients only: drive no worker (take no lease), so that client streams and engine "
+                        "loops scale on separate replicas")
     _liveness_flag(p, "an engine loop of this replica holds requests but has completed no step")
     _scheduler_flags(p), _common_flags(p), _observability_flags(p), _ready_fd_flag(p)
     sec.add_server_tls_flags(p, "the public Generation API",
@@ -350,7 +353,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file, metrics_port=args.metrics_port,
         max_num_queued_requests=args.max_num_queued_requests, max_queued_tokens=args.max_queued_tokens,
         step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling, lease_ttl_s=args.lease_ttl,
-        liveness_timeout_s=args.liveness_timeout,
+        liveness_timeout_s=args.liveness_timeout, front_only=args.front_only,
         tls=sec.server_tls_from(args), auth_token=sec.auth_token_from(args), worker_tls=sec.worker_tls_from(args),
         redis=sec.redis_options_from(args),
     )

@@ -41,6 +41,8 @@ class SchedulerServiceConfig(SchedulingFlags):
     auth_token: when set, every public call but grpc.health.v1 needs `authorization: Bearer <auth_token>`.
     worker_tls: reach the workers over TLS, presenting a client certificate for their mutual TLS.
     redis: AUTH password and TLS CA for redis_url (rediss://).
+    front_only: serve clients and drive no worker (take no lease, stay out of the replicas' roster), so that
+      the client streams' per-token work and the engine loops' per-step work scale on separate replicas.
     """
 
     tokenizer: str
@@ -60,6 +62,7 @@ class SchedulerServiceConfig(SchedulingFlags):
     auth_token: str = field(default="", repr=False)
     worker_tls: ClientTLS | None = None
     redis: RedisOptions = field(default_factory=RedisOptions)
+    front_only: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -140,7 +140,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
                           step_timeout_s=config.step_timeout_s, channel=channel, registration=entry,
                           on_owned=owned, async_scheduling=config.async_scheduling)
 
-    supervisor = Supervisor(registry, leases, router, make_loop, changes=changes)
+    supervisor = Supervisor(registry, leases, router, make_loop, changes=changes, drives_workers=not config.front_only)
     servicer = GenerationServicer(admission, store, router, tracer, model_name,
                                   QueueLimits(config.max_num_queued_requests, config.max_queued_tokens))
     auth = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
@@ -163,9 +163,12 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
     await server.start()
     period = min(HEALTH_PERIOD_SECONDS, config.liveness_timeout_s / 3)
     tasks.append(asyncio.create_task(watch_health(reporter, checks.evaluate, period, stop), name="health"))
-    log.info("scheduler %s serving on %s:%d; %d worker(s) registered", leases.replica_id, host, bound, len(entries))
+    log.info("scheduler %s serving on %s:%d; %d worker(s) registered%s", leases.replica_id, host, bound, len(entries),
+             "; front only: drives no worker" if config.front_only else "")
     timer.add("server", timer.elapsed() - server_started)
     # Not one of `tasks`, whose first to end stops the replica: this one ends once it has announced.
+    if config.front_only:
+        first_owner.set_result(("none (front only)", 0))
     announcer = asyncio.create_task(_announce(timer, reporter, first_owner, on_ready, on_serving),
                                     name="announce-ready")
     for sig in (signal.SIGINT, signal.SIGTERM):

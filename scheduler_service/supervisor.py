@@ -12,6 +12,11 @@ Every tick (a fraction of the lease TTL) the supervisor
 A replica that dies simply stops renewing: its leases expire after the TTL and the other replicas'
 next tick takes them over, rebuilding each loop's state from Redis.
 
+A front-only replica (`--front-only`) does step 1 alone: it serves clients (admission routes their requests
+to workers' inboxes, their streams are read from Redis) and drives no worker, and it stays out of the
+roster, so the replicas that drive workers share them among themselves. The per-token cost of the client
+streams then runs on other cores than the engine loops' per-step cost (docs/scaling.md).
+
 A worker that registers, starts draining or leaves announces it (shared/registry_changes.py): the
 next tick comes at once rather than up to a tick later, so a new worker's lease is taken (and a
 draining one's waiting requests handed over) the moment the registry shows it.
@@ -57,8 +62,10 @@ class Supervisor:
 
     def __init__(self, registry: WorkerRegistry, leases: Leases, router: Router,
                  make_loop: Callable[[WorkerEntry], EngineLoop], changes: RegistryChanges,
-                 tick_s: float | None = None) -> None:
-        """changes: registry changes that bring the next tick forward (its listener runs elsewhere)."""
+                 tick_s: float | None = None, drives_workers: bool = True) -> None:
+        """changes: registry changes that bring the next tick forward (its listener runs elsewhere);
+        drives_workers: False for a front-only replica (routes requests, takes no lease)."""
+        self._drives_workers = drives_workers
         self._registry = registry
         self._changes = changes
         self._leases = leases
@@ -106,6 +113,8 @@ class Supervisor:
     async def tick(self) -> None:
         entries = await self._registry.workers()
         self._router.update(entries)
+        if not self._drives_workers:
+            return
         replicas = await self._leases.announce()
         await self._renew()
         await self._reap()
@@ -211,5 +220,6 @@ class Supervisor:
     async def _stop_all(self) -> None:
         for worker_id in list(self._running):
             await self._stop(worker_id)
-        with contextlib.suppress(Exception):
-            await self._leases.withdraw()
+        if self._drives_workers:
+            with contextlib.suppress(Exception):
+                await self._leases.withdraw()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from protos import worker_pb2
-from scheduler_service.leases import Leases
+from scheduler_service.leases import SCHEDULERS, Leases
 from scheduler_service.router import Router
 from scheduler_service.store import RedisStore
 from scheduler_service.supervisor import Supervisor
@@ -81,5 +81,27 @@ def test_a_worker_no_replica_drives_is_taken_beyond_the_share(url: str) -> None:
         assert a.worker_ids == sorted(WORKERS)
         assert taken_after > ttl_s, f"taken after {taken_after:.1f} s, before the worker was free for a TTL"
         await a._stop_all()  # noqa: SLF001
+
+    run(url, body)
+
+
+def test_a_front_only_replica_routes_but_takes_no_lease_and_no_share(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        registry = await register(store)
+        router = Router(store)
+        front = Supervisor(registry, Leases(store.client, "front", 2), router, IdleLoop,  # type: ignore[arg-type]
+                           RegistryChanges(store.client), drives_workers=False)
+        engine = Supervisor(registry, Leases(store.client, "engine", 2), Router(store), IdleLoop,  # type: ignore[arg-type]
+                            RegistryChanges(store.client))
+        await front.tick()
+        await engine.tick()
+        await front.tick()
+        assert front.worker_ids == [] and router.workers == sorted(WORKERS)
+        # The front is not in the roster: the one replica that drives workers has all of them as its share.
+        assert sorted(engine.worker_ids) == sorted(WORKERS)
+        assert await store.client.zrange(SCHEDULERS, 0, -1) == [b"engine"]
+        for s in (front, engine):
+            await s._stop_all()  # noqa: SLF001
+        assert await store.client.zcard(SCHEDULERS) == 0
 
     run(url, body)
