@@ -114,11 +114,17 @@ bench: model $(BENCH_STAMP)
 bench-kernels: install
 	$(PY) -m benchmarks.kernels
 
-# The control plane at fleet scale: scheduler replicas against simulated GPU workers (benchmarks/fleet.py);
-# writes benchmarks/results/fleet.json. FLEET_ARGS passes its flags (--workers 1,4,16 --replicas 1,2 ...).
+# The control plane at fleet scale: scheduler replicas against simulated GPU workers, with synchronous and
+# async engine loops (benchmarks/fleet.py), then a SIGKILL of the replica that drives 16 of them, with the
+# default and a short lease TTL (benchmarks/fleet_failover.py); writes benchmarks/results/fleet*.json and
+# docs/scaling.md with its plots. FLEET_ARGS passes flags to both fleet.py runs (--workers 1,4,16 ...).
 FLEET_ARGS ?=
-bench-fleet: model
+bench-fleet: model $(BENCH_STAMP)
 	$(PY) -m benchmarks.fleet $(FLEET_ARGS)
+	$(PY) -m benchmarks.fleet --scheduler-arg=--async-scheduling --output benchmarks/results/fleet-async.json $(FLEET_ARGS)
+	$(PY) -m benchmarks.fleet_failover --workers 16
+	$(PY) -m benchmarks.fleet_failover --workers 16 --lease-ttl 2 --output benchmarks/results/fleet_failover-ttl2.json
+	$(PY) -m benchmarks.report_fleet
 
 # Fault injection on the manifests' processes (worker SIGKILL, scheduler replica SIGKILL, Redis restart,
 # each under load): every request must complete with transformers' tokens; each run adds a row to the

@@ -1,17 +1,19 @@
 """The control plane at fleet scale: scheduler replicas driving simulated GPU workers (`make bench-fleet`).
 
-    python -m benchmarks.fleet [--workers 1,2,4,8] [--replicas 1] [--profile llama-3-8b-h100]
+    python -m benchmarks.fleet [--workers 1,4,16] [--replicas 1,2] [--profile llama-3-8b-h100]
                                [--streams-per-worker 32] [--window 20] [--output benchmarks/results/fleet.json]
 
 For each (replicas, workers) it starts Redis, the workers (`llmserve worker --simulate PROFILE`, each its
 own process, as on its own GPU) and the scheduler replicas, waits until every worker's lease is held,
 keeps `streams-per-worker x workers` greedy requests in flight through gRPC `Generate` (round-robin over
-the replicas), and measures a window after a warm-up:
+the replicas; over the front-only replicas alone with --front-replicas), and measures a window after a
+warm-up:
 
 - per worker: steps/s achieved, and the share of the window it spent executing steps (its modelled step
   time, as it sleeps it): 100 % is a worker never kept waiting by the control plane; the wall time per
   step outside the worker's execution is the latency the control plane adds to each step;
-- scheduler CPU per step (all replicas' processes), the simulated workers' CPU per step;
+- scheduler CPU per step (all replicas' processes; with front-only replicas, also the share of the
+  replicas that drive the workers), the simulated workers' CPU per step;
 - Redis commands and bytes (in + out) per step and per generated token, from INFO.
 
 All processes share this machine's cores, the client included: where the numbers saturate, the report
@@ -68,7 +70,8 @@ class FleetResult:
     busy_fraction: float  # mean over workers of the window share spent executing steps
     added_ms_per_step: float
     modelled_ms_per_step: float
-    scheduler_cpu_ms_per_step: float
+    scheduler_cpu_ms_per_step: float  # every replica, front-only ones included
+    engine_cpu_ms_per_step: float  # the replicas that drive workers
     worker_cpu_ms_per_step: float
     client_cpu_ms_per_step: float
     tokens_per_s: float
@@ -77,6 +80,7 @@ class FleetResult:
     redis_bytes_per_step: float
     redis_bytes_per_token: float
     machine_cpus: int
+    front_replicas: int = 0
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -109,8 +113,10 @@ class Fleet:
     """Redis, simulated workers and scheduler replicas as local processes; `with Fleet(...) as f:`."""
 
     def __init__(self, model: str, profile: str, workers: int, replicas: int, workdir: Path,
-                 scheduler_args: list[str] | None = None, worker_args: list[str] | None = None) -> None:
+                 scheduler_args: list[str] | None = None, worker_args: list[str] | None = None,
+                 front_replicas: int = 0) -> None:
         self.model, self.profile, self.num_workers, self.num_replicas = model, profile, workers, replicas
+        self.num_front_replicas = front_replicas
         self.scheduler_args = scheduler_args or []
         self.worker_args = worker_args or []
         self.workdir = workdir
@@ -122,6 +128,9 @@ class Fleet:
         self.worker_addresses: list[str] = []
         self.scheduler_log_level = "WARNING"
         self.scheduler_addresses: list[str] = []
+        # Front-only replicas (--front-only): they serve the clients when there are any, and drive no worker.
+        self.front_pids: list[int] = []
+        self.front_addresses: list[str] = []
         self.killed: set[int] = set()
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
@@ -145,21 +154,30 @@ class Fleet:
                 self.worker_addresses.append(f"127.0.0.1:{port}")
             for _ in range(self.num_replicas):
                 self.add_replica()
+            for _ in range(self.num_front_replicas):
+                self.add_replica(front_only=True)
             self._wait_leased(timeout_s=120 + 15 * (self.num_workers + self.num_replicas))
         except BaseException:
             self.__exit__()
             raise
         return self
 
-    def add_replica(self) -> str:
+    def add_replica(self, front_only: bool = False) -> str:
         """Starts one more scheduler replica (not waited for); returns its address."""
         port = free_port()
-        proc = self._spawn(f"scheduler{len(self.scheduler_pids)}", [
+        pids, addresses = (self.front_pids, self.front_addresses) if front_only else (
+            self.scheduler_pids, self.scheduler_addresses)
+        proc = self._spawn(f"{'front' if front_only else 'scheduler'}{len(pids)}", [
             "scheduler", "--model", self.model, "--port", str(port), "--redis-url", self.redis.url,
-            "--log-level", self.scheduler_log_level, *self.scheduler_args])
-        self.scheduler_pids.append(proc.pid)
-        self.scheduler_addresses.append(f"127.0.0.1:{port}")
-        return self.scheduler_addresses[-1]
+            "--log-level", self.scheduler_log_level, *self.scheduler_args, *(["--front-only"] if front_only else [])])
+        pids.append(proc.pid)
+        addresses.append(f"127.0.0.1:{port}")
+        return addresses[-1]
+
+    @property
+    def client_addresses(self) -> list[str]:
+        """Where the clients go: the front-only replicas if there are any, else every replica."""
+        return self.front_addresses or self.scheduler_addresses
 
     def kill(self, pid: int) -> None:
         """SIGKILLs one of the fleet's processes (a crash: nothing is given back, leases expire)."""
@@ -180,7 +198,7 @@ class Fleet:
                 raise TimeoutError(f"{len(workers)} of {self.num_workers} workers registered and leased after "
                                    f"{timeout_s:.0f} s; logs in {self.workdir}")
             time.sleep(0.5)
-        for address in self.scheduler_addresses:
+        for address in self.scheduler_addresses + self.front_addresses:
             with grpc.insecure_channel(address) as channel:
                 grpc.channel_ready_future(channel).result(timeout=max(1.0, deadline - time.monotonic()))
 
@@ -236,6 +254,7 @@ def _snapshot(fleet: Fleet, client: redis.Redis) -> dict[str, object]:
         "time": time.monotonic(),
         "workers": [_worker_steps(url) for url in fleet.worker_metrics],
         "scheduler_cpu": sum(_cpu_seconds(pid) for pid in fleet.scheduler_pids),
+        "front_cpu": sum(_cpu_seconds(pid) for pid in fleet.front_pids),
         "worker_cpu": sum(_cpu_seconds(pid) for pid in fleet.worker_pids),
         "client_cpu": _cpu_seconds(os.getpid()),
         "redis": _redis_totals(client),
@@ -244,7 +263,7 @@ def _snapshot(fleet: Fleet, client: redis.Redis) -> dict[str, object]:
 
 async def _measure(fleet: Fleet, load: Load, profile: str) -> FleetResult:
     streams = load.streams_per_worker * fleet.num_workers
-    crowd = Crowd(fleet.scheduler_addresses, streams, load)
+    crowd = Crowd(fleet.client_addresses, streams, load)
     client = redis.Redis.from_url(fleet.redis.url)
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     runner = asyncio.create_task(crowd.run(done))
@@ -268,7 +287,10 @@ async def _measure(fleet: Fleet, load: Load, profile: str) -> FleetResult:
         busy_fraction=sum(busy) / len(busy) / window,
         added_ms_per_step=1e3 * sum(window - b for b in busy) / total_steps,
         modelled_ms_per_step=1e3 * sum(busy) / total_steps,
-        scheduler_cpu_ms_per_step=1e3 * (after["scheduler_cpu"] - before["scheduler_cpu"]) / total_steps,  # type: ignore[operator]
+        scheduler_cpu_ms_per_step=1e3 * (after["scheduler_cpu"] + after["front_cpu"] - before["scheduler_cpu"]  # type: ignore[operator]
+                                         - before["front_cpu"]) / total_steps,  # type: ignore[operator]
+        engine_cpu_ms_per_step=1e3 * (after["scheduler_cpu"] - before["scheduler_cpu"]) / total_steps,  # type: ignore[operator]
+        front_replicas=fleet.num_front_replicas,
         worker_cpu_ms_per_step=1e3 * (after["worker_cpu"] - before["worker_cpu"]) / total_steps,  # type: ignore[operator]
         client_cpu_ms_per_step=1e3 * (after["client_cpu"] - before["client_cpu"]) / total_steps,  # type: ignore[operator]
         tokens_per_s=tokens / window,
@@ -285,8 +307,9 @@ def _table(results: list[FleetResult]) -> str:
     rows = [head, "|" + "---:|" * 15]
     for r in results:
         rows.append(
-            f"| {r.replicas} | {r.workers} | {r.streams} | {r.steps_per_s_per_worker:.1f} | {r.busy_fraction:.0%} "
-            f"| {r.added_ms_per_step:.2f} | {r.modelled_ms_per_step:.2f} | {r.scheduler_cpu_ms_per_step:.2f} "
+            f"| {r.replicas}{f' + {r.front_replicas} front' if r.front_replicas else ''} | {r.workers} | {r.streams} | {r.steps_per_s_per_worker:.1f} | {r.busy_fraction:.0%} "
+            f"| {r.added_ms_per_step:.2f} | {r.modelled_ms_per_step:.2f} | {r.scheduler_cpu_ms_per_step:.2f}"
+            f"{f' ({r.engine_cpu_ms_per_step:.2f} engine)' if r.front_replicas else ''} "
             f"| {r.worker_cpu_ms_per_step:.2f} | {r.client_cpu_ms_per_step:.2f} | {r.tokens_per_s:.0f} "
             f"| {r.redis_commands_per_step:.1f} | {r.redis_commands_per_token:.2f} | {r.redis_bytes_per_step:.0f} "
             f"| {r.redis_bytes_per_token:.0f} |")
@@ -295,8 +318,10 @@ def _table(results: list[FleetResult]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", default="1,2,4,8", help="comma-separated fleet sizes")
-    parser.add_argument("--replicas", default="1", help="comma-separated scheduler replica counts")
+    parser.add_argument("--workers", default="1,4,16", help="comma-separated fleet sizes")
+    parser.add_argument("--replicas", default="1,2", help="comma-separated scheduler replica counts")
+    parser.add_argument("--front-replicas", type=int, default=0,
+                        help="front-only replicas (--front-only) added to each configuration; the clients go to them")
     parser.add_argument("--profile", default="llama-3-8b-h100")
     parser.add_argument("--streams-per-worker", type=int, default=Load.streams_per_worker)
     parser.add_argument("--prompt-len", type=int, default=Load.prompt_len)
@@ -314,14 +339,17 @@ def main(argv: list[str] | None = None) -> None:
         for workers in (int(w) for w in args.workers.split(",")):
             with tempfile.TemporaryDirectory(prefix="llmserve-fleet-") as tmp:
                 print(f"{replicas} replica(s), {workers} simulated worker(s): starting", flush=True)
-                with Fleet(model, args.profile, workers, replicas, Path(tmp), args.scheduler_arg) as fleet:
+                with Fleet(model, args.profile, workers, replicas, Path(tmp), args.scheduler_arg,
+                           front_replicas=args.front_replicas) as fleet:
                     result = asyncio.run(_measure(fleet, load, args.profile))
             results.append(result)
             print(_table([result]).splitlines()[-1], flush=True)
     print(_table(results))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+    args.output.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                       "machine": platform.processor() or platform.machine(),
                                        "cpus": os.cpu_count(), "load": asdict(load),
+                                       "scheduler_args": args.scheduler_arg, "front_replicas": args.front_replicas,
                                        "results": [asdict(r) for r in results]}, indent=2) + "\n")
     print(f"wrote {args.output}")
 

@@ -141,7 +141,8 @@ class FailoverResult:
     errors: list[str]
 
 
-def _percentiles(values: list[float]) -> str:
+def percentiles(values: list[float]) -> str:
+    """min / median / p90 / max, in seconds."""
     if not values:
         return "-"
     ordered = sorted(values)
@@ -153,9 +154,9 @@ def summary(r: FailoverResult) -> str:
     return "\n".join([
         f"{r.workers} workers, {r.streams} streams, lease TTL {r.lease_ttl_s:g} s; "
         f"the killed replica held {r.leases_held_at_kill} lease(s)",
-        f"lease moved after the kill (min / p50 / p90 / max s): {_percentiles(r.lease_moved_s)}",
-        f"  of which after the lease expired:                  {_percentiles(r.after_expiry_s)}",
-        f"stream pause, longest silence across the takeover:   {_percentiles(r.stream_pause_s)}",
+        f"lease moved after the kill (min / p50 / p90 / max s): {percentiles(r.lease_moved_s)}",
+        f"  of which after the lease expired:                  {percentiles(r.after_expiry_s)}",
+        f"stream pause, longest silence across the takeover:   {percentiles(r.stream_pause_s)}",
         f"every stream resumed after {r.all_resumed_s:.2f} s",
         f"requests finished {r.requests_finished}, with the predicted tokens {r.requests_matching}, "
         f"lost {r.requests_lost}; streams re-attached {r.reattached_streams}; tokens recomputed by the workers "
