@@ -114,14 +114,20 @@ bench: model $(BENCH_STAMP)
 bench-kernels: install
 	$(PY) -m benchmarks.kernels
 
-# The control plane at fleet scale: scheduler replicas against simulated GPU workers, with synchronous and
-# async engine loops (benchmarks/fleet.py), then a SIGKILL of the replica that drives 16 of them, with the
-# default and a short lease TTL (benchmarks/fleet_failover.py); writes benchmarks/results/fleet*.json and
-# docs/scaling.md with its plots. FLEET_ARGS passes flags to both fleet.py runs (--workers 1,4,16 ...).
+# The control plane at fleet scale (about 30 minutes): scheduler replicas against simulated GPU workers
+# (benchmarks/fleet.py) with synchronous and async engine loops, the clients on a front-only replica, and a
+# light load per worker; then a SIGKILL of the replica that drives 16 of them, with the default and a short
+# lease TTL (benchmarks/fleet_failover.py); writes benchmarks/results/fleet*.json and docs/scaling.md with
+# its plots. FLEET_ARGS passes flags to the first two fleet.py runs (--workers 1,4,16 --replicas 1,2 ...).
 FLEET_ARGS ?=
+ASYNC := --scheduler-arg=--async-scheduling
 bench-fleet: model $(BENCH_STAMP)
 	$(PY) -m benchmarks.fleet $(FLEET_ARGS)
-	$(PY) -m benchmarks.fleet --scheduler-arg=--async-scheduling --output benchmarks/results/fleet-async.json $(FLEET_ARGS)
+	$(PY) -m benchmarks.fleet $(ASYNC) --output benchmarks/results/fleet-async.json $(FLEET_ARGS)
+	$(PY) -m benchmarks.fleet --replicas 1 --front-replicas 1 --output benchmarks/results/fleet-front.json
+	$(PY) -m benchmarks.fleet --replicas 1 --front-replicas 1 --workers 1,4 $(ASYNC) \
+		--output benchmarks/results/fleet-front-async.json
+	$(PY) -m benchmarks.fleet --replicas 1 --streams-per-worker 2 --output benchmarks/results/fleet-light.json
 	$(PY) -m benchmarks.fleet_failover --workers 16
 	$(PY) -m benchmarks.fleet_failover --workers 16 --lease-ttl 2 --output benchmarks/results/fleet_failover-ttl2.json
 	$(PY) -m benchmarks.report_fleet
