@@ -116,7 +116,7 @@ bench-kernels: install
 
 # The control plane at fleet scale (about 30 minutes): scheduler replicas against simulated GPU workers
 # (benchmarks/fleet.py) with synchronous and async engine loops, the clients on a front-only replica, and a
-# light load per worker; then a SIGKILL of the replica that drives 16 of them, with the default and a short
+# light load per worker (1 to 64 workers, 1 and 4 replicas); then a SIGKILL of the replica that drives 16 of them, with the default and a short
 # lease TTL (benchmarks/fleet_failover.py); writes benchmarks/results/fleet*.json and docs/scaling.md with
 # its plots. FLEET_ARGS passes flags to the first two fleet.py runs (--workers 1,4,16 --replicas 1,2 ...).
 FLEET_ARGS ?=
@@ -128,6 +128,8 @@ bench-fleet: model $(BENCH_STAMP)
 	$(PY) -m benchmarks.fleet --replicas 1 --front-replicas 1 --workers 1,4 $(ASYNC) \
 		--output benchmarks/results/fleet-front-async.json
 	$(PY) -m benchmarks.fleet --replicas 1 --streams-per-worker 2 --output benchmarks/results/fleet-light.json
+	$(PY) -m benchmarks.fleet --replicas 1,4 --workers 32,64 --streams-per-worker 2 \
+		--output benchmarks/results/fleet-wide.json
 	$(PY) -m benchmarks.fleet_failover --workers 16
 	$(PY) -m benchmarks.fleet_failover --workers 16 --lease-ttl 2 --output benchmarks/results/fleet_failover-ttl2.json
 	$(PY) -m benchmarks.report_fleet

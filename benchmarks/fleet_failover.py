@@ -21,9 +21,11 @@ import argparse
 import asyncio
 import json
 import platform
+import random
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -98,7 +100,6 @@ class ResumingCrowd:
                 call = stubs[address].Generate(request, timeout=self.give_up_s)
 
     async def _client(self, rng_seed: int, stubs: list[generation_pb2_grpc.GenerationStub]) -> None:
-        import random
         rng = random.Random(rng_seed)
         while not self._stop.is_set():
             stream = _Stream([rng.randrange(100, 10000) for _ in range(self.prompt_len)], self.max_tokens)
@@ -191,13 +192,13 @@ def _recomputed_tokens(fleet: Fleet) -> int:
     return total
 
 
-async def _wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.02):  # type: ignore[no-untyped-def]
+async def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
+    """Polls `predicate` (in a thread: it talks to Redis) until it holds; TimeoutError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not (result := await asyncio.to_thread(predicate)):
+    while not await asyncio.to_thread(predicate):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not after {timeout_s:.0f} s")
         await asyncio.sleep(poll_s)
-    return result
 
 
 async def run_failover(fleet: Fleet, streams: int, prompt_len: int, max_tokens: int, warmup_s: float,

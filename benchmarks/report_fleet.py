@@ -21,7 +21,7 @@ TARGET_SHARE = 0.9
 TARGET_ADDED_MS = 2.0
 
 _MODES = (("fleet.json", "sync"), ("fleet-async.json", "async"), ("fleet-front.json", "sync"),
-          ("fleet-front-async.json", "async"), ("fleet-light.json", "sync"))
+          ("fleet-front-async.json", "async"), ("fleet-light.json", "sync"), ("fleet-wide.json", "sync"))
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -106,23 +106,28 @@ def failover_section(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _fleet_size(r: dict[str, Any]) -> str:
+    return f"{r['workers']}/{r['replicas']}"
+
+
 def redis_section(runs: list[tuple[str, dict[str, Any]]]) -> str:
     """Whether Redis commands per step and per token grew with the fleet at a fixed load per worker, from the
     runs themselves: for each load (streams per worker) and loop, over the fleet sizes whose steps were full."""
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for mode, r in runs:
-        if r["replicas"] == 1 and not r.get("front_replicas"):
+        if not r.get("front_replicas"):
             groups.setdefault((r["streams"] // r["workers"], mode), []).append(r)
     lines = []
     for (load, mode), group in sorted(groups.items()):
-        full = sorted((r for r in group if tokens_per_step(r) >= 0.9 * load), key=lambda r: r["workers"])
+        full = sorted((r for r in group if tokens_per_step(r) >= 0.9 * load),
+                      key=lambda r: (r["replicas"], r["workers"]))
         if len(full) < 2:
             continue
         per_step = [r["redis_commands_per_step"] for r in full]
         per_token = [r["redis_commands_per_token"] for r in full]
         flat = max(per_step) / min(per_step) < 1.3 and max(per_token) / min(per_token) < 1.3
         lines.append(
-            f"- {load} streams per worker ({mode}), {', '.join(str(r['workers']) for r in full)} workers: "
+            f"- {load} streams per worker ({mode}), workers / replicas {', '.join(map(_fleet_size, full))}: "
             f"{min(per_step):.1f} to {max(per_step):.1f} commands per step, {min(per_token):.2f} to "
             f"{max(per_token):.2f} per generated token: " + ("flat (within 30 %)." if flat else
                                                            "NOT flat (more than 30 % apart)."))

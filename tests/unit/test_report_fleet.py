@@ -32,7 +32,7 @@ def test_redis_growth_is_judged_on_full_steps_only() -> None:
     flat = redis_section([("sync", run(1, commands_per_step=100)), ("sync", run(4, commands_per_step=110)),
                           # a replica that could not keep up: steps of 8 tokens, not judged
                           ("sync", run(16, commands_per_step=40, tokens_per_step=8))])
-    assert "1, 4 workers" in flat and "flat (within 30 %)" in flat and "NOT flat" not in flat
+    assert "1/1, 4/1:" in flat and "flat (within 30 %)" in flat and "NOT flat" not in flat
     grown = redis_section([("sync", run(1, commands_per_step=100)), ("sync", run(4, commands_per_step=200))])
     assert "NOT flat" in grown
 
