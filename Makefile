@@ -114,11 +114,12 @@ bench: model $(BENCH_STAMP)
 bench-kernels: install
 	$(PY) -m benchmarks.kernels
 
-# The control plane at fleet scale (about 30 minutes): scheduler replicas against simulated GPU workers
+# The control plane at fleet scale (about 45 minutes): scheduler replicas against simulated GPU workers
 # (benchmarks/fleet.py) with synchronous and async engine loops, the clients on a front-only replica, and a
-# light load per worker (1 to 64 workers, 1 and 4 replicas); then a SIGKILL of the replica that drives 16 of them, with the default and a short
-# lease TTL (benchmarks/fleet_failover.py); writes benchmarks/results/fleet*.json and docs/scaling.md with
-# its plots. FLEET_ARGS passes flags to the first two fleet.py runs (--workers 1,4,16 --replicas 1,2 ...).
+# light load per worker (1 to 64 workers, 1 and 4 replicas); then a SIGKILL of the replica that drives 16
+# of them, with the default and a short lease TTL (benchmarks/fleet_failover.py); writes
+# benchmarks/results/fleet*.json and docs/scaling.md with its plots. FLEET_ARGS passes flags to the first
+# two fleet.py runs (--workers 1,4,16 --replicas 1,2 ...).
 FLEET_ARGS ?=
 ASYNC := --scheduler-arg=--async-scheduling
 bench-fleet: model $(BENCH_STAMP)
