@@ -23,13 +23,14 @@ def _python_packing(args: tuple[object, ...]) -> bytes:
     return b"".join(bytes(chunk) for chunk in Connection().pack_command(*args))
 
 
-@pytest.fixture
-def connection() -> Connection:
-    return connect("redis://127.0.0.1:1/0").connection_pool.make_connection()
+@pytest.fixture(params=["redis://127.0.0.1:1/0", "rediss://127.0.0.1:1/0", "unix:///tmp/no-such-redis.sock"])
+def connection(request: pytest.FixtureRequest) -> Connection:
+    """A connection of each kind a URL can ask for (TCP, TLS, unix socket), not connected."""
+    return connect(request.param).connection_pool.make_connection()
 
 
 def test_commands_pack_as_redis_py_packs_them(connection: Connection) -> None:
-    assert type(connection).__name__ == "PackedInCConnection"
+    assert type(connection).__name__.startswith("PackedInC")
     for args in COMMANDS:
         assert b"".join(bytes(c) for c in connection.pack_command(*args)) == _python_packing(args), args
 
