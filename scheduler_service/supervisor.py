@@ -43,7 +43,7 @@ from shared.worker_registry import WorkerEntry, WorkerRegistry
 log = logging.getLogger(__name__)
 
 # How long (in lease TTLs) a replica above its fair share waits for a loop to fall idle before it gives
-# back a busy one (rare: the new owner recomputes that worker's running requests).
+# back a busy one (rare: the new owner continues that worker's running requests from the state in Redis).
 REBALANCE_AFTER_TTLS = 3
 # After adopting a worker no replica drove for a TTL, how long (in lease TTLs) the replica keeps all its
 # loops rather than balancing them away again.
@@ -205,8 +205,8 @@ class Supervisor:
         requests = self._running[worker_id].loop.num_requests
         await self._stop(worker_id)
         self._surplus_since = None
-        log.info("gave back the lease of worker %s (%d request(s), recomputed by its next owner) to balance "
-                 "the replicas", worker_id, requests)
+        log.info("gave back the lease of worker %s (%d request(s), continued by its next owner on the worker's KV "
+                 "cache) to balance the replicas", worker_id, requests)
 
     async def _stop(self, worker_id: str) -> None:
         running = self._running.pop(worker_id)
