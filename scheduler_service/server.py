@@ -166,9 +166,9 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
     log.info("scheduler %s serving on %s:%d; %d worker(s) registered%s", leases.replica_id, host, bound, len(entries),
              "; front only: drives no worker" if config.front_only else "")
     timer.add("server", timer.elapsed() - server_started)
-    # Not one of `tasks`, whose first to end stops the replica: this one ends once it has announced.
-    if config.front_only:
+    if config.front_only:  # serving as soon as it is ready: it waits for no lease
         first_owner.set_result(("none (front only)", 0))
+    # Not one of `tasks`, whose first to end stops the replica: this one ends once it has announced.
     announcer = asyncio.create_task(_announce(timer, reporter, first_owner, on_ready, on_serving),
                                     name="announce-ready")
     for sig in (signal.SIGINT, signal.SIGTERM):
