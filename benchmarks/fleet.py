@@ -114,7 +114,7 @@ class Fleet:
 
     def __init__(self, model: str, profile: str, workers: int, replicas: int, workdir: Path,
                  scheduler_args: list[str] | None = None, worker_args: list[str] | None = None,
-                 front_replicas: int = 0) -> None:
+                 front_replicas: int = 0, scheduler_log_level: str = "WARNING") -> None:
         self.model, self.profile, self.num_workers, self.num_replicas = model, profile, workers, replicas
         self.num_front_replicas = front_replicas
         self.scheduler_args = scheduler_args or []
@@ -126,7 +126,7 @@ class Fleet:
         self.scheduler_pids: list[int] = []
         self.worker_metrics: list[str] = []
         self.worker_addresses: list[str] = []
-        self.scheduler_log_level = "WARNING"
+        self.scheduler_log_level = scheduler_log_level
         self.scheduler_addresses: list[str] = []
         # Front-only replicas (--front-only): they serve the clients when there are any, and drive no worker.
         self.front_pids: list[int] = []

@@ -5,8 +5,8 @@
 
 One replica (A) takes the leases of all the simulated workers and serves every client; a standby replica
 (B) joins once the load runs, and A is SIGKILLed while it still drives every worker. The clients' streams
-break; each re-attaches to B (Resume from the next index it needs, or Generate again with the same request
-id when it has no message yet), as llmserve's own client does. Reported:
+break; each re-attaches to B through llmserve's own client (Resume from the next index it needs, or Generate
+again with the same request id when it has no message yet), and new requests go to B. Reported:
 
 - per worker: when its lease moved to B, after the kill, and how long after A's lease had expired;
 - per stream in flight at the kill: the pause its client saw (its longest silence across the takeover);
@@ -23,8 +23,8 @@ import json
 import platform
 import random
 import tempfile
+import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,8 +33,8 @@ import grpc
 import redis
 
 from benchmarks.fleet import Fleet
-from llmserve.client import make_request
-from protos import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from llmserve.client import GenerationClient, make_request
+from protos import worker_pb2, worker_pb2_grpc
 from scheduler_service.leases import SCHEDULERS, lease_key
 from shared.default_model import prepare_default_model
 from shared.worker_registry import WORKERS
@@ -51,77 +51,64 @@ class _Stream:
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each message
-    reattached: int = 0
     done: bool = False
 
 
 class ResumingCrowd:
-    """Closed-loop greedy streams to the first address that re-attach to the others when their call breaks."""
+    """Closed-loop greedy streams (a thread each) through llmserve's own client, whose streams re-attach to
+    the next address when their call breaks (llmserve/resume.py): Resume from the next index, or Generate
+    again with the same request id when nothing arrived yet."""
 
     def __init__(self, addresses: list[str], streams: int, prompt_len: int, max_tokens: int, seed: int = 0,
                  give_up_s: float = 300.0) -> None:
-        self.addresses, self.num_streams = addresses, streams
+        # One client per first address, the others its fallbacks: new requests start where `prefer` says.
+        self._clients = [GenerationClient(a, fallback_addresses=[b for b in addresses if b != a]) for a in addresses]
+        self._client = self._clients[0]
         self.prompt_len, self.max_tokens, self.give_up_s = prompt_len, max_tokens, give_up_s
-        self._seed = seed
         self.requests: list[_Stream] = []
         self.errors: list[str] = []
-        self._stop = asyncio.Event()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(random.Random(seed * 1000 + i),), daemon=True)
+                         for i in range(streams)]
 
-    async def _one(self, stubs: list[generation_pb2_grpc.GenerationStub], stream: _Stream, index: int) -> None:
-        request = make_request(prompt_token_ids=stream.prompt, max_tokens=stream.max_tokens, temperature=0.0,
-                               request_id=uuid.uuid4().hex)
-        call = stubs[0].Generate(request, timeout=self.give_up_s)
-        address, broken_since = 0, None
-        while True:
-            try:
-                async for message in call:
-                    stream.arrivals.append(time.monotonic())
-                    for output in message.outputs:
-                        stream.tokens.extend(output.token_ids)
-                    index = message.index + 1
-                    if message.HasField("usage"):
-                        stream.done = True
-                        return
-                raise RuntimeError("the stream ended without its final message")
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                broken_since = broken_since or time.monotonic()
-                if time.monotonic() - broken_since > self.give_up_s:
-                    raise
-            # Re-attach elsewhere: Resume from the next index, or Generate again (idempotent by request id).
-            await asyncio.sleep(0.1)
-            stream.reattached += 1
-            address = (address + 1) % len(stubs)
-            if index:
-                call = stubs[address].Resume(generation_pb2.ResumeRequest(request_id=request.request_id,
-                                                                          from_index=index), timeout=self.give_up_s)
-            else:
-                call = stubs[address].Generate(request, timeout=self.give_up_s)
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
 
-    async def _client(self, rng_seed: int, stubs: list[generation_pb2_grpc.GenerationStub]) -> None:
-        rng = random.Random(rng_seed)
+    def prefer(self, index: int) -> None:
+        """New requests start at `addresses[index]`, as a load balancer that took a dead replica out sends them
+        (a stream's first call waits for its address to come up)."""
+        self._client = self._clients[index]
+
+    def finish(self) -> None:
+        """Stops sending new requests and waits until every request in flight has ended."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(self.give_up_s)
+        self.errors += [f"a stream did not end within {self.give_up_s:.0f} s" for t in self._threads if t.is_alive()]
+        for client in self._clients:
+            client.close()
+
+    def _loop(self, rng: random.Random) -> None:
         while not self._stop.is_set():
             stream = _Stream([rng.randrange(100, 10000) for _ in range(self.prompt_len)], self.max_tokens)
             self.requests.append(stream)
             try:
-                await self._one(stubs, stream, 0)
+                self._one(stream)
             except Exception as exc:  # noqa: BLE001 - counted and reported: a lost request is the finding
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 return
 
-    async def run(self, until: asyncio.Event) -> None:
-        """Runs the streams until `until` is set, then lets every request in flight finish."""
-        channels = [grpc.aio.insecure_channel(a, options=[("grpc.initial_reconnect_backoff_ms", 100),
-                                                          ("grpc.max_reconnect_backoff_ms", 1000)])
-                    for a in self.addresses]
-        stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
-        tasks = [asyncio.create_task(self._client(self._seed * 1000 + i, stubs)) for i in range(self.num_streams)]
-        await until.wait()
-        self._stop.set()
-        await asyncio.gather(*tasks)
-        for channel in channels:
-            await channel.close()
+    def _one(self, stream: _Stream) -> None:
+        request = make_request(prompt_token_ids=stream.prompt, max_tokens=stream.max_tokens, temperature=0.0)
+        for message in self._client.stream(request, timeout=self.give_up_s):
+            stream.arrivals.append(time.monotonic())
+            for output in message.outputs:
+                stream.tokens.extend(output.token_ids)
+            if message.HasField("usage"):
+                stream.done = True
+                return
+        raise RuntimeError("the stream ended without its final message")
 
 
 @dataclass
@@ -137,7 +124,6 @@ class FailoverResult:
     requests_finished: int
     requests_matching: int
     requests_lost: int
-    reattached_streams: int
     recomputed_tokens: int
     errors: list[str]
 
@@ -160,7 +146,7 @@ def summary(r: FailoverResult) -> str:
         f"stream pause, longest silence across the takeover:   {percentiles(r.stream_pause_s)}",
         f"every stream resumed after {r.all_resumed_s:.2f} s",
         f"requests finished {r.requests_finished}, with the predicted tokens {r.requests_matching}, "
-        f"lost {r.requests_lost}; streams re-attached {r.reattached_streams}; tokens recomputed by the workers "
+        f"lost {r.requests_lost}; tokens recomputed by the workers "
         f"{r.recomputed_tokens}",
     ])
 
@@ -209,8 +195,7 @@ async def run_failover(fleet: Fleet, streams: int, prompt_len: int, max_tokens: 
     victim_pid, victim_address = fleet.scheduler_pids[0], fleet.scheduler_addresses[0]
     standby_address = fleet.add_replica()
     crowd = ResumingCrowd([victim_address, standby_address], streams, prompt_len, max_tokens)
-    until = asyncio.Event()
-    runner = asyncio.create_task(crowd.run(until))
+    crowd.start()
     await asyncio.sleep(warmup_s)
     # The standby is up: serving, and counted alive in the replicas' roster.
     with grpc.insecure_channel(standby_address) as channel:
@@ -220,6 +205,7 @@ async def run_failover(fleet: Fleet, streams: int, prompt_len: int, max_tokens: 
     victim_id = max(set(owners), key=owners.count)
     killed_at = time.monotonic()
     fleet.kill(victim_pid)
+    crowd.prefer(1)
     expiry = {w: killed_at + ms / 1000 for w, owner, ms in zip(workers, owners, ttl_ms) if owner == victim_id}
     in_flight = [s for s in crowd.requests if not s.done and s.arrivals]
     moved: dict[str, float] = {}
@@ -239,8 +225,7 @@ async def run_failover(fleet: Fleet, streams: int, prompt_len: int, max_tokens: 
     await _wait_for(lambda: all(s.done or s.arrivals[-1] > last_moved for s in in_flight), 20 * lease_ttl_s + 300,
                     "every stream in flight at the kill resumed")
     await asyncio.sleep(after_s)
-    until.set()
-    await runner
+    await asyncio.to_thread(crowd.finish)
     resumed = [_resumed_at(s.arrivals, killed_at) for s in in_flight]
     pauses = [gap for gap, _ in resumed]
     config_dir = fleet.model
@@ -254,8 +239,7 @@ async def run_failover(fleet: Fleet, streams: int, prompt_len: int, max_tokens: 
         after_expiry_s=[moved[w] - expiry[w] for w in sorted(moved)],
         stream_pause_s=pauses, all_resumed_s=max((at - killed_at for _, at in resumed), default=0.0),
         requests_finished=len(finished), requests_matching=len(matching),
-        requests_lost=len(crowd.requests) - len(finished), reattached_streams=sum(1 for s in crowd.requests
-                                                                                   if s.reattached),
+        requests_lost=len(crowd.requests) - len(finished),
         recomputed_tokens=await asyncio.to_thread(_recomputed_tokens, fleet), errors=crowd.errors[:10],
     )
 
@@ -273,9 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model = str(prepare_default_model())
     with tempfile.TemporaryDirectory(prefix="llmserve-failover-") as tmp:
-        fleet = Fleet(model, args.profile, args.workers, 1, Path(tmp),
-                      scheduler_args=["--lease-ttl", str(args.lease_ttl)], worker_args=["--seed", str(SEED)])
-        fleet.scheduler_log_level = "INFO"
+        fleet = Fleet(model, args.profile, args.workers, 1, Path(tmp), scheduler_args=["--lease-ttl", str(args.lease_ttl)],
+                      worker_args=["--seed", str(SEED)], scheduler_log_level="INFO")  # the takeovers' log lines
         with fleet:
             result = asyncio.run(run_failover(fleet, args.streams_per_worker * args.workers, args.prompt_len,
                                               args.max_tokens, args.warmup, args.lease_ttl))
