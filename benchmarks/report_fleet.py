@@ -75,7 +75,7 @@ def failover_section(runs: list[dict[str, Any]]) -> list[str]:
         "## Failover at scale", "",
         "`benchmarks/fleet_failover.py`: one replica holds the leases of every simulated worker and serves every "
         "client; a standby replica joins once the load runs, and the first replica is SIGKILLed. The clients' "
-        "streams break and re-attach to the standby (Resume from the next index, as llmserve's client does). "
+        "streams break and re-attach to the standby through llmserve's own client (Resume from the next index). "
         "Times in seconds after the kill (min / median / p90 / max):", "",
         "| workers | streams | lease TTL | leases held by the killed replica | lease moved | of which after "
         "it expired | stream pause | all streams resumed | requests finished | with the predicted tokens | lost "
