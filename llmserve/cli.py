@@ -59,6 +59,10 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=defaults.SWAP_SPACE_GIB, help="GiB of host memory for swapped-out blocks")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded random sampling")
     g.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    g.add_argument("--decode-gemv-rows", type=int, default=defaults.DECODE_GEMV_ROWS,
+                   help="decode steps of up to this many sequences run every layer in one compiled call with "
+                        "GEMV projections over a dense copy of the layer weights (float32 on a CPU; the copy costs "
+                        "the weights' size in memory again); 0 = off")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes (GPUs cuda:k..k+N-1, or CPU processes with gloo) that split each layer's heads "
                         "and the KV cache; the worker starts them. --kv-cache-memory, --swap-space and "
@@ -316,7 +320,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         num_threads=args.num_threads, otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file,
         metrics_port=args.metrics_port, tls=sec.server_tls_from(args),
         tensor_parallel_size=args.tensor_parallel_size, liveness_timeout_s=args.liveness_timeout,
-        simulate=args.simulate,
+        simulate=args.simulate, decode_gemv_rows=args.decode_gemv_rows,
     )
     registration = None
     if args.redis_url:
@@ -377,7 +381,7 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-utilization",
                 "num-gpu-blocks-override", "swap-space", "seed", "num-threads", "max-model-len", "log-level",
                 "otlp-endpoint", "trace-file", "redis-password-file", "redis-ca-file", "tensor-parallel-size",
-                "liveness-timeout", "simulate"]
+                "liveness-timeout", "simulate", "decode-gemv-rows"]
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
                    "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port",
                    "max-num-queued-requests", "max-queued-tokens", "step-timeout", "async-scheduling",

@@ -10,6 +10,8 @@ BLOCK_SIZE = 16
 KV_CACHE_MEMORY_GIB = 1.0
 GPU_MEMORY_UTILIZATION = 0.9
 SWAP_SPACE_GIB = 0.0
+# Worker: decode steps of up to this many sequences as one compiled call over dense weights (CPU, float32).
+DECODE_GEMV_ROWS = 4
 # Scheduling.
 MAX_NUM_SEQS = 256
 # Deadlines and leases, in seconds.

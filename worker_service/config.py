@@ -36,6 +36,9 @@ class WorkerConfig:
         rank 0 is this process, it starts the others. kv_cache_memory_gib and swap_space_gib are
         per rank (as vLLM's per-GPU budgets): N ranks hold N shards of the same number of blocks.
     simulate: a simulation profile (worker_service/simulation.py): no model, modelled step times.
+    decode_gemv_rows: decode steps of up to this many sequences run every layer in one compiled call with
+        GEMV projections over a dense copy of the layer weights (float32 on a CPU, one rank; the copy costs
+        the weights' size in memory again); 0 turns it off (worker_service/models/few_row_decode.py).
     """
 
     model: str
@@ -56,6 +59,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     liveness_timeout_s: float = defaults.LIVENESS_TIMEOUT_S
     simulate: str = ""
+    decode_gemv_rows: int = defaults.DECODE_GEMV_ROWS
 
     def __post_init__(self) -> None:
         is_gguf = self.model.lower().endswith(".gguf") and os.path.isfile(self.model)
@@ -75,6 +79,8 @@ class WorkerConfig:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be non-negative, got {self.swap_space_gib}.")
+        if self.decode_gemv_rows < 0:
+            raise ValueError(f"decode_gemv_rows must be non-negative, got {self.decode_gemv_rows}.")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}.")
         if not 0 <= self.metrics_port <= 65535:

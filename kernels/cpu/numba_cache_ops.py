@@ -37,7 +37,7 @@ def _signatures() -> list[object]:
 
 
 @numba.njit(inline="always")
-def _write_token(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
+def write_token(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
                  slots: np.ndarray, t: int) -> None:
     slot = slots[t]
     if slot < 0:  # padding
@@ -56,7 +56,7 @@ def _write_token(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, valu
 def _write_serial(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
                   slots: np.ndarray) -> None:
     for t in range(key.shape[0]):
-        _write_token(key, value, key_cache, value_cache, slots, t)
+        write_token(key, value, key_cache, value_cache, slots, t)
 
 
 @numba.njit(_signatures(), parallel=True, cache=True, nogil=True)
@@ -64,7 +64,7 @@ def _write_parallel(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, v
                     slots: np.ndarray) -> None:
     # Slots are distinct (a reshape_and_cache precondition), so tokens never write the same element.
     for t in numba.prange(key.shape[0]):
-        _write_token(key, value, key_cache, value_cache, slots, t)
+        write_token(key, value, key_cache, value_cache, slots, t)
 
 
 def supports(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ def _numba_ok(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-def _full_team() -> None:
+def full_team() -> None:
     """Numba's threads for the next parallel kernel: the worker's count (torch's), all of them.
 
     Numba's count is per calling thread and the decode-attention kernel lowers it for small
@@ -44,7 +44,7 @@ def _full_team() -> None:
 def _variant(serial: object, parallel: object, elements: int) -> object:
     if elements < PARALLEL_MIN_ELEMENTS:
         return serial
-    _full_team()
+    full_team()
     return parallel
 
 

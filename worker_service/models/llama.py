@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from worker_service.attention import AttentionMetadata, attend
+from worker_service.models.few_row_decode import FewRowDecode
 from worker_service.models.fused_ops import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from worker_service.models.linear import Linear
 from worker_service.models.rotary import RotaryTable
@@ -78,12 +79,16 @@ class LlamaModel:
     norm: torch.Tensor
     lm_head: Linear  # [vocab, hidden]; the embedding's weights when they are tied
     rotary: RotaryTable
+    # Decode steps of a few sequences in one compiled call over dense weights (None: every step layer by layer).
+    few_rows: FewRowDecode | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for the step's flat batch."""
         dims = self.dims
         heads = (dims.num_heads, dims.num_kv_heads, dims.num_kv_heads)
         tokens = input_ids.shape[0]
+        if self.few_rows is not None and self.few_rows.covers(tokens, attn):
+            return self.few_rows(self, input_ids, positions, attn)
         eps = dims.rms_norm_eps
         residual = F.embedding(input_ids, self.embed)
         x = rms_norm(residual, self.layers[0].input_norm, eps)

@@ -23,6 +23,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from worker_service.model_loader import model_shape
 from worker_service.models.checkpoint_tensors import CheckpointTensors
+from worker_service.models.few_row_decode import FewRowDecode
 from worker_service.models.linear import Linear
 from worker_service.models.llama import LlamaDims, LlamaLayer, LlamaModel
 from worker_service.models.rotary import DYNAMIC_ROPE_TYPES, build_rotary_table, rope_type
@@ -71,8 +72,15 @@ def _sliding_window(config: PretrainedConfig, index: int) -> int | None:
 
 
 def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int, q_rows: slice, kv_rows: slice,
-                mlp_rows: slice) -> LlamaLayer:
+                mlp_rows: slice, few_rows: FewRowDecode | None) -> LlamaLayer:
     prefix = f"model.layers.{index}."
+
+    def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, dense_bias: torch.Tensor | None = None
+               ) -> Linear:
+        # The few-row path's dense stack holds the weight; oneDNN packs its own copy from the stack's row.
+        if few_rows is not None:
+            weight = few_rows.hold(name, index, weight, bias if dense_bias is None else dense_bias)
+        return Linear(weight, bias)
 
     def get(name: str) -> torch.Tensor | None:
         return tensors.get(prefix + name)
@@ -81,24 +89,30 @@ def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int
         return tensors.require(prefix + name)
 
     parts = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+    o_bias, down_bias = get("self_attn.o_proj.bias"), get("mlp.down_proj.bias")
     return LlamaLayer(
         input_norm=need("input_layernorm.weight"),
-        qkv=Linear(torch.cat([need(f"self_attn.{p}_proj.weight")[rows] for p, rows in parts]),
+        qkv=linear("qkv", torch.cat([need(f"self_attn.{p}_proj.weight")[rows] for p, rows in parts]),
                    _cat([_rows(get(f"self_attn.{p}_proj.bias"), rows) for p, rows in parts])),
-        o=Linear(need("self_attn.o_proj.weight")[:, q_rows].contiguous()),
-        o_bias=get("self_attn.o_proj.bias"),
+        o=linear("o", need("self_attn.o_proj.weight")[:, q_rows].contiguous(), None, o_bias),
+        o_bias=o_bias,
         post_norm=need("post_attention_layernorm.weight"),
-        gate_up=Linear(torch.cat([need("mlp.gate_proj.weight")[mlp_rows], need("mlp.up_proj.weight")[mlp_rows]]),
+        gate_up=linear("gate_up", torch.cat([need("mlp.gate_proj.weight")[mlp_rows],
+                                             need("mlp.up_proj.weight")[mlp_rows]]),
                        _cat([_rows(get("mlp.gate_proj.bias"), mlp_rows), _rows(get("mlp.up_proj.bias"), mlp_rows)])),
-        down=Linear(need("mlp.down_proj.weight")[:, mlp_rows].contiguous()),
-        down_bias=get("mlp.down_proj.bias"),
+        down=linear("down", need("mlp.down_proj.weight")[:, mlp_rows].contiguous(), None, down_bias),
+        down_bias=down_bias,
         sliding_window=_sliding_window(config, index),
     )
 
 
 def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: torch.device,
-               max_positions: int, rank: int = 0, tp_size: int = 1) -> LlamaModel:
-    """Reads ``path``'s weights into rank ``rank``'s share of the fused layout (of ``tp_size`` ranks)."""
+               max_positions: int, rank: int = 0, tp_size: int = 1, decode_gemv_rows: int = 0) -> LlamaModel:
+    """Reads ``path``'s weights into rank ``rank``'s share of the fused layout (of ``tp_size`` ranks).
+
+    ``decode_gemv_rows``: decode steps of up to this many sequences run models/few_row_decode.py
+    (float32 on a CPU, one rank; 0: never).
+    """
     tensors = CheckpointTensors(path, dtype, device)
     shape = model_shape(config)
     local = local_shape(shape, tp_size)
@@ -106,9 +120,16 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     q_rows = rank_share(shape.num_heads * shape.head_size, rank, tp_size)
     kv_rows = rank_share(shape.num_kv_heads * shape.head_size, rank, tp_size)
     mlp_rows = rank_share(config.intermediate_size, rank, tp_size)
-    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows) for i in range(shape.num_layers)]
+    few_rows = None
+    if decode_gemv_rows > 0 and dtype == torch.float32 and device.type == "cpu" and tp_size == 1:
+        few_rows = FewRowDecode(shape.num_layers, decode_gemv_rows)
+    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows, few_rows) for i in range(shape.num_layers)]
     embed = tensors.require("model.embed_tokens.weight")
     tied = getattr(config, "tie_word_embeddings", False)
     lm_head = Linear(embed if tied else tensors.require("lm_head.weight"))
     rotary = build_rotary_table(ROTARY_MODULES[config.model_type], config, max_positions, dtype, device)
-    return LlamaModel(dims, embed, layers, tensors.require("model.norm.weight"), lm_head, rotary)
+    norm = tensors.require("model.norm.weight")
+    if few_rows is not None:
+        few_rows.finish([layer.input_norm for layer in layers], [layer.post_norm for layer in layers], norm,
+                        [layer.sliding_window for layer in layers])
+    return LlamaModel(dims, embed, layers, norm, lm_head, rotary, few_rows)

@@ -1,0 +1,118 @@
+"""Decode steps of a few sequences in one compiled call (models/few_row_decode.py) against the layer-by-layer path.
+
+Two runners on the same checkpoint, one with the few-row path and one without, run the
+same plans: every step's sampled tokens and top logprobs must agree to float32 rounding
+(the GEMV sums in another order than oneDNN), and the KV caches they wrote must too.
+The checkpoint has every bias the family allows and a sliding window shorter than the
+sequences, so each argument of the compiled call is exercised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shared.sampling_params import SamplingParams
+from worker_service.attention import AttentionMetadata
+from worker_service.config import WorkerConfig
+from worker_service.model_runner import ModelRunner
+from worker_service.models.few_row_decode import FewRowDecode
+from worker_service.plan import NewSequenceData, SequenceDeltaData, StepPlanData
+
+PROMPTS = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(100, 119))]
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = AutoConfig.for_model(
+        "mistral", architectures=["MistralForCausalLM"], vocab_size=512, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+        initializer_range=0.2, sliding_window=24, tie_word_embeddings=False,
+    )  # fmt: skip
+    # Mistral's config has no bias switches; the loader reads whichever biases the checkpoint holds.
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    path = tmp_path_factory.mktemp("few-rows")
+    state = model.state_dict()
+    for name, tensor in list(state.items()):
+        if name.endswith("_proj.weight"):
+            state[name.removesuffix("weight") + "bias"] = torch.randn(tensor.shape[0]) * 0.1
+    model.save_pretrained(path, state_dict=state)
+    return path
+
+
+def _runner(model_dir: Path, rows: int) -> ModelRunner:
+    return ModelRunner(WorkerConfig(model=str(model_dir), num_gpu_blocks_override=64, max_model_len=256,
+                                    block_size=8, decode_gemv_rows=rows))
+
+
+def _run(runner: ModelRunner, prompts: list[list[int]]) -> list[list[tuple[int, float, list[float]]]]:
+    """Per step, per sequence: (token, logprob, top-3 logprobs)."""
+    sampling = SamplingParams(temperature=0.0, logprobs=3)
+    plan = StepPlanData(1, 1, [], [], [], [NewSequenceData(i, p, [], sampling, list(range(i * 10, i * 10 + 10)), 0,
+                                                           len(p)) for i, p in enumerate(prompts)], [], [])
+    steps = []
+    for step in range(STEPS):
+        out = runner.execute(plan).sampled
+        steps.append([(s.token_id, s.logprob, [lp for _, lp in s.top_logprobs]) for s in out])
+        plan = StepPlanData(1, step + 2, [], [], [], [], [SequenceDeltaData(i, [], 1) for i in range(len(prompts))],
+                            [])
+    return steps
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_few_row_steps_match_the_layer_by_layer_path(model_dir: Path, batch: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = FewRowDecode.__call__
+
+    def counted(self: FewRowDecode, model: object, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(input_ids.shape[0])
+        return original(self, model, input_ids, *args)
+
+    monkeypatch.setattr(FewRowDecode, "__call__", counted)
+    prompts = PROMPTS[:batch]
+    fast, reference = _runner(model_dir, 4), _runner(model_dir, 0)
+    assert reference.model.few_rows is None
+    got, want = _run(fast, prompts), _run(reference, prompts)
+    # Every decode step (all but the prefill) took the compiled call, with all its sequences.
+    assert calls == [batch] * (STEPS - 1)
+    for step, (row, ref_row) in enumerate(zip(got, want, strict=True)):
+        assert [t for t, _, _ in row] == [t for t, _, _ in ref_row], f"step {step}"
+        for (_, logprob, top), (_, ref_logprob, ref_top) in zip(row, ref_row, strict=True):
+            assert logprob == pytest.approx(ref_logprob, abs=1e-4)
+            assert top == pytest.approx(ref_top, abs=1e-4)
+    # The keys and values each path wrote into its cache (the window slides over them).
+    for key, ref_key in zip(fast.cache.key_caches, reference.cache.key_caches, strict=True):
+        torch.testing.assert_close(key, ref_key, rtol=1e-4, atol=1e-4)
+    for value, ref_value in zip(fast.cache.value_caches, reference.cache.value_caches, strict=True):
+        torch.testing.assert_close(value, ref_value, rtol=1e-4, atol=1e-4)
+
+
+def test_more_sequences_than_the_limit_run_layer_by_layer(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = _runner(model_dir, 2)
+    monkeypatch.setattr(FewRowDecode, "__call__", lambda *args: pytest.fail("three rows took the two-row path"))
+    assert len(_run(runner, PROMPTS)) == STEPS
+
+
+def test_a_block_id_out_of_range_is_refused_before_any_kernel_runs(model_dir: Path) -> None:
+    runner = _runner(model_dir, 4)
+    model, cache = runner.model, runner.cache
+    before = [k.clone() for k in cache.key_caches]
+    attn = AttentionMetadata(
+        backend=runner.backend, key_caches=cache.key_caches, value_caches=cache.value_caches, block_size=8,
+        slot_mapping=torch.tensor([3]), num_prefill_tokens=0,
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+        decode_block_tables=torch.tensor([[64]], dtype=torch.int32), decode_context_lens=torch.tensor([4]),
+        decode_max_context_len=4, wait_for_layer=lambda layer: None,
+    )  # fmt: skip
+    assert model.few_rows.covers(1, attn)
+    with pytest.raises(ValueError, match="block"):
+        model.forward(torch.tensor([5]), torch.tensor([3]), attn)
+    for key, old in zip(cache.key_caches, before, strict=True):
+        assert torch.equal(key, old)

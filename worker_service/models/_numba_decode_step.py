@@ -1,0 +1,126 @@
+"""A decode step of a few sequences through every decoder layer in one compiled call (float32, CPU).
+
+At a few rows a step is bound by reading the weights once, and by the host work around
+each op: the layer-by-layer path makes ~20 Python-level calls per layer (oneDNN, Numba
+and torch dispatches, tensor views), milliseconds per step on a slow core. Here the
+layer loop runs in Numba: each projection is a GEMV over the dense weight
+(``gemv``: every weight row read once from memory, at the memory's bandwidth, for all
+rows of the step), and the norms, rotary embedding, cache write and decode attention
+are the same kernels the layer-by-layer path calls.
+
+Weights are stacked per kind over the layers (``[L, out, in]``), biases ``[L, out]``
+or ``[L, 0]`` for none; caches are Numba typed lists of the per-layer arrays.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from llmserve.kernels.cpu._numba_decode import decode_attention
+from llmserve.kernels.cpu.numba_cache_ops import write_token
+from worker_service.models._numba_ops import add_rms_norm_serial, rms_norm_serial, rotary_serial, silu_and_mul_serial
+
+# Explicit signatures: importing this module compiles both functions, or loads them from Numba's cache
+# (cache=True), at the worker's start rather than in its first few-row step.
+_F32_1D, _F32_2D, _F32_3D = numba.float32[::1], numba.float32[:, ::1], numba.float32[:, :, ::1]
+_I64_1D = numba.int64[::1]
+_GEMV = numba.void(_F32_2D, _F32_2D, _F32_1D, _F32_2D)
+_DECODE_LAYERS = numba.void(
+    _I64_1D, _I64_1D, _F32_2D,  # input_ids, positions, embed
+    _F32_2D, _F32_2D, _F32_1D,  # input_norms, post_norms, final_norm
+    *(_F32_3D, _F32_2D) * 4,  # weights and biases of qkv, o, gate_up, down
+    _I64_1D, _F32_2D, _F32_2D,  # windows, cos, sin
+    numba.types.ListType(numba.float32[:, :, :, :, ::1]), numba.types.ListType(numba.float32[:, :, :, ::1]),
+    _I64_1D, numba.int32[:, ::1], numba.int32[::1],  # slots, block_tables, context_lens
+    numba.int64, numba.int64, numba.float32, numba.float32, numba.int64,  # heads, kv heads, eps, scale, threads
+    _F32_2D,  # out
+)
+
+@numba.njit([_GEMV], parallel=True, fastmath={"contract", "reassoc"}, cache=True, nogil=True)
+def gemv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
+    """``out[r] = weight @ x[r] (+ bias)`` for the few rows of ``x``; threads split the weight's rows.
+
+    Each weight row is read from memory once and stays in L1 for all rows of ``x``
+    (a row of the default model's widest projection is 6 KB).
+    """
+    rows, width = x.shape
+    has_bias = bias.shape[0] > 0
+    for o in numba.prange(weight.shape[0]):
+        w = weight[o]
+        for r in range(rows):
+            acc = np.float32(0.0)
+            for i in range(width):
+                acc += x[r, i] * w[i]
+            out[r, o] = acc + bias[o] if has_bias else acc
+
+
+@numba.njit([_DECODE_LAYERS], cache=True, nogil=True)
+def decode_layers(
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    embed: np.ndarray,
+    input_norms: np.ndarray,
+    post_norms: np.ndarray,
+    final_norm: np.ndarray,
+    w_qkv: np.ndarray,
+    b_qkv: np.ndarray,
+    w_o: np.ndarray,
+    b_o: np.ndarray,
+    w_gate_up: np.ndarray,
+    b_gate_up: np.ndarray,
+    w_down: np.ndarray,
+    b_down: np.ndarray,
+    windows: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    key_caches: numba.typed.List,
+    value_caches: numba.typed.List,
+    slots: np.ndarray,
+    block_tables: np.ndarray,
+    context_lens: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: np.float32,
+    scale: np.float32,
+    attention_threads: int,
+    out: np.ndarray,
+) -> None:
+    """The final hidden states of ``input_ids`` (one decode token per sequence) into ``out`` ``[R, hidden]``.
+
+    Each layer as LlamaModel.forward: norm, QKV, rotary on q and k, the new keys/values
+    into their slots, decode attention, O, norm, gate/up, SiLU-and-mul, down.
+    """
+    rows = input_ids.shape[0]
+    hidden = embed.shape[1]
+    head_size = w_qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    heads = num_heads + 2 * num_kv_heads
+    residual = np.empty((rows, hidden), dtype=np.float32)
+    for r in range(rows):
+        residual[r] = embed[input_ids[r]]
+    x = np.empty((rows, hidden), dtype=np.float32)
+    qkv = np.empty((rows, heads * head_size), dtype=np.float32)
+    attended = np.empty((rows, num_heads, head_size), dtype=np.float32)
+    gate_up = np.empty((rows, w_gate_up.shape[1]), dtype=np.float32)
+    act = np.empty((rows, w_down.shape[2]), dtype=np.float32)
+    no_slopes = np.empty(0, dtype=np.float32)  # the Llama family has no ALiBi
+    rms_norm_serial(residual, input_norms[0], eps, x)
+    for layer in range(w_qkv.shape[0]):
+        if layer:
+            add_rms_norm_serial(x, residual, input_norms[layer], eps, x)
+        gemv(x, w_qkv[layer], b_qkv[layer], qkv)
+        qkv3 = qkv.reshape((rows, heads, head_size))
+        rotary_serial(qkv3[:, :num_heads + num_kv_heads], positions, cos, sin)
+        key_cache, value_cache = key_caches[layer], value_caches[layer]
+        keys, values = qkv3[:, num_heads:num_heads + num_kv_heads], qkv3[:, num_heads + num_kv_heads:]
+        for t in range(rows):
+            write_token(keys, values, key_cache, value_cache, slots, t)
+        decode_attention(attended, qkv3[:, :num_heads], key_cache.reshape(key_cache.shape[0], key_cache.shape[1],
+                         key_cache.shape[2], key_cache.shape[3] * key_cache.shape[4]), value_cache, block_tables,
+                         context_lens, no_slopes, scale, windows[layer], attention_threads)
+        gemv(attended.reshape((rows, num_heads * head_size)), w_o[layer], b_o[layer], x)
+        add_rms_norm_serial(x, residual, post_norms[layer], eps, x)
+        gemv(x, w_gate_up[layer], b_gate_up[layer], gate_up)
+        silu_and_mul_serial(gate_up, act)
+        gemv(act, w_down[layer], b_down[layer], x)
+    add_rms_norm_serial(x, residual, final_norm, eps, out)

@@ -1,0 +1,116 @@
+"""Decode steps of a few sequences as one compiled call over dense weights (float32, CPU, one rank).
+
+A step of one to a few decode tokens reads every weight once; the fastest way to do that is
+a GEMV at the memory's bandwidth with nothing between the layers. oneDNN's packed projections
+(models/linear.py) win from a handful of rows up, but at one row they read the weights slower
+than a plain GEMV, and the layer-by-layer path adds ~20 dispatches per layer. On the 2-core
+AMD EPYC (Zen 1, AVX2) of docs/benchmarks-history.md, a one-sequence step of the default model
+took 61 ms layer by layer, of which ~40 ms were projections that a GEMV reads in ~28 ms and
+~11 ms host work between the kernels.
+
+The price is memory: the layer weights are held twice, dense here and packed for oneDNN
+(the dense copy is the weights' size again; the embedding is shared). The worker's
+``--decode-gemv-rows 0`` turns the path off and frees it.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from llmserve.kernels.attention_checks import check_paged_attention_args
+from llmserve.kernels.cache_op_checks import check_reshape_and_cache_args
+from llmserve.kernels.cpu.numba_attention import kernel_threads
+from worker_service.attention import AttentionMetadata
+from worker_service.models._numba_decode_step import decode_layers
+from worker_service.models.fused_ops import full_team
+
+# The projections each layer holds densely here, in the order decode_layers takes them.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+class FewRowDecode:
+    """The dense layer weights and the call that runs a decode step of at most ``max_rows`` sequences."""
+
+    def __init__(self, num_layers: int, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.num_layers = num_layers
+        self._weights: dict[str, torch.Tensor] = {}
+        self._biases: dict[str, torch.Tensor] = {}
+        self._caches: tuple[list[torch.Tensor], numba.typed.List, numba.typed.List] | None = None
+
+    def hold(self, name: str, layer: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Copies layer ``layer``'s ``name`` projection into the stack; returns the stack's row (a view)."""
+        if name not in self._weights:
+            self._weights[name] = torch.empty((self.num_layers, *weight.shape), dtype=torch.float32)
+            width = 0 if bias is None else weight.shape[0]
+            self._biases[name] = torch.zeros((self.num_layers, width), dtype=torch.float32)
+        if (bias is None) != (self._biases[name].shape[1] == 0):
+            raise ValueError(f"layer {layer}'s {name} projection has a bias where other layers do not (or the reverse)")
+        self._weights[name][layer].copy_(weight)
+        if bias is not None:
+            self._biases[name][layer].copy_(bias)
+        return self._weights[name][layer]
+
+    def finish(self, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor], final_norm: torch.Tensor,
+               windows: list[int | None]) -> None:
+        """The per-layer vectors as stacked arrays, once every layer is held."""
+        self._input_norms = torch.stack(input_norms).float().contiguous().numpy()
+        self._post_norms = torch.stack(post_norms).float().contiguous().numpy()
+        self._final_norm = final_norm.float().contiguous().numpy()
+        self._windows = np.array([w or 0 for w in windows], dtype=np.int64)
+        self._arrays = [a for name in PROJECTIONS for a in (self._weights[name].numpy(), self._biases[name].numpy())]
+
+    def covers(self, tokens: int, attn: AttentionMetadata) -> bool:
+        """Whether this step is a few decodes over float32 caches the Numba kernels read."""
+        if not 0 < tokens <= self.max_rows or attn.num_prefill_tokens or attn.num_decodes != tokens:
+            return False
+        key, value = attn.key_caches[0], attn.value_caches[0]
+        return (key.dtype == torch.float32 and value.dtype == torch.float32 and key.device.type == "cpu"
+                and key.dim() == 5 and key.is_contiguous() and value.is_contiguous())
+
+    def __call__(self, model: object, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of a step that ``covers`` accepted."""
+        dims, rows = model.dims, input_ids.shape[0]  # type: ignore[attr-defined]
+        tables, lens, slots = self._checked(model, rows, attn)
+        key_caches, value_caches = self._numba_caches(attn)
+        threads = kernel_threads(rows, dims.num_heads, dims.num_kv_heads, dims.head_size, attn.decode_max_context_len)
+        full_team()
+        out = torch.empty((rows, model.embed.shape[1]), dtype=torch.float32)  # type: ignore[attr-defined]
+        decode_layers(
+            input_ids.to(torch.int64).contiguous().numpy(), positions.to(torch.int64).contiguous().numpy(),
+            model.embed.contiguous().numpy(), self._input_norms, self._post_norms, self._final_norm,  # type: ignore[attr-defined]
+            *self._arrays, self._windows, model.rotary.cos.numpy(), model.rotary.sin.numpy(),  # type: ignore[attr-defined]
+            key_caches, value_caches, slots, tables, lens, dims.num_heads, dims.num_kv_heads,
+            np.float32(dims.rms_norm_eps), np.float32(dims.scaling), threads, out.numpy(),
+        )  # fmt: skip
+        return out
+
+    def _checked(self, model: object, rows: int, attn: AttentionMetadata) -> tuple[np.ndarray, ...]:
+        """The step's metadata as the kernels take it, after the checks the layer-by-layer path runs once per step
+        (every block id the attention reads and every slot written are in range)."""
+        dims = model.dims  # type: ignore[attr-defined]
+        key_cache, value_cache = attn.key_caches[0], attn.value_caches[0]
+        query = torch.empty((rows, dims.num_heads, dims.head_size), dtype=torch.float32)
+        kv = torch.empty((rows, dims.num_kv_heads, dims.head_size), dtype=torch.float32)
+        check_reshape_and_cache_args(kv, kv, key_cache, value_cache, attn.slot_mapping)
+        windows = {w for w in self._windows.tolist()}
+        for window in windows:  # the block ids read depend on the window
+            check_paged_attention_args(query, query, key_cache, value_cache, dims.num_kv_heads, dims.scaling,
+                                       attn.decode_block_tables, attn.decode_context_lens, attn.block_size,
+                                       attn.decode_max_context_len, None, window or None)
+        return (attn.decode_block_tables.to(torch.int32).contiguous().numpy(),
+                attn.decode_context_lens.to(torch.int32).contiguous().numpy(),
+                attn.slot_mapping.to(torch.int64).contiguous().numpy())
+
+    def _numba_caches(self, attn: AttentionMetadata) -> tuple[numba.typed.List, numba.typed.List]:
+        # The cache engine's lists live as long as the worker: built once (a typed list costs ~10 us an item).
+        if self._caches is None or self._caches[0] is not attn.key_caches:
+            keys, values = numba.typed.List(), numba.typed.List()
+            for key, value in zip(attn.key_caches, attn.value_caches, strict=True):
+                keys.append(key.numpy())
+                values.append(value.numpy())
+            self._caches = (attn.key_caches, keys, values)
+        return self._caches[1], self._caches[2]
