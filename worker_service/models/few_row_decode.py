@@ -8,9 +8,11 @@ AMD EPYC (Zen 1, AVX2) of docs/benchmarks-history.md, a one-sequence step of the
 took 61 ms layer by layer, of which ~40 ms were projections that a GEMV reads in ~28 ms and
 ~11 ms host work between the kernels.
 
-The price is memory: the layer weights are held twice, dense here and packed for oneDNN
-(the dense copy is the weights' size again; the embedding is shared). The worker's
-``--decode-gemv-rows 0`` turns the path off and frees it.
+The logits of a few rows are a GEMV too, over the LM head's dense weight (the embedding's
+tensor when the two are tied).
+
+The price is memory: the layer weights (and an untied LM head) are held twice, dense here
+and packed for oneDNN. The worker's ``--decode-gemv-rows 0`` turns the path off and frees it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from llmserve.kernels.attention_checks import check_paged_attention_args
 from llmserve.kernels.cache_op_checks import check_reshape_and_cache_args
 from llmserve.kernels.cpu.numba_attention import kernel_threads
 from worker_service.attention import AttentionMetadata
-from worker_service.models._numba_decode_step import decode_layers
+from worker_service.models._numba_decode_step import decode_layers, gemv
 from worker_service.models.fused_ops import full_team
 
 # The projections each layer holds densely here, in the order decode_layers takes them.
@@ -54,13 +56,23 @@ class FewRowDecode:
         return self._weights[name][layer]
 
     def finish(self, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor], final_norm: torch.Tensor,
-               windows: list[int | None]) -> None:
-        """The per-layer vectors as stacked arrays, once every layer is held."""
+               windows: list[int | None], head: torch.Tensor) -> None:
+        """The per-layer vectors as stacked arrays, once every layer is held; ``head``: the LM head's dense
+        weight (the embedding's own tensor when they are tied, so nothing more is held)."""
         self._input_norms = torch.stack(input_norms).float().contiguous().numpy()
         self._post_norms = torch.stack(post_norms).float().contiguous().numpy()
         self._final_norm = final_norm.float().contiguous().numpy()
         self._windows = np.array([w or 0 for w in windows], dtype=np.int64)
         self._arrays = [a for name in PROJECTIONS for a in (self._weights[name].numpy(), self._biases[name].numpy())]
+        self._head = head.float().contiguous().numpy()
+        self._no_bias = np.empty(0, dtype=np.float32)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of a few hidden rows, by GEMV over the LM head's dense weight."""
+        out = torch.empty((hidden.shape[0], self._head.shape[0]), dtype=torch.float32)
+        full_team()
+        gemv(hidden.float().contiguous().numpy(), self._head, self._no_bias, out.numpy())
+        return out
 
     def covers(self, tokens: int, attn: AttentionMetadata) -> bool:
         """Whether this step is a few decodes over float32 caches the Numba kernels read."""

@@ -106,6 +106,8 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of the given hidden rows."""
+        if self.few_rows is not None and 0 < hidden.shape[0] <= self.few_rows.max_rows:
+            return self.few_rows.logits(hidden)
         return self.lm_head(hidden).float()
 
     def _row_parallel(self, x: torch.Tensor, projection: Linear, bias: torch.Tensor | None) -> torch.Tensor:

@@ -126,10 +126,11 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows, few_rows) for i in range(shape.num_layers)]
     embed = tensors.require("model.embed_tokens.weight")
     tied = getattr(config, "tie_word_embeddings", False)
-    lm_head = Linear(embed if tied else tensors.require("lm_head.weight"))
+    head_weight = embed if tied else tensors.require("lm_head.weight")
+    lm_head = Linear(head_weight)
     rotary = build_rotary_table(ROTARY_MODULES[config.model_type], config, max_positions, dtype, device)
     norm = tensors.require("model.norm.weight")
     if few_rows is not None:
         few_rows.finish([layer.input_norm for layer in layers], [layer.post_norm for layer in layers], norm,
-                        [layer.sliding_window for layer in layers])
+                        [layer.sliding_window for layer in layers], head_weight)
     return LlamaModel(dims, embed, layers, norm, lm_head, rotary, few_rows)
