@@ -116,3 +116,10 @@ def test_a_block_id_out_of_range_is_refused_before_any_kernel_runs(model_dir: Pa
         model.forward(torch.tensor([5]), torch.tensor([3]), attn)
     for key, old in zip(cache.key_caches, before, strict=True):
         assert torch.equal(key, old)
+
+
+def test_the_memory_it_holds_is_the_dense_weights_and_the_untied_head(model_dir: Path) -> None:
+    model = _runner(model_dir, 4).model
+    hidden, layers, vocab, kv, inter = 64, 2, 512, 2 * 16, 128  # head size 16, 2 KV heads
+    per_layer = (hidden + 2 * kv) * (hidden + 1) + hidden * (hidden + 1) + 2 * inter * (hidden + 1) + hidden * (inter + 1)
+    assert model.few_rows.extra_bytes(model.embed) == 4 * (layers * per_layer + vocab * hidden)

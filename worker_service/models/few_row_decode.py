@@ -67,6 +67,12 @@ class FewRowDecode:
         self._head = head.float().contiguous().numpy()
         self._no_bias = np.empty(0, dtype=np.float32)
 
+    def extra_bytes(self, shared: torch.Tensor) -> int:
+        """Memory this path holds beyond the packed weights: the dense stacks, and the LM head unless it is
+        ``shared`` (the embedding)."""
+        stacks = sum(t.nbytes for t in (*self._weights.values(), *self._biases.values()))
+        return stacks + (0 if np.shares_memory(self._head, shared.numpy()) else self._head.nbytes)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of a few hidden rows, by GEMV over the LM head's dense weight."""
         out = torch.empty((hidden.shape[0], self._head.shape[0]), dtype=torch.float32)
