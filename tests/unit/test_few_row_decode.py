@@ -22,7 +22,7 @@ from worker_service.model_runner import ModelRunner
 from worker_service.models.few_row_decode import FewRowDecode
 from worker_service.plan import NewSequenceData, SequenceDeltaData, StepPlanData
 
-PROMPTS = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(100, 119))]
+PROMPTS = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(100, 119)), list(range(200, 230))]
 STEPS = 24
 
 
@@ -64,7 +64,8 @@ def _run(runner: ModelRunner, prompts: list[list[int]]) -> list[list[tuple[int, 
     return steps
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+# 1, 3 and 4 rows: the GEMV takes rows four at a time, then two, then one.
+@pytest.mark.parametrize("batch", [1, 3, 4])
 def test_few_row_steps_match_the_layer_by_layer_path(model_dir: Path, batch: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
@@ -96,7 +97,7 @@ def test_few_row_steps_match_the_layer_by_layer_path(model_dir: Path, batch: int
 def test_more_sequences_than_the_limit_run_layer_by_layer(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = _runner(model_dir, 2)
     monkeypatch.setattr(FewRowDecode, "__call__", lambda *args: pytest.fail("three rows took the two-row path"))
-    assert len(_run(runner, PROMPTS)) == STEPS
+    assert len(_run(runner, PROMPTS[:3])) == STEPS
 
 
 def test_a_block_id_out_of_range_is_refused_before_any_kernel_runs(model_dir: Path) -> None:

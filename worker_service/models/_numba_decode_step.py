@@ -41,18 +41,40 @@ _DECODE_LAYERS = numba.void(
 def gemv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """``out[r] = weight @ x[r] (+ bias)`` for the few rows of ``x``; threads split the weight's rows.
 
-    Each weight row is read from memory once and stays in L1 for all rows of ``x``
-    (a row of the default model's widest projection is 6 KB).
+    Each weight row is read from memory once and, loaded into registers, serves four rows of
+    ``x`` at a time (then two, then one): one dot product per row reloading the weight from L1
+    took 72 ms for the default model's projections at four rows, against 36 ms this way.
     """
     rows, width = x.shape
     has_bias = bias.shape[0] > 0
     for o in numba.prange(weight.shape[0]):
         w = weight[o]
-        for r in range(rows):
-            acc = np.float32(0.0)
+        b = bias[o] if has_bias else np.float32(0.0)
+        r = 0
+        while r + 4 <= rows:
+            x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+            a0 = a1 = a2 = a3 = np.float32(0.0)
             for i in range(width):
-                acc += x[r, i] * w[i]
-            out[r, o] = acc + bias[o] if has_bias else acc
+                a0 += x0[i] * w[i]
+                a1 += x1[i] * w[i]
+                a2 += x2[i] * w[i]
+                a3 += x3[i] * w[i]
+            out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = a0 + b, a1 + b, a2 + b, a3 + b
+            r += 4
+        if r + 2 <= rows:
+            x0, x1 = x[r], x[r + 1]
+            a0 = a1 = np.float32(0.0)
+            for i in range(width):
+                a0 += x0[i] * w[i]
+                a1 += x1[i] * w[i]
+            out[r, o], out[r + 1, o] = a0 + b, a1 + b
+            r += 2
+        if r < rows:
+            x0 = x[r]
+            a0 = np.float32(0.0)
+            for i in range(width):
+                a0 += x0[i] * w[i]
+            out[r, o] = a0 + b
 
 
 @numba.njit([_DECODE_LAYERS], cache=True, nogil=True)
