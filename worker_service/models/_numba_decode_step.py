@@ -42,8 +42,10 @@ def gemv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -
     """``out[r] = weight @ x[r] (+ bias)`` for the few rows of ``x``; threads split the weight's rows.
 
     Each weight row is read from memory once and, loaded into registers, serves four rows of
-    ``x`` at a time (then two, then one): one dot product per row reloading the weight from L1
-    took 72 ms for the default model's projections at four rows, against 36 ms this way.
+    ``x`` at a time (then two, then one). The default model's layer projections on the Zen 1
+    EPYC of docs/benchmarks-history.md, one dot product per row (the weight row reloaded from
+    L1) against this: 26.6 / 32.2 / 37.0 ms against 22.9 / 27.9 / 26.3 ms at two / three / four
+    rows, the same 20-21 ms at one.
     """
     rows, width = x.shape
     has_bias = bias.shape[0] > 0
