@@ -124,3 +124,8 @@ def test_the_memory_it_holds_is_the_dense_weights_and_the_untied_head(model_dir:
     hidden, layers, vocab, kv, inter = 64, 2, 512, 2 * 16, 128  # head size 16, 2 KV heads
     per_layer = (hidden + 2 * kv) * (hidden + 1) + hidden * (hidden + 1) + 2 * inter * (hidden + 1) + hidden * (inter + 1)
     assert model.few_rows.extra_bytes(model.embed) == 4 * (layers * per_layer + vocab * hidden)
+
+
+def test_a_negative_row_limit_is_a_clear_configuration_error(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="decode_gemv_rows must be non-negative, got -1"):
+        WorkerConfig(model=str(model_dir), decode_gemv_rows=-1)
