@@ -71,9 +71,9 @@ def test_few_row_steps_match_the_layer_by_layer_path(model_dir: Path, batch: int
     calls: list[int] = []
     original = FewRowDecode.__call__
 
-    def counted(self: FewRowDecode, model: object, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+    def counted(self: FewRowDecode, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(input_ids.shape[0])
-        return original(self, model, input_ids, *args)
+        return original(self, input_ids, *args)
 
     monkeypatch.setattr(FewRowDecode, "__call__", counted)
     prompts = PROMPTS[:batch]
@@ -123,7 +123,7 @@ def test_the_memory_it_holds_is_the_dense_weights_and_the_untied_head(model_dir:
     model = _runner(model_dir, 4).model
     hidden, layers, vocab, kv, inter = 64, 2, 512, 2 * 16, 128  # head size 16, 2 KV heads
     per_layer = (hidden + 2 * kv) * (hidden + 1) + hidden * (hidden + 1) + 2 * inter * (hidden + 1) + hidden * (inter + 1)
-    assert model.few_rows.extra_bytes(model.embed) == 4 * (layers * per_layer + vocab * hidden)
+    assert model.few_rows.extra_bytes() == 4 * (layers * per_layer + vocab * hidden)
 
 
 def test_a_negative_row_limit_is_a_clear_configuration_error(model_dir: Path) -> None:

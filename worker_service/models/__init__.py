@@ -36,7 +36,7 @@ def build_model(config: PretrainedConfig, path: str, dtype: torch.dtype, device:
         if model.few_rows is not None:
             log.info("decode steps of up to %d sequences run as one compiled call over a dense copy of the weights "
                      "(%.0f MiB more; --decode-gemv-rows 0 turns it off)", model.few_rows.max_rows,
-                     model.few_rows.extra_bytes(model.embed) / 2**20)
+                     model.few_rows.extra_bytes() / 2**20)
         return model
     from worker_service.models.transformers_model import TransformersModel
 

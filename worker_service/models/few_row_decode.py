@@ -17,6 +17,8 @@ and packed for oneDNN. The worker's ``--decode-gemv-rows 0`` turns the path off 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numba
 import numpy as np
 import torch
@@ -27,6 +29,10 @@ from llmserve.kernels.cpu.numba_attention import kernel_threads
 from worker_service.attention import AttentionMetadata
 from worker_service.models._numba_decode_step import decode_layers, gemv
 from worker_service.models.fused_ops import full_team
+from worker_service.models.rotary import RotaryTable
+
+if TYPE_CHECKING:
+    from worker_service.models.llama import LlamaDims
 
 # The projections each layer holds densely here, in the order decode_layers takes them.
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -55,10 +61,14 @@ class FewRowDecode:
             self._biases[name][layer].copy_(bias)
         return self._weights[name][layer]
 
-    def finish(self, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor], final_norm: torch.Tensor,
-               windows: list[int | None], head: torch.Tensor) -> None:
-        """The per-layer vectors as stacked arrays, once every layer is held; ``head``: the LM head's dense
+    def finish(self, dims: LlamaDims, embed: torch.Tensor, rotary: RotaryTable, input_norms: list[torch.Tensor],
+               post_norms: list[torch.Tensor], final_norm: torch.Tensor, windows: list[int | None],
+               head: torch.Tensor) -> None:
+        """Everything else the call reads, as arrays, once every layer is held; ``head``: the LM head's dense
         weight (the embedding's own tensor when they are tied, so nothing more is held)."""
+        self._dims = dims
+        self._embed = embed.contiguous().numpy()
+        self._cos, self._sin = rotary.cos.numpy(), rotary.sin.numpy()
         self._input_norms = torch.stack(input_norms).float().contiguous().numpy()
         self._post_norms = torch.stack(post_norms).float().contiguous().numpy()
         self._final_norm = final_norm.float().contiguous().numpy()
@@ -67,11 +77,11 @@ class FewRowDecode:
         self._head = head.float().contiguous().numpy()
         self._no_bias = np.empty(0, dtype=np.float32)
 
-    def extra_bytes(self, shared: torch.Tensor) -> int:
+    def extra_bytes(self) -> int:
         """Memory this path holds beyond the packed weights: the dense stacks, and the LM head unless it is
-        ``shared`` (the embedding)."""
+        the embedding."""
         stacks = sum(t.nbytes for t in (*self._weights.values(), *self._biases.values()))
-        return stacks + (0 if np.shares_memory(self._head, shared.numpy()) else self._head.nbytes)
+        return stacks + (0 if np.shares_memory(self._head, self._embed) else self._head.nbytes)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of a few hidden rows, by GEMV over the LM head's dense weight."""
@@ -88,34 +98,32 @@ class FewRowDecode:
         return (key.dtype == torch.float32 and value.dtype == torch.float32 and key.device.type == "cpu"
                 and key.dim() == 5 and key.is_contiguous() and value.is_contiguous())
 
-    def __call__(self, model: object, input_ids: torch.Tensor, positions: torch.Tensor,
-                 attn: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of a step that ``covers`` accepted."""
-        dims, rows = model.dims, input_ids.shape[0]  # type: ignore[attr-defined]
-        tables, lens, slots = self._checked(model, rows, attn)
+        dims, rows = self._dims, input_ids.shape[0]
+        tables, lens, slots = self._checked(rows, attn)
         key_caches, value_caches = self._numba_caches(attn)
         threads = kernel_threads(rows, dims.num_heads, dims.num_kv_heads, dims.head_size, attn.decode_max_context_len)
         full_team()
-        out = torch.empty((rows, model.embed.shape[1]), dtype=torch.float32)  # type: ignore[attr-defined]
+        out = torch.empty((rows, self._embed.shape[1]), dtype=torch.float32)
         decode_layers(
             input_ids.to(torch.int64).contiguous().numpy(), positions.to(torch.int64).contiguous().numpy(),
-            model.embed.contiguous().numpy(), self._input_norms, self._post_norms, self._final_norm,  # type: ignore[attr-defined]
-            *self._arrays, self._windows, model.rotary.cos.numpy(), model.rotary.sin.numpy(),  # type: ignore[attr-defined]
+            self._embed, self._input_norms, self._post_norms, self._final_norm,
+            *self._arrays, self._windows, self._cos, self._sin,
             key_caches, value_caches, slots, tables, lens, dims.num_heads, dims.num_kv_heads,
             np.float32(dims.rms_norm_eps), np.float32(dims.scaling), threads, out.numpy(),
         )  # fmt: skip
         return out
 
-    def _checked(self, model: object, rows: int, attn: AttentionMetadata) -> tuple[np.ndarray, ...]:
+    def _checked(self, rows: int, attn: AttentionMetadata) -> tuple[np.ndarray, ...]:
         """The step's metadata as the kernels take it, after the checks the layer-by-layer path runs once per step
         (every block id the attention reads and every slot written are in range)."""
-        dims = model.dims  # type: ignore[attr-defined]
+        dims = self._dims
         key_cache, value_cache = attn.key_caches[0], attn.value_caches[0]
         query = torch.empty((rows, dims.num_heads, dims.head_size), dtype=torch.float32)
         kv = torch.empty((rows, dims.num_kv_heads, dims.head_size), dtype=torch.float32)
         check_reshape_and_cache_args(kv, kv, key_cache, value_cache, attn.slot_mapping)
-        windows = {w for w in self._windows.tolist()}
-        for window in windows:  # the block ids read depend on the window
+        for window in set(self._windows.tolist()):  # the block ids read depend on the window
             check_paged_attention_args(query, query, key_cache, value_cache, dims.num_kv_heads, dims.scaling,
                                        attn.decode_block_tables, attn.decode_context_lens, attn.block_size,
                                        attn.decode_max_context_len, None, window or None)

@@ -88,7 +88,7 @@ class LlamaModel:
         heads = (dims.num_heads, dims.num_kv_heads, dims.num_kv_heads)
         tokens = input_ids.shape[0]
         if self.few_rows is not None and self.few_rows.covers(tokens, attn):
-            return self.few_rows(self, input_ids, positions, attn)
+            return self.few_rows(input_ids, positions, attn)
         eps = dims.rms_norm_eps
         residual = F.embedding(input_ids, self.embed)
         x = rms_norm(residual, self.layers[0].input_norm, eps)

@@ -131,6 +131,7 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     rotary = build_rotary_table(ROTARY_MODULES[config.model_type], config, max_positions, dtype, device)
     norm = tensors.require("model.norm.weight")
     if few_rows is not None:
-        few_rows.finish([layer.input_norm for layer in layers], [layer.post_norm for layer in layers], norm,
-                        [layer.sliding_window for layer in layers], head_weight)
+        few_rows.finish(dims, embed, rotary, [layer.input_norm for layer in layers],
+                        [layer.post_norm for layer in layers], norm, [layer.sliding_window for layer in layers],
+                        head_weight)
     return LlamaModel(dims, embed, layers, norm, lm_head, rotary, few_rows)
