@@ -1,11 +1,11 @@
 """Host time of one worker step: the ExecuteStep path in-process, without gRPC.
 
     python -m benchmarks.worker_step [--models tiny default] [--batch-sizes 1 4 16] [--steps 40]
-        [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16] [--profile]
+        [--prompt-len 32] [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16] [--profile]
         [--output benchmarks/results/worker_step.json]
 
 For each model and batch size B, a ModelRunner prefills B greedy sequences
-(random 32-token prompts), then runs --steps decode steps. Each step is what
+(random prompts of --prompt-len tokens), then runs --steps decode steps. Each step is what
 the servicer does between receiving the plan's bytes and returning the reply's,
 on the thread that loaded the model, as the worker's model thread
 (worker_service/model_thread.py), with the worker's OpenMP setting:
@@ -54,20 +54,21 @@ from worker_service.plan import plan_from_proto  # noqa: E402
 from worker_service.servicer import step_result  # noqa: E402
 
 RESULTS = Path("benchmarks/results/worker_step.json")
-PROMPT_LEN = 32
+DEFAULT_PROMPT_LEN = 32
 BLOCK_SIZE = 16
 PHASES = ["parse", "run", "reply"]
 
 
-def _prefill_plan(batch: int, steps: int, vocab: int, logprobs: int | None, seed: int) -> worker_pb2.StepPlan:
+def _prefill_plan(batch: int, prompt_len: int, steps: int, vocab: int, logprobs: int | None,
+                  seed: int) -> worker_pb2.StepPlan:
     rng = random.Random(seed)
-    blocks = -(-(PROMPT_LEN + steps + 1) // BLOCK_SIZE)
+    blocks = -(-(prompt_len + steps + 1) // BLOCK_SIZE)
     sampling = sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True,
                                                 logprobs=logprobs))
     return worker_pb2.StepPlan(epoch=1, step_id=0, new_sequences=[
         worker_pb2.NewSequence(
-            seq_id=i, prompt_token_ids=[rng.randrange(vocab) for _ in range(PROMPT_LEN)], sampling=sampling,
-            block_table=list(range(i * blocks, (i + 1) * blocks)), num_computed_tokens=0, num_new_tokens=PROMPT_LEN,
+            seq_id=i, prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)], sampling=sampling,
+            block_table=list(range(i * blocks, (i + 1) * blocks)), num_computed_tokens=0, num_new_tokens=prompt_len,
         )
         for i in range(batch)
     ])
@@ -93,11 +94,12 @@ def _step(runner: ModelRunner, wire: bytes) -> tuple[bytes, dict[str, float]]:
     return reply, {"parse": t1 - t0, "run": t2 - t1, "reply": t3 - t2}
 
 
-def measure(runner: ModelRunner, batch: int, steps: int, logprobs: int | None, profile: bool) -> dict[str, object]:
+def measure(runner: ModelRunner, batch: int, prompt_len: int, steps: int, logprobs: int | None,
+            profile: bool) -> dict[str, object]:
     """Prefills `batch` sequences, then times `steps` decode steps."""
     vocab = runner.shape.vocab_size
     runner.reset()
-    _step(runner, _prefill_plan(batch, steps, vocab, logprobs, seed=batch).SerializeToString())
+    _step(runner, _prefill_plan(batch, prompt_len, steps, vocab, logprobs, seed=batch).SerializeToString())
     plans = [_decode_plan(batch, step_id) for step_id in range(1, steps + 1)]
     digest = hashlib.sha256()
     wall: list[float] = []
@@ -146,6 +148,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=["tiny", "default"], default=["tiny", "default"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--steps", type=int, default=40, help="decode steps per batch size")
+    parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN,
+                        help="prompt tokens of every sequence (the decode steps attend to them)")
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per sampled token (default none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 keeps torch's default)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -155,25 +159,28 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    blocks = max(args.batch_sizes) * -(-(PROMPT_LEN + args.steps + 1) // BLOCK_SIZE)
+    context = args.prompt_len + args.steps + 1
+    blocks = max(args.batch_sizes) * -(-context // BLOCK_SIZE)
     runs = []
     model_thread = ModelThread()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             config = WorkerConfig(model=str(_model_dir(name, Path(tmp))), block_size=BLOCK_SIZE, dtype=args.dtype,
-                                  num_gpu_blocks_override=blocks, max_model_len=PROMPT_LEN + args.steps + 1)
+                                  num_gpu_blocks_override=blocks, max_model_len=context)
             runner = model_thread.run(ModelRunner, config)
             for batch in tqdm(args.batch_sizes, desc=f"{name} model", unit="batch size"):
-                row = model_thread.run(measure, runner, batch, args.steps, args.logprobs, args.profile)
+                row = model_thread.run(measure, runner, batch, args.prompt_len, args.steps, args.logprobs,
+                                       args.profile)
                 runs.append({"model": name, **row})
     model_thread.shutdown()
     result = {
         **run_info(f"torch {torch.__version__}", f"{torch.get_num_threads()} torch threads"),
-        "description": (f"Decode steps of B greedy sequences ({PROMPT_LEN}-token prompts, logprobs={args.logprobs}) "
+        "description": (f"Decode steps of B greedy sequences ({args.prompt_len}-token prompts, logprobs={args.logprobs}) "
                         "driven in-process through the worker's ExecuteStep path (plan bytes in, reply bytes out, "
                         "no gRPC); medians over the steps. tiny: 2-layer hidden-128 Llama with the default "
                         "tokenizer's vocabulary; default: SmolLM2-135M."),
         "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
         "phases": PHASES,
         "rows": runs,
     }

@@ -33,7 +33,12 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 class PagedCache:
-    """A NaN-poisoned paged cache holding given sequences at randomly permuted blocks."""
+    """A NaN-poisoned paged cache holding given sequences at randomly permuted blocks.
+
+    ``stale``: the slots no sequence wrote hold large finite values instead, as a block reused from a
+    finished sequence does; a kernel that lets one of them into its softmax gets a wrong, finite result
+    (a NaN there can vanish: an exp that maps NaN to 0 hides an unmasked slot).
+    """
 
     def __init__(
         self,
@@ -46,13 +51,18 @@ class PagedCache:
         spare_blocks: int = 3,
         unused_table_entry: int | None = None,
         dense: bool = False,
+        stale: bool = False,
     ) -> None:
         blocks_per_seq = [-(-n // block_size) for n in seq_lens]
         num_blocks = sum(blocks_per_seq) + spare_blocks
         self.block_size = block_size
         sizes = (num_blocks, num_kv_heads, head_size, block_size, dtype)
-        self.key_cache = torch.full(kernels.key_cache_shape(*sizes), float("nan"), dtype=dtype)
-        self.value_cache = torch.full(kernels.value_cache_shape(*sizes), float("nan"), dtype=dtype)
+        if stale:
+            self.key_cache = (torch.randn(kernels.key_cache_shape(*sizes), generator=gen) * 8).to(dtype)
+            self.value_cache = (torch.randn(kernels.value_cache_shape(*sizes), generator=gen) * 100).to(dtype)
+        else:
+            self.key_cache = torch.full(kernels.key_cache_shape(*sizes), float("nan"), dtype=dtype)
+            self.value_cache = torch.full(kernels.value_cache_shape(*sizes), float("nan"), dtype=dtype)
         physical = torch.randperm(num_blocks, generator=gen).tolist()
         max_blocks = max(blocks_per_seq + [1]) + 2  # extra columns past every sequence's last block
         # Entries past the used blocks are garbage: random ids, or a fixed value when asked.
@@ -112,14 +122,15 @@ def run_paged(
     seed: int,
     unused_table_entry: int | None = None,
     dense: bool = False,
+    stale: bool = False,
 ) -> float:
     """Decode attention of ``kernel`` on a fresh case; returns the relative error. ``dense``: build the case and
-    the expected output with tests/kernels_dense_reference.py (serving shapes)."""
+    the expected output with tests/kernels_dense_reference.py (serving shapes); ``stale``: see PagedCache."""
     dtype, num_heads, num_kv_heads, head_size, block_size = cfg
     gen = torch.Generator().manual_seed(seed)
     cache = PagedCache(
         context_lens, num_kv_heads, head_size, block_size, dtype, gen, unused_table_entry=unused_table_entry,
-        dense=dense,
+        dense=dense, stale=stale,
     )
     query = torch.randn(len(context_lens), num_heads, head_size, generator=gen).to(dtype)
     slopes = alibi_slopes_for(num_heads) if use_alibi else None

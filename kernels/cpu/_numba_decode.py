@@ -20,10 +20,17 @@ widened into a scratch first). The context is taken in spans of up to
 
 The sums over c (key rows) and over the span's blocks (values) run in registers,
 64 lanes at a time (``weighted_sum``), in a fixed order: a thread's result does not
-depend on the thread count. Spans are joined by the online softmax's rescaling
-(contexts up to ``_SPAN_BLOCKS`` blocks take one span). Measured on 2 cores, 64
-sequences of 256 tokens, 30 layers: 68 ms per step when the kernel kept every
-partial sum in memory and took the softmax block by block, 31 ms this way.
+depend on the thread count. The group's query heads take turns on each block (keys)
+or on each 64 lanes of the span's blocks (values), so that what one head fetched the
+others read from L1. Spans are joined by the online softmax's rescaling (contexts up
+to ``_SPAN_BLOCKS`` blocks take one span). Measured on 2 cores, 64 sequences of 256
+tokens, 30 layers: 68 ms per step when the kernel kept every partial sum in memory
+and took the softmax block by block, 31 ms this way (a Zen 5).
+
+The loops over a span's slots (scores, maximum, exp, sum) index a slice view from 0
+(``row = scores[at:at + n]; row[o]``), not the whole array at ``at + o``: Numba
+wraps negative indices, and LLVM, unable to prove ``at + o >= 0``, kept those loops
+scalar (an exp per slot). On a Zen 1 this took 13-23 % off the kernel.
 
 Work items go to threads from a shared queue (as in the prefill kernel), each
 thread with its scratch allocated once per call rather than once per item.
@@ -66,6 +73,8 @@ _SIGNATURES = [
 # first, then their maximum, exponentials and sum as long vectorized loops, then the weighted values.
 # Longer contexts take several spans, joined by the online-softmax rescaling.
 _SPAN_BLOCKS = 32
+# Lanes of the value blocks summed at a time (weighted_sum's register width: eight AVX2 vectors).
+_LANES = 64
 
 
 @numba.njit(fastmath={"contract", "reassoc"}, cache=True)
@@ -93,18 +102,20 @@ def _sum_slots(wide: np.ndarray, at: int, block_size: int, scale: np.float32, ou
 @numba.njit(fastmath={"contract", "reassoc"}, cache=True)
 def _sum(values: np.ndarray, at: int, n: int) -> np.float32:
     """``sum(values[at:at + n])``, reassociated so that it vectorizes (the softmax denominator)."""
+    row = values[at:at + n]
     total = np.float32(0.0)
-    for j in range(n):
-        total += values[at + j]
+    for j in range(row.shape[0]):
+        total += row[j]
     return total
 
 
 @numba.njit(fastmath={"reassoc", "nnan"}, cache=True)
 def _max(values: np.ndarray, at: int, n: int) -> np.float32:
     """``max(values[at:at + n])``; the scores it reads are masked (-inf), never NaN, which lets it vectorize."""
+    row = values[at:at + n]
     largest = np.float32(-np.inf)
-    for j in range(n):
-        largest = max(largest, values[at + j])
+    for j in range(row.shape[0]):
+        largest = max(largest, row[j])
     return largest
 
 
@@ -115,26 +126,55 @@ def _slot_scores(lanes: np.ndarray, at: int, scores: np.ndarray, to: int, n: int
     Written out for the cache's two pack factors, x = 4 (float32) and 8 (bf16; x is 16 bytes over the
     element size), so that the loop over the slots vectorizes.
     """
+    out = scores[to:to + n]
     if x == 4:
-        for o in range(n):
-            j = at + 4 * o
-            scores[to + o] = lanes[j] + lanes[j + 1] + lanes[j + 2] + lanes[j + 3]
+        products = lanes[at:at + 4 * n]
+        for o in range(out.shape[0]):
+            j = 4 * o
+            out[o] = products[j] + products[j + 1] + products[j + 2] + products[j + 3]
     else:
-        for o in range(n):
-            j = at + 8 * o
-            scores[to + o] = (lanes[j] + lanes[j + 1] + lanes[j + 2] + lanes[j + 3] + lanes[j + 4] + lanes[j + 5]
-                              + lanes[j + 6] + lanes[j + 7])
+        products = lanes[at:at + 8 * n]
+        for o in range(out.shape[0]):
+            j = 8 * o
+            out[o] = (products[j] + products[j + 1] + products[j + 2] + products[j + 3] + products[j + 4]
+                      + products[j + 5] + products[j + 6] + products[j + 7])
+
+
+@numba.njit(inline="always", cache=True)
+def _used_slots(values: np.ndarray, values_at: int, lo: int, hi: int, head_size: int, block_size: int,
+                out: np.ndarray) -> None:
+    """``out[d * BS + o] = values[values_at + d * BS + o]`` for the slots ``max(lo, 0) <= o < min(hi, BS)`` of a
+    value block, 0 for the others."""
+    lo, hi = max(lo, 0), min(hi, block_size)
+    block = values[values_at:values_at + head_size * block_size]
+    for d in range(head_size):
+        for o in range(block_size):
+            out[d * block_size + o] = block[d * block_size + o] if lo <= o < hi else np.float32(0.0)
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH, cache=True)
-def _partial_block(wide: np.ndarray, wide_at: int, weights: np.ndarray, weights_at: int, values: np.ndarray,
-                   values_at: int, lo: int, hi: int, head_size: int, block_size: int) -> None:
-    """``wide[wide_at + d * BS + o] += weights[weights_at + o] * values[values_at + d * BS + o]`` for the
-    context's slots ``max(lo, 0) <= o < min(hi, BS)`` of a partly used block only: the others may hold
-    anything (NaN in tests), and a weight of 0 times NaN would still be NaN."""
-    for d in range(head_size):
-        for o in range(max(lo, 0), min(hi, block_size)):
-            wide[wide_at + d * block_size + o] += weights[weights_at + o] * values[values_at + d * block_size + o]
+def _add_alibi(scores: np.ndarray, at: int, n: int, slope: np.float32, first_distance: int) -> None:
+    """``scores[at + o] += slope * (first_distance + o)``: ALiBi's bias by distance to the query."""
+    row = scores[at:at + n]
+    for o in range(row.shape[0]):
+        row[o] += slope * np.float32(first_distance + o)
+
+
+@numba.njit(inline="always", cache=True)
+def _mask_outside(scores: np.ndarray, at: int, n: int, lo: int, hi: int) -> None:
+    """``scores[at + o] = -inf`` for the slots ``o`` outside ``[lo, hi)``: two short loops, no test per slot."""
+    for o in range(min(lo, n)):
+        scores[at + o] = -np.inf
+    for o in range(max(hi, 0), n):
+        scores[at + o] = -np.inf
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH, cache=True)
+def _exp_shifted(scores: np.ndarray, at: int, n: int, shift: np.float32) -> None:
+    """``scores[at + o] = exp(scores[at + o] - shift)``, eight lanes at a time."""
+    row = scores[at:at + n]
+    for o in range(row.shape[0]):
+        row[o] = exp_f32(row[o] - shift)
 
 
 @numba.njit(_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
@@ -188,6 +228,9 @@ def decode_attention(
         value_bits = np.empty(per_block * _SPAN_BLOCKS if widen else 0, dtype=np.uint32)
         # Where each row of a key block starts in it, as weighted_sum steps through them.
         chunk_offsets = np.arange(chunks) * row
+        # A partly used value block with its unused slots zeroed, and its one offset.
+        partial = np.empty(per_block, dtype=np.float32)
+        zero_offset = np.zeros(1, dtype=np.int64)
         while True:
             item = fetch_add(next_item)
             if item >= items:
@@ -210,24 +253,25 @@ def decode_attention(
                     at = (block_tables[s, span_first + b] * kv_heads + h) * per_block
                     keys, key_offsets[b] = flat_block(keys_flat, at, per_block, key_bits, b * per_block)
                     values, value_offsets[b] = flat_block(values_flat, at, per_block, value_bits, b * per_block)
-                # q . k of every slot, each key row read once for all query heads of the group.
+                # q . k of every slot. Block by block, every query head of the group in turn: the block (4 KiB
+                # for 16 slots of 64 dims) is fetched once and read again from L1 by the group's other heads.
                 for g in range(group):
                     lanes[g * span * x:g * span * x + slots * x] = 0.0
-                    for b in range(n):
+                for b in range(n):
+                    for g in range(group):
                         weighted_sum(lanes, g * span * x + b * row, scaled, g * head_size, x, x, keys,
                                      key_offsets[b], chunk_offsets, chunks, row)
                 # The span's softmax weights, one pass over all its slots per query head: slots outside the
                 # context (unwritten, or before the window) score -inf, which the polynomial exp makes exactly 0.
+                # Slots [valid_lo, valid_hi) of the span are in the context (and the window).
+                valid_lo, valid_hi = max(start - span_start, 0), min(ctx - span_start, slots)
                 for g in range(group):
                     base = g * span
                     _slot_scores(lanes, g * span * x, scores, base, slots, x)
-                    for o in range(slots):
-                        position = span_start + o
-                        score = scores[base + o]
-                        if use_alibi:
-                            # Distance to the query (the last position): <= 0.
-                            score += slopes[h * group + g] * np.float32(position - (ctx - 1))
-                        scores[base + o] = score if start <= position < ctx else np.float32(-np.inf)
+                    if use_alibi:
+                        # Distance to the query (the last position): <= 0.
+                        _add_alibi(scores, base, slots, slopes[h * group + g], span_start - (ctx - 1))
+                    _mask_outside(scores, base, slots, valid_lo, valid_hi)
                     span_max = _max(scores, base, slots)
                     # Online softmax across spans: rescale what earlier spans accumulated under a smaller maximum.
                     if span_max > running_max[g]:
@@ -237,27 +281,34 @@ def decode_attention(
                             for j in range(g * per_block, (g + 1) * per_block):
                                 wide[j] *= correction
                         running_max[g] = span_max
-                    for o in range(slots):
-                        scores[base + o] = exp_f32(scores[base + o] - running_max[g])
+                    _exp_shifted(scores, base, slots, running_max[g])
                     denominator[g] += _sum(scores, base, slots)
                 # The weighted values, in block order: a partly used first block (under a window), the whole
                 # blocks (each read once for all query heads, in registers), a partly used last block.
                 whole_first = 1 if start > span_start else 0  # the window starts inside the first block
                 whole_last = n - 1 if ctx < span_start + slots else n  # the context ends inside the last one
-                for g in range(group):
-                    weights_at = g * span
-                    if whole_first:
-                        _partial_block(wide, g * per_block, scores, weights_at, values, value_offsets[0],
-                                       start - span_start, ctx - span_start, head_size, block_size)
-                    if whole_last > whole_first:
-                        weighted_sum(wide, g * per_block, scores, weights_at + whole_first * block_size, block_size,
-                                     block_size, values, 0, value_offsets[whole_first:whole_last],
-                                     whole_last - whole_first, per_block)
-                    if whole_last < n and whole_last >= whole_first:
-                        b = whole_last
-                        _partial_block(wide, g * per_block, scores, weights_at + b * block_size, values,
-                                       value_offsets[b], start - span_start - b * block_size,
-                                       ctx - span_start - b * block_size, head_size, block_size)
+                if whole_last > whole_first:
+                    # 64 lanes of every whole block at a time, for each query head in turn: those lanes of the
+                    # span's blocks (~4 KiB for 16 blocks) are read again from L1 by the group's other heads.
+                    whole = value_offsets[whole_first:whole_last]
+                    for i in range(0, per_block, _LANES):
+                        # Lanes i.. hold slots i % BS.. of a value row (no wrap inside 64 lanes: BS divides 64 or
+                        # 64 divides BS).
+                        lanes_i, slot_i = min(_LANES, per_block - i), i % block_size
+                        for g in range(group):
+                            weighted_sum(wide, g * per_block + i, scores,
+                                         g * span + whole_first * block_size + slot_i, block_size, block_size,
+                                         values, i, whole, whole_last - whole_first, lanes_i)
+                for b in range(n):
+                    if whole_first <= b < whole_last:
+                        continue
+                    # A partly used block: its slots outside the context may hold anything (NaN in tests), and a
+                    # weight of 0 times NaN would still be NaN, so they are zeroed in a copy first.
+                    lo, hi = valid_lo - b * block_size, valid_hi - b * block_size
+                    _used_slots(values, value_offsets[b], lo, hi, head_size, block_size, partial)
+                    for g in range(group):
+                        weighted_sum(wide, g * per_block, scores, g * span + b * block_size, block_size,
+                                     block_size, partial, 0, zero_offset, 1, per_block)
             for g in range(group):
                 # An empty context accumulated nothing: its output is defined as zeros.
                 inverse = np.float32(1.0) / denominator[g] if denominator[g] > 0 else np.float32(0.0)

@@ -97,6 +97,19 @@ def test_paged_attention_long_contexts(paged: PagedAttentionFn, cfg: tuple, feat
 
 
 @for_each_decode_kernel
+@pytest.mark.parametrize("cfg", [(torch.float32, 6, 2, 64, 8), (torch.bfloat16, 4, 1, 64, 16)], ids=config_id)
+@pytest.mark.parametrize("feature", [(False, None), (True, 300), (False, 21)], ids=feature_id)
+def test_paged_attention_ignores_stale_slots(paged: PagedAttentionFn, cfg: tuple, feature: tuple) -> None:
+    # Slots past the context and before the window hold what a reused block left there (large finite keys
+    # and values): none may weigh in. Contexts end inside a block, on a block's edge, inside a later span.
+    block_size = cfg[4]
+    context_lens = [block_size + 3, 2 * block_size, 33 * block_size + 5, 5]
+    seed = stable_seed(config_id(cfg), feature_id(feature), "stale")
+    err = kernel_cases.run_paged(paged, cfg, context_lens, *feature, seed=seed, stale=True)
+    assert err < TOLERANCE[cfg[0]]
+
+
+@for_each_decode_kernel
 @pytest.mark.parametrize("unused_entry", [0, -1])
 def test_paged_attention_ignores_unused_block_table_entries(paged: PagedAttentionFn, unused_entry: int) -> None:
     cfg = (torch.float32, 8, 2, 64, 16)
