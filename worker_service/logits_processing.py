@@ -51,21 +51,66 @@ def apply_penalties(
     return logits - presence.unsqueeze(1) * output_mask.to(logits.dtype)
 
 
+# How many of a row's most likely tokens apply_top_k_top_p takes first, then for the rows left undecided:
+# a nucleus of top_p <= 0.95 usually closes well inside the first; a row whose nucleus is wider than the
+# last (a flat distribution) is sorted whole.
+CANDIDATE_COUNTS = (256, 4096)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Masks logits outside each row's top-k and then nucleus (top-p) sets with -inf.
 
     top_k <= 0 keeps every token. The nucleus is taken on the distribution
-    renormalised over the top-k, as vLLM does.
+    renormalised over the top-k, as vLLM does. A row is decided on its most
+    likely tokens (CANDIDATE_COUNTS, or its whole top-k if larger) when its
+    top-k or nucleus ends among them, and sorted whole otherwise: sorting 64
+    rows of a 49k vocabulary took 170 ms on a 2-core CPU, their top 256 9 ms.
     """
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-    mask = ranks >= k
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    filtered = (k < vocab) | (top_p < 1.0)
+    out = torch.where(filtered.unsqueeze(1), torch.full_like(logits, float("-inf")), logits)
+    rows = filtered.nonzero().squeeze(1)
+    for candidates in CANDIDATE_COUNTS:
+        if not rows.numel():
+            return out
+        count = max(candidates, int(k[rows].masked_fill(k[rows] >= vocab, 0).max()))
+        if count >= vocab // 2:
+            break
+        values, order, decided = _top_candidates(logits[rows], k[rows], top_p[rows], count)
+        out[rows[decided]] = out[rows[decided]].scatter_(-1, order[decided], values[decided])
+        rows = rows[~decided]
+    if rows.numel():
+        out[rows] = _top_k_top_p_sorted(logits[rows], k[rows], top_p[rows])
+    return out
+
+
+def _top_candidates(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                    count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ``count`` most likely tokens ``(logits masked to the row's top-k and nucleus, their ids)``,
+    and whether that decides the row (its top-k or its nucleus ends among them)."""
+    values, order = logits.topk(count, dim=-1)  # most likely first
+    in_top_k = torch.arange(count, device=logits.device) < k.unsqueeze(1)
+    weights = (values - values[:, :1]).exp().masked_fill(~in_top_k, 0.0)
+    # The renormaliser: over the top-k where it lies among the candidates, else over the whole row.
+    whole_row = (logits - values[:, :1]).exp().sum(dim=-1)
+    probs = weights / torch.where(k <= count, weights.sum(dim=-1), whole_row).unsqueeze(1)
+    mass = probs.cumsum(dim=-1)
+    # Keep a token when the mass strictly before it is below top_p (so the top token always stays); top_p = 1
+    # keeps the whole top-k, even where rounding brings the mass before its last tokens to 1.
+    keep = in_top_k & ((mass - probs < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1))
+    decided = (k <= count) | (mass[:, -1] >= top_p)
+    return values.masked_fill(~keep, float("-inf")), order, decided
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p over the whole sorted rows (``k``: each row's top-k, the vocabulary size for none)."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
+    mask = ranks >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    # Keep a token when the mass strictly before it is below top_p (so the top token always stays).
     mass_before = probs.cumsum(dim=-1) - probs
-    mask |= mass_before >= top_p.unsqueeze(1)
+    mask |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 

@@ -43,7 +43,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _row_keys(seeds: list[int], positions: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def row_keys(seeds: list[int], positions: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Two 32-bit words per row, each mixing all 96 bits of (64-bit seed, 32-bit position)."""
     lo = torch.tensor([s & _MASK32 for s in seeds], dtype=torch.int64, device=device)
     hi = torch.tensor([(s >> 32) & _MASK32 for s in seeds], dtype=torch.int64, device=device)
@@ -56,11 +56,12 @@ def _row_keys(seeds: list[int], positions: list[int], device: torch.device) -> t
 def seeded_exponentials(seeds: list[int], positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """[rows, vocab] float32 Exp(1) noise; row i is a function of (seeds[i], positions[i]) only.
 
-    Seeds are any non-negative integers below 2**64. Each entry hashes (row key, token id)
-    to 32 bits u and returns -log(u) (u in (0, 1), computed in float64 so it is never 0 or inf).
+    Seeds are any non-negative integers below 2**64. Each entry hashes (row key, token id) to a
+    32-bit word x and returns -log(u) for u = (2 (x >> 9) + 1) / 2^24: exact in float32, never 0 or 1,
+    and the same u as the CPU sampler's compiled race (_numba_race.py) draws.
     """
-    a, b = _row_keys(seeds, positions, device)
+    a, b = row_keys(seeds, positions, device)
     tokens = torch.arange(vocab, dtype=torch.int64, device=device)
     x = _hash32(_hash32(tokens.unsqueeze(0) ^ a.unsqueeze(1)) ^ b.unsqueeze(1))
-    uniform = (x.double() + 0.5) / 4294967296.0
+    uniform = (2 * (x >> 9) + 1).double() / float(1 << 24)
     return (-uniform.log()).float()

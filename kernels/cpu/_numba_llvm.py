@@ -1,7 +1,7 @@
 """Machine operations Numba's CPU target does not expose, written as LLVM intrinsics.
 
-- :func:`float_from_bits`: reinterpret an int32 as the float32 with the same bits (a
-  register move; ``np.int32(...).view(np.float32)`` is not supported on scalars).
+- :func:`float_from_bits` / :func:`bits_from_float`: reinterpret an int32 as the float32 with the
+  same bits and back (a register move; ``np.int32(...).view(np.float32)`` is not supported on scalars).
 - :func:`fetch_add`: an atomic ``counter[0] += 1`` that returns the old value, the
   shared work queue of a ``prange`` whose items differ widely in cost (Numba's own
   ``parallel_chunksize`` still hands each thread a fixed, contiguous share).
@@ -15,7 +15,7 @@
 - :func:`row_sums`: the sums of 8 or 16 consecutive rows at a time as one transpose-and-add tree of
   vector shuffles (the decode kernel's last reduction over a block's slots).
 
-The first two compile to one instruction each; all are cacheable (``cache=True`` callers).
+The first three compile to one instruction each; all are cacheable (``cache=True`` callers).
 """
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ def float_from_bits(typingctx: object, bits: types.Type) -> tuple:
 
     def codegen(context: object, builder: ir.IRBuilder, sig: object, args: list) -> ir.Value:
         return builder.bitcast(args[0], ir.FloatType())
+
+    return signature, codegen
+
+
+@intrinsic
+def bits_from_float(typingctx: object, value: types.Type) -> tuple:
+    """The int32 holding the IEEE bits of the float32 ``value`` (the inverse of ``float_from_bits``)."""
+    signature = types.int32(types.float32)
+
+    def codegen(context: object, builder: ir.IRBuilder, sig: object, args: list) -> ir.Value:
+        return builder.bitcast(args[0], ir.IntType(32))
 
     return signature, codegen
 

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from worker_service import logits_processing
 from worker_service.logits_processing import (
     apply_min_p,
     apply_penalties,
@@ -43,9 +44,12 @@ def kept(row: torch.Tensor) -> set[int]:
 
 
 def reference_top_k_top_p(row: list[float], top_k: int, top_p: float) -> set[int]:
-    """Top-k by logit, then the smallest prefix of the renormalised top-k whose mass reaches top_p."""
+    """Top-k by logit, then the smallest prefix of the renormalised top-k whose mass reaches top_p (top_p = 1:
+    the whole top-k)."""
     order = sorted(range(len(row)), key=lambda i: -row[i])
     candidates = order[:top_k] if top_k > 0 else order
+    if top_p >= 1.0:
+        return set(candidates)
     probs = softmax([row[i] for i in candidates])
     keep, mass = set(), 0.0
     for token, p in zip(candidates, probs):
@@ -82,6 +86,44 @@ def test_top_k_top_p_keep_the_reference_sets(rng: random.Random) -> None:
         assert kept(out[i]) == reference_top_k_top_p(logits[i].tolist(), top_k[i], top_p[i]), (top_k[i], top_p[i])
         # Kept tokens keep their logits: renormalising is the softmax's job.
         assert all(out[i, t] == logits[i, t] for t in kept(out[i]))
+
+
+def test_top_k_top_p_on_a_large_vocabulary_decide_rows_on_their_most_likely_tokens(
+    rng: random.Random, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows peaked enough that their nucleus closes among the first 256 candidates, wider ones among 4096, flat
+    # ones only over the whole sorted row; top-k both below and above the candidate counts.
+    vocab = 12_000
+    spreads = [9.0, 5.0, 3.0, 2.0, 1.5, 1.0, 0.3]
+    cases = [(spread, k, p) for spread in spreads for k, p in [(0, 0.9), (0, 0.5), (300, 0.95), (2000, 0.99),
+                                                              (3, 1.0), (0, 1.0)]]
+    logits = torch.tensor([[rng.gauss(0.0, spread) for _ in range(vocab)] for spread, _, _ in cases],
+                          dtype=torch.float64)
+    top_k = torch.tensor([k for _, k, _ in cases])
+    top_p = torch.tensor([p for _, _, p in cases], dtype=torch.float64)
+    sorted_rows, candidate_calls = [], []
+    whole, candidates = logits_processing._top_k_top_p_sorted, logits_processing._top_candidates
+
+    def spy_sorted(rows: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        sorted_rows.append(rows.shape[0])
+        return whole(rows, *args)
+
+    def spy_candidates(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor, count: int) -> tuple:
+        values, order, decided = candidates(rows, k, p, count)
+        candidate_calls.append((count, int(decided.sum())))
+        return values, order, decided
+
+    monkeypatch.setattr(logits_processing, "_top_k_top_p_sorted", spy_sorted)
+    monkeypatch.setattr(logits_processing, "_top_candidates", spy_candidates)
+    out = apply_top_k_top_p(logits, top_k, top_p)
+    for i, (_, k, p) in enumerate(cases):
+        row = logits[i].tolist()
+        assert kept(out[i]) == reference_top_k_top_p(row, k, p), cases[i]
+        assert all(out[i, t] == logits[i, t] for t in kept(out[i]))
+    # Each way of deciding a row was taken: the first candidates, the wider ones, the whole sort.
+    assert candidate_calls[0][0] == 2000 and candidate_calls[0][1] > 0
+    assert len(candidate_calls) == 2 and candidate_calls[1][1] > 0
+    assert sum(sorted_rows) > 0
 
 
 def test_min_p_keeps_the_reference_sets(rng: random.Random) -> None:

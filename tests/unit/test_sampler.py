@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared.sampling_params import SamplingParams
+from worker_service import sampler as sampler_module
 from worker_service.grammar_masks import TokenMasks
 from worker_service.sampler import SamplerOutput, sample
 
@@ -74,6 +75,14 @@ def frequencies(token_ids: list[int], vocab: int = VOCAB) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _seed_global_rng() -> None:
     torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def race(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the CPU's compiled exponential race and with torch's ops (a GPU's path)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module, "_compiled_race_for", lambda logits: False)
+    return str(request.param)
 
 
 # -- greedy ------------------------------------------------------------------------------
@@ -384,6 +393,19 @@ def test_seeded_rows_with_every_knob_match_alone_and_in_a_mixed_batch() -> None:
 
 
 # -- seeded noise ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("race", ["compiled"], indirect=True)
+def test_compiled_and_torch_races_draw_the_same_seeded_tokens(race: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both paths hash (seed, position, token) into the same noise: a seeded request samples the same
+    # tokens on a CPU worker and a GPU one, barring near-ties of p / E (none in random logits of this size).
+    logits = torch.randn(48, 3000) * 2
+    params = [SamplingParams(temperature=0.5 + 0.02 * i, seed=1000 + i) for i in range(48)]
+    histories = at(list(range(48)))
+    compiled = sample(logits, params, histories).token_ids
+    monkeypatch.setattr(sampler_module, "_compiled_race_for", lambda logits: False)
+    assert sample(logits, params, histories).token_ids == compiled
+    assert len(set(compiled)) > 20
 
 
 def test_seeded_noise_is_exponential_and_depends_only_on_seed_and_position() -> None:
