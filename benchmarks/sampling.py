@@ -12,7 +12,6 @@ top-k / top-p. Rounds alternate the two so that a machine's drift hits both; med
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.run_info import run_info
+from benchmarks.run_info import run_info, write_results
 from shared.default_model import prepare_default_model
 from shared.sampling_params import SamplingParams
 from worker_service import logits_processing, sampler
@@ -117,9 +116,7 @@ def main() -> None:
                         f"medians of {args.rounds} alternating rounds of 5 steps."),
         "rows": rows,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output}")
+    write_results(args.output, result)
 
 
 if __name__ == "__main__":

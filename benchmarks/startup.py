@@ -12,7 +12,6 @@ kernel cache; the ones after it are what a machine that has served once sees.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.run_info import run_info
+from benchmarks.run_info import run_info, write_results
 from shared.default_model import prepare_default_model
 from shared.redis_server import free_port
 from shared.startup_timer import StartupReport, parse_summary
@@ -79,9 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                        "(its `llmserve up: serving after` line).",
         "starts": starts,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output}")
+    write_results(args.output, result)
 
 
 if __name__ == "__main__":
