@@ -156,13 +156,15 @@ def run_context(
     sliding_window: int | None,
     seed: int,
     dense: bool = False,
+    stale: bool = False,
 ) -> float:
     """Prefill attention of ``kernel`` on a fresh case; ``seqs``: (seq_len, q_len) per sequence, the
-    q_len newest positions being the queries. Returns the relative error. ``dense`` as for run_paged."""
+    q_len newest positions being the queries. Returns the relative error. ``dense`` and ``stale`` as for
+    run_paged."""
     dtype, num_heads, num_kv_heads, head_size, block_size = cfg
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [n for n, _ in seqs]
-    cache = PagedCache(seq_lens, num_kv_heads, head_size, block_size, dtype, gen, dense=dense)
+    cache = PagedCache(seq_lens, num_kv_heads, head_size, block_size, dtype, gen, dense=dense, stale=stale)
     starts = [0]
     for _, q_len in seqs:
         starts.append(starts[-1] + q_len)

@@ -17,7 +17,7 @@ and values are read where they lie in the cache (a bf16 block widened into a scr
     acc[d, r]    += sum_o values[d, o] * weights[o, r]          (value block [D, BS])
 
 Both products run as register tiles (``gemm_tile``): 4 slots (or dims) by up to 64 rows
-held in registers over the whole sum, one broadcast element of the block against four
+(16 without AVX-512) held in registers over the whole sum, one broadcast element of the block against four
 loaded row vectors per step. Written as loops over the rows, every step loaded and
 stored its accumulators: measured on 2 cores, 8 prompts of 192 tokens (SmolLM2's
 heads), 2.42 ms per layer that way and 1.75 ms this way, with the same results to the bit.
@@ -25,6 +25,7 @@ heads), 2.42 ms per layer that way and 1.75 ms this way, with the same results t
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 
@@ -41,6 +42,12 @@ _ROWS = 96
 # Rows are padded to whole eight-lane vectors (padding rows have a zero query): a loop's
 # remainder runs scalar.
 _ROW_STEP = 8
+
+# Register tiles of 4 rows x 64 columns (16 vectors of 16 float32) fit AVX-512's 32 vector registers; on
+# AVX2's 16 registers of 8 float32 they spill to the stack at every step, and 4 x 16 columns run faster:
+# 8 prompts of 256 tokens, SmolLM2's heads, 2 cores of a Zen 1: 24 ms per layer with the wide tiles, 16 without.
+# (A global: Numba compiles it in as a constant, and its cache is kept per host CPU.)
+_WIDE_TILES = bool(llvm.get_host_cpu_features().get("avx512f", False))
 
 # How far (in log space) a score may exceed its row's reference maximum before the
 # accumulators are rescaled (see _softmax_block): weights stay below e^8 ~ 3000.
@@ -123,13 +130,14 @@ def _rows_times(out: np.ndarray, out_at: int, out_ld: int, a: np.ndarray, a_at: 
 def _tiles(out: np.ndarray, out_at: int, out_ld: int, a: np.ndarray, a_at: int, a_ld: int, a_group: int,
            a_group_ld: int, b: np.ndarray, depth: int, width: int) -> None:
     r = 0
-    while r + 64 <= width:
-        gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 4, 16)
-        r += 64
-    if r + 32 <= width:
-        gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 2, 16)
-        r += 32
-    if r + 16 <= width:
+    if _WIDE_TILES:
+        while r + 64 <= width:
+            gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 4, 16)
+            r += 64
+        if r + 32 <= width:
+            gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 2, 16)
+            r += 32
+    while r + 16 <= width:
         gemm_tile(out, out_at + r, out_ld, a, a_at, a_ld, a_group, a_group_ld, b, r, width, depth, 4, 1, 16)
         r += 16
     if r + 8 <= width:

@@ -199,6 +199,18 @@ def test_context_attention_matches_reference(context: ContextAttentionFn, cfg: t
     assert err < TOLERANCE[cfg[0]]
 
 
+@for_each_context_kernel
+@pytest.mark.parametrize("feature", CONTEXT_FEATURES, ids=feature_id)
+@pytest.mark.parametrize("cfg", [(torch.float32, 6, 2, 64, 8), (torch.bfloat16, 4, 1, 64, 16)], ids=config_id)
+def test_context_attention_ignores_stale_slots(context: ContextAttentionFn, cfg: tuple, feature: tuple) -> None:
+    # As for decode: slots past each sequence hold a reused block's large finite keys and values.
+    block_size = cfg[4]
+    seqs = [(block_size + 3, block_size + 3), (2 * block_size + 5, 6), (9, 1), (40 * block_size + 7, 100)]
+    seed = stable_seed("ctx-stale", config_id(cfg), feature_id(feature))
+    err = kernel_cases.run_context(context, cfg, seqs, *feature, seed=seed, stale=True)
+    assert err < TOLERANCE[cfg[0]]
+
+
 @pytest.mark.parametrize("budget", [1, 300])
 @pytest.mark.parametrize("feature", CONTEXT_FEATURES, ids=feature_id)
 def test_context_attention_query_tiles(monkeypatch: pytest.MonkeyPatch, budget: int, feature: tuple) -> None:
