@@ -20,6 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from llmserve.kernels.cpu._numba_decode import max_of
 from llmserve.kernels.cpu._numba_exp import exp_f32, log_f32
 
 _U32 = np.uint32
@@ -42,15 +43,6 @@ def _hash32(x: np.uint32) -> np.uint32:
     return x ^ (x >> _U32(16))
 
 
-@numba.njit(fastmath={"reassoc", "nnan"}, cache=True)
-def _largest(values: np.ndarray) -> np.float32:
-    """``max(values)``, vectorized (a NaN in a row of logits gives an arbitrary token, not a fault)."""
-    largest = np.float32(-np.inf)
-    for i in range(values.shape[0]):
-        largest = max(largest, values[i])
-    return largest
-
-
 # error_model="numpy": a float division is IEEE's, not Python's (whose zero check kept the loop scalar).
 @numba.njit(_SIGNATURE, parallel=True, fastmath={"contract"}, error_model="numpy", cache=True, nogil=True)
 def race_tokens(logits: np.ndarray, inverse_temperature: np.ndarray, key_a: np.ndarray, key_b: np.ndarray,
@@ -63,7 +55,7 @@ def race_tokens(logits: np.ndarray, inverse_temperature: np.ndarray, key_a: np.n
     rows, vocab = logits.shape
     for r in numba.prange(rows):
         row = logits[r]
-        largest = _largest(row)
+        largest = max_of(row, 0, vocab)
         scale = inverse_temperature[r]
         a, b = key_a[r], key_b[r]
         ratios = np.empty(vocab, dtype=np.float32)
@@ -72,7 +64,7 @@ def race_tokens(logits: np.ndarray, inverse_temperature: np.ndarray, key_a: np.n
             k = np.int32(_hash32(_hash32(_U32(i) ^ a) ^ b) >> _U32(9))
             noise = -log_f32(np.float32(k * np.int32(2) + np.int32(1)) * _INV_2_24)
             ratios[i] = exp_f32((row[i] - largest) * scale) / noise
-        best = _largest(ratios)
+        best = max_of(ratios, 0, vocab)
         chosen = 0
         for i in range(vocab):
             if ratios[i] == best:

@@ -74,11 +74,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     for candidates in CANDIDATE_COUNTS:
         if not rows.numel():
             return out
-        count = max(candidates, int(k[rows].masked_fill(k[rows] >= vocab, 0).max()))
+        rows_k = k[rows]
+        count = max(candidates, int(rows_k.masked_fill(rows_k >= vocab, 0).max()))
         if count >= vocab // 2:
             break
-        values, order, decided = _top_candidates(logits[rows], k[rows], top_p[rows], count)
-        out[rows[decided]] = out[rows[decided]].scatter_(-1, order[decided], values[decided])
+        values, order, decided = _top_candidates(logits[rows], rows_k, top_p[rows], count)
+        kept = torch.full((int(decided.sum()), vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
+        out[rows[decided]] = kept.scatter_(-1, order[decided], values[decided])
         rows = rows[~decided]
     if rows.numel():
         out[rows] = _top_k_top_p_sorted(logits[rows], k[rows], top_p[rows])

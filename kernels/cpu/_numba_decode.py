@@ -110,8 +110,11 @@ def _sum(values: np.ndarray, at: int, n: int) -> np.float32:
 
 
 @numba.njit(fastmath={"reassoc", "nnan"}, cache=True)
-def _max(values: np.ndarray, at: int, n: int) -> np.float32:
-    """``max(values[at:at + n])``; the scores it reads are masked (-inf), never NaN, which lets it vectorize."""
+def max_of(values: np.ndarray, at: int, n: int) -> np.float32:
+    """``max(values[at:at + n])``, vectorized: it assumes no NaN (a NaN gives an arbitrary value, not a fault).
+
+    Here the scores it reads are masked with -inf, never NaN; the CPU sampler's race takes it for its rows too.
+    """
     row = values[at:at + n]
     largest = np.float32(-np.inf)
     for j in range(row.shape[0]):
@@ -272,7 +275,7 @@ def decode_attention(
                         # Distance to the query (the last position): <= 0.
                         _add_alibi(scores, base, slots, slopes[h * group + g], span_start - (ctx - 1))
                     _mask_outside(scores, base, slots, valid_lo, valid_hi)
-                    span_max = _max(scores, base, slots)
+                    span_max = max_of(scores, base, slots)
                     # Online softmax across spans: rescale what earlier spans accumulated under a smaller maximum.
                     if span_max > running_max[g]:
                         if running_max[g] > -np.inf:
@@ -283,8 +286,8 @@ def decode_attention(
                         running_max[g] = span_max
                     _exp_shifted(scores, base, slots, running_max[g])
                     denominator[g] += _sum(scores, base, slots)
-                # The weighted values, in block order: a partly used first block (under a window), the whole
-                # blocks (each read once for all query heads, in registers), a partly used last block.
+                # The weighted values: the whole blocks (64 lanes of them in registers at a time), then a partly
+                # used first block (under a window) and a partly used last one.
                 whole_first = 1 if start > span_start else 0  # the window starts inside the first block
                 whole_last = n - 1 if ctx < span_start + slots else n  # the context ends inside the last one
                 if whole_last > whole_first:
