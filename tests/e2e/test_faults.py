@@ -131,8 +131,7 @@ def run_with_fault(cluster: ManifestCluster, tiny_llama_dir: Path, fault: str, i
             c.close()
     reference = HFReference(str(tiny_llama_dir))
     lost = 0
-    for t in tracked:
-        expected = reference.greedy(t.prompt, max_new, stop_at_eos=False)
+    for t, expected in zip(tracked, reference.greedy_many([t.prompt for t in tracked], max_new, stop_at_eos=False)):
         cmp = compare_greedy(t.tokens, expected)
         assert t.error == "" and t.finish_reason == "FINISH_REASON_LENGTH", (fault, t.error, t.finish_reason)
         assert cmp.matched, (fault, cmp.detail)

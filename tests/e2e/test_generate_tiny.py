@@ -69,11 +69,10 @@ def test_concurrent_greedy_matches_transformers(cluster: LocalCluster, reference
     requests = [make_request(prompt_token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True) for p in prompts]
     results = generate_all(cluster.address, requests)
     near_ties = []
-    for prompt, result in zip(prompts, results):
+    for prompt, result, ref in zip(prompts, results, reference.greedy_many(prompts, MAX_NEW, stop_at_eos=False)):
         assert result.error == ""
         assert result.finish_reason == "FINISH_REASON_LENGTH"
         assert result.prompt_tokens == len(prompt) and result.completion_tokens == MAX_NEW
-        ref = reference.greedy(prompt, MAX_NEW, stop_at_eos=False)
         cmp = compare_greedy(result.token_ids, ref)
         assert cmp.matched, f"prompt of {len(prompt)} tokens: {cmp.detail}"
         if cmp.near_tie_at is not None:

@@ -92,10 +92,10 @@ def test_a_new_scheduler_continues_from_redis(cluster: LocalCluster, tiny_llama_
         time.sleep(0.2)
 
     reference = HFReference(str(tiny_llama_dir))
-    for rid, prompt in zip(ids, prompts):
+    for rid, expected in zip(ids, reference.greedy_many(prompts, MAX_NEW, stop_at_eos=False)):
         tokens, _ = _stream_tokens(rds, rid)
         assert len(tokens) == MAX_NEW, (rid, partial[rid], len(tokens))
-        cmp = compare_greedy(tokens, reference.greedy(prompt, MAX_NEW, stop_at_eos=False))
+        cmp = compare_greedy(tokens, expected)
         assert cmp.matched, f"{rid} (had {partial[rid]} tokens at the kill): {cmp.detail}"
     rds.close()
     assert_all_blocks_free(cluster)

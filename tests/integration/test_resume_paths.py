@@ -239,8 +239,7 @@ def test_a_new_owner_continues_wherever_the_old_one_stopped(
     outputs, recomputed, _ = asyncio.run(main())
     assert recomputed == 0
     reference = HFReference(str(tiny_llama_dir))
-    for i, prompt in enumerate(PROMPTS):
-        expected = reference.greedy(prompt, MAX_NEW, stop_at_eos=False)
+    for i, expected in enumerate(reference.greedy_many(PROMPTS, MAX_NEW, stop_at_eos=False)):
         streams = outputs[f"r{i}"]
         assert sorted(streams) == ([0, 1] if i == 2 else [0])
         for index, tokens in streams.items():
