@@ -79,4 +79,7 @@ def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> 
     for (_, mine), (_, theirs) in zip(in_process, services):
         assert [(t, text, reason) for t, text, reason, _ in mine] == [(t, text, reason) for t, text, reason, _ in theirs]
         for (*_, lp_mine), (*_, lp_theirs) in zip(mine, theirs):
-            assert lp_mine == pytest.approx(lp_theirs, abs=1e-5)
+            # The two engines batch the requests differently (the services' steps depend on arrival timing), so
+            # the float32 GEMMs round differently: on this tiny model's large logits that moves a log-probability
+            # by up to ~1e-4 (2.1e-5 seen here in a loaded run; 9.5e-5 between batched and single transformers).
+            assert lp_mine == pytest.approx(lp_theirs, abs=1e-4)
