@@ -26,6 +26,18 @@ def _load(model_dir: str, attn_implementation: str, dtype: torch.dtype) -> torch
     return model
 
 
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[len(prompts), longest]``, each prompt right-aligned after ``pad``s, as
+    `generate` takes a batch of a decoder-only model."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
 def _greedy_config(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
     # ignore_eos as in llmserve's runs: no EOS, every request generates exactly its length.
     return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
@@ -41,12 +53,7 @@ def run_static_batching(model_dir: str, requests: list[BenchRequest], batch_size
     with torch.inference_mode():
         for first in tqdm(range(0, len(requests), batch_size), desc="hf static", unit="batch", leave=False):
             batch = requests[first : first + batch_size]
-            width = max(len(r.prompt_token_ids) for r in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, r in enumerate(batch):
-                ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-                mask[row, width - len(r.prompt_token_ids):] = 1
+            ids, mask = left_padded([r.prompt_token_ids for r in batch], pad)
             model.generate(ids, attention_mask=mask,
                            generation_config=_greedy_config(max(r.output_len for r in batch), pad))
     duration = time.perf_counter() - start

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks.hf_baselines import left_padded
+
 NEAR_TIE = 1e-4
 
 
@@ -33,18 +35,9 @@ class HFReference:
         self.model.eval()
         self.device = torch.device(device)
 
-    @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Reference:
-        kwargs = {} if stop_at_eos else {"eos_token_id": None}
-        out = self.model.generate(
-            torch.tensor([prompt_ids], device=self.device),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=self.device),
-            max_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
-            pad_token_id=self.model.config.eos_token_id, **kwargs,
-        )
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
-        logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1).cpu()
-        return Reference(tokens, logprobs)
+        """One prompt in its own `generate` call: a batch of one has no padding."""
+        return self.greedy_many([prompt_ids], max_new_tokens, stop_at_eos)[0]
 
     @torch.inference_mode()
     def greedy_many(self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
@@ -57,28 +50,25 @@ class HFReference:
         differ from greedy()'s only where two tokens are within rounding of each other, a divergence
         compare_greedy accepts as a near-tie. Tests that compare log-probabilities keep greedy().
         """
-        pad = self.model.config.eos_token_id  # as greedy()'s pad_token_id
+        pad = self.model.config.eos_token_id  # `generate`'s pad_token_id (None or a list where the config has it)
+        # What fills a short prompt's left: masked out, never attended to.
+        fill = (pad[0] if isinstance(pad, list) else pad) or 0
         # The tokens `generate` stops a row at (its generation config's), where it stops at all.
         stops = self.model.generation_config.eos_token_id if stop_at_eos else None
-        eos_ids = set(stops if isinstance(stops, list) else [] if stops is None else [stops])
+        eos_ids = set(stops) if isinstance(stops, list) else {stops} - {None}
         # Prompts of similar lengths share a batch: less padding to prefill.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         references: dict[int, Reference] = {}
         for first in range(0, len(order), batch_size):
             indices = order[first:first + batch_size]
-            batch = [prompts[i] for i in indices]
-            width = max(len(p) for p in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, prompt in enumerate(batch):
-                ids[row, width - len(prompt):] = torch.tensor(prompt)
-                mask[row, width - len(prompt):] = 1
+            ids, mask = left_padded([prompts[i] for i in indices], fill)
+            width = ids.shape[1]
             kwargs = {} if stop_at_eos else {"eos_token_id": None}
             out = self.model.generate(
                 ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new_tokens,
                 do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=pad, **kwargs,
             )
-            for row in range(len(batch)):
+            for row in range(len(indices)):
                 tokens = out.sequences[row, width:].tolist()
                 # A row that stopped is padded while the others go on: keep up to its own stop token.
                 end = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
