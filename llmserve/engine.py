@@ -16,15 +16,13 @@ from __future__ import annotations
 import itertools
 import time
 
-from transformers import AutoTokenizer
-
 from protos import generation_pb2
 from scheduler_service.admission import Admission, ModelLimits, to_record
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner, build_step
 from scheduler_service.scheduling import SchedulingFlags, scheduler_for
 from scheduler_service.store_types import StepCommit
-from shared.checkpoint import pretrained_source
+from shared.tokenizer_loading import load_tokenizer
 from worker_service.config import WorkerConfig
 from worker_service.model_runner import ModelRunner
 from worker_service.plan import plan_from_proto
@@ -42,8 +40,7 @@ class InProcessEngine:
         self._runner = ModelRunner(worker)
         desc = describe_runner(self._runner, worker.model, WORKER_ID, 0)
         self._scheduler = scheduler_for(flags, desc)
-        source, kwargs = pretrained_source(worker.model)
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        tokenizer = load_tokenizer(worker.model)
         self._admission = Admission(tokenizer, ModelLimits(
             max_model_len=self._scheduler.scheduler_config.max_model_len, vocab_size=desc.vocab_size,
             max_num_seqs=flags.max_num_seqs,

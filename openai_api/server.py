@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -19,6 +18,7 @@ from openai_api.engine_client import EngineClient
 from openai_api.logprobs import TokenNamer
 from openai_api.routes import FrontState, build_app
 from shared.tls import ClientTLS
+from shared.tokenizer_loading import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +59,12 @@ class FrontConfig:
             self.served_model_names = [name or "llmserve"]
 
 
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer  # noqa: PLC0415 - only when logprob names are wanted
-
-    from shared.checkpoint import pretrained_source  # noqa: PLC0415
-
-    source, kwargs = pretrained_source(path)
-    return AutoTokenizer.from_pretrained(source, **kwargs)
-
-
 def make_app(config: FrontConfig) -> FastAPI:
     """The app with a lifespan that connects to the scheduler (and loads the tokenizer) at startup."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer) if config.tokenizer else None
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer) if config.tokenizer else None
         engine = EngineClient(config.scheduler, config.scheduler_tls, config.auth_token)
         app.state.front = FrontState(engine, TokenNamer(tokenizer), config.served_model_names,
                                      config.tokenizer or None, int(time.time()))

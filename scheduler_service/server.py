@@ -21,8 +21,6 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from protos import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from scheduler_service.admission import Admission, ModelLimits
 from scheduler_service.config import SchedulerServiceConfig
@@ -38,12 +36,12 @@ from scheduler_service.supervisor import Supervisor
 from scheduler_service.store import QueueLimits, RedisStore
 from shared import grpc_server, redis_client
 from shared.auth import BearerTokenInterceptor
-from shared.checkpoint import pretrained_source
 from shared.health_probes import HealthReporter, watch_health
 from shared.metrics import MetricsServer, SchedulerMetrics
 from shared.registry_changes import RegistryChanges
 from shared.startup_timer import StartupReport, StartupTimer
 from shared.tls import bind, describe, open_channel
+from shared.tokenizer_loading import load_tokenizer
 from shared.tracing import TracingConfig, make_tracer
 from shared.worker_registry import WorkerEntry, WorkerRegistry
 
@@ -94,8 +92,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
     tasks = [asyncio.create_task(changes.run(stop), name="registry-changes")]
     try:
         with timer.phase("tokenizer"):
-            source, kwargs = pretrained_source(config.tokenizer)
-            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, source, **kwargs)
+            tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
         registry = WorkerRegistry(store.client)
         with timer.phase(WAITING_FOR_A_WORKER):
             entries = await wait_for_workers(registry, config.worker_connect_timeout_s, changes)

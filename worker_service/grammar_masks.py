@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from shared.sampling_params import SamplingParams
-from shared.checkpoint import pretrained_source
+from shared.tokenizer_loading import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +138,9 @@ class GrammarMasks:
             if self._tokenizer is None:
                 import llguidance  # noqa: PLC0415
                 import llguidance.hf  # noqa: PLC0415
-                from transformers import AutoTokenizer  # noqa: PLC0415
 
                 start = time.perf_counter()
-                source, kwargs = pretrained_source(self._model_path)
-                hf = AutoTokenizer.from_pretrained(source, **kwargs)
+                hf = load_tokenizer(self._model_path)
                 eos = self._eos_token_ids or None
                 self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self._vocab_size, eos_token=eos)
                 self._executor = llguidance.LLExecutor()
