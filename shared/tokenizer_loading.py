@@ -1,7 +1,7 @@
 """A checkpoint's tokenizer, as ``AutoTokenizer`` loads it, without importing torch where that is safe.
 
 ``AutoTokenizer.from_pretrained`` decides the tokenizer class from the model's config, and building
-that config imports torch: 3-5 s and ~240 MiB of a scheduler replica or the HTTP front, neither of
+that config imports torch: 3-5 s and ~300 MB of a scheduler replica or the HTTP front, neither of
 which runs a model. Most checkpoints of the families llmserve serves name ``TokenizersBackend`` (a
 plain ``tokenizer.json``) in their ``tokenizer_config.json``, and for their model types AutoTokenizer
 then returns exactly that class (tests/unit/test_tokenizer_loading.py checks the types below against
