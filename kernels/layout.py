@@ -134,7 +134,23 @@ def allocate_kv_cache(
     if pin_memory and dev.type != "cpu":
         raise ValueError(f"pin_memory=True requires a cpu device, got device={dev}")
     # Zeros, not empty: stale NaNs in never-written slots would otherwise leak
-    # through 0 * NaN in kernels that touch whole blocks.
-    key_caches = [torch.zeros(k_shape, dtype=dtype, device=dev, pin_memory=pin_memory) for _ in range(num_layers)]
-    value_caches = [torch.zeros(v_shape, dtype=dtype, device=dev, pin_memory=pin_memory) for _ in range(num_layers)]
-    return key_caches, value_caches
+    # through 0 * NaN in kernels that touch whole blocks. One allocation per kind, every layer a view of it:
+    # a kernel that runs all layers in one call takes the stack as one array (stacked_layers).
+    keys = torch.zeros((num_layers, *k_shape), dtype=dtype, device=dev, pin_memory=pin_memory)
+    values = torch.zeros((num_layers, *v_shape), dtype=dtype, device=dev, pin_memory=pin_memory)
+    return list(keys.unbind(0)), list(values.unbind(0))
+
+
+def stacked_layers(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[num_layers, ...]``: the per-layer caches as one tensor, when they are consecutive, equally shaped,
+    contiguous slices of one allocation (as ``allocate_kv_cache`` makes them); None otherwise."""
+    first = caches[0]
+    if not first.is_contiguous():
+        return None
+    step = first.numel() * first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    for i, cache in enumerate(caches):
+        if (cache.untyped_storage().data_ptr() != storage or cache.data_ptr() != first.data_ptr() + i * step
+                or cache.shape != first.shape or cache.dtype != first.dtype or not cache.is_contiguous()):
+            return None
+    return first.as_strided((len(caches), *first.shape), (first.numel(), *first.stride()))

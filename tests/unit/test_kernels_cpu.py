@@ -552,3 +552,20 @@ def test_import_reads_no_environment() -> None:
             n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
         }
         assert "environ" not in names and "getenv" not in names, path
+
+
+def test_allocated_layers_stack_into_one_tensor_and_others_do_not() -> None:
+    from llmserve.kernels.layout import stacked_layers
+
+    keys, values = kernels.allocate_kv_cache(3, 5, 2, 8, 4, torch.float32, "cpu")
+    for layers in (keys, values):
+        stack = stacked_layers(layers)
+        assert stack is not None and stack.shape == (3, *layers[0].shape)
+        layers[1].fill_(7.0)  # the stack is the same memory, layer by layer
+        assert torch.equal(stack[1], layers[1]) and not stack[0].eq(7.0).any() and not stack[2].eq(7.0).any()
+    # Separate allocations, another order, a missing layer, mixed shapes: not one run of one allocation.
+    assert stacked_layers([k.clone() for k in keys]) is None
+    assert stacked_layers([keys[1], keys[0], keys[2]]) is None
+    assert stacked_layers([keys[0], keys[2]]) is None
+    assert stacked_layers([values[0], values[0].view(keys[0].shape)]) is None
+    assert stacked_layers([keys[0]]) is not None

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numba
 import numpy as np
 import torch
 
 from llmserve.kernels.attention_checks import check_paged_attention_args
 from llmserve.kernels.cache_op_checks import check_reshape_and_cache_args
 from llmserve.kernels.cpu.numba_attention import kernel_threads
+from llmserve.kernels.layout import stacked_layers
 from worker_service.attention import AttentionMetadata
 from worker_service.models._numba_decode_step import decode_layers, gemv
 from worker_service.models.fused_ops import full_team
@@ -46,7 +46,7 @@ class FewRowDecode:
         self.num_layers = num_layers
         self._weights: dict[str, torch.Tensor] = {}
         self._biases: dict[str, torch.Tensor] = {}
-        self._caches: tuple[list[torch.Tensor], numba.typed.List, numba.typed.List] | None = None
+        self._caches: tuple[list[torch.Tensor], np.ndarray | None, np.ndarray | None] | None = None
 
     def hold(self, name: str, layer: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Copies layer ``layer``'s ``name`` projection into the stack; returns the stack's row (a view)."""
@@ -95,8 +95,11 @@ class FewRowDecode:
         if not 0 < tokens <= self.max_rows or attn.num_prefill_tokens or attn.num_decodes != tokens:
             return False
         key, value = attn.key_caches[0], attn.value_caches[0]
-        return (key.dtype == torch.float32 and value.dtype == torch.float32 and key.device.type == "cpu"
-                and key.dim() == 5 and key.is_contiguous() and value.is_contiguous())
+        if not (key.dtype == torch.float32 and value.dtype == torch.float32 and key.device.type == "cpu"
+                and key.dim() == 5):
+            return False
+        keys, values = self._numba_caches(attn)
+        return keys is not None and values is not None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of a step that ``covers`` accepted."""
@@ -131,12 +134,10 @@ class FewRowDecode:
                 attn.decode_context_lens.to(torch.int32).contiguous().numpy(),
                 attn.slot_mapping.to(torch.int64).contiguous().numpy())
 
-    def _numba_caches(self, attn: AttentionMetadata) -> tuple[numba.typed.List, numba.typed.List]:
-        # The cache engine's lists live as long as the worker: built once (a typed list costs ~10 us an item).
+    def _numba_caches(self, attn: AttentionMetadata) -> tuple[np.ndarray | None, np.ndarray | None]:
+        # The cache engine's caches live as long as the worker: looked at once (and again only if they change).
         if self._caches is None or self._caches[0] is not attn.key_caches:
-            keys, values = numba.typed.List(), numba.typed.List()
-            for key, value in zip(attn.key_caches, attn.value_caches, strict=True):
-                keys.append(key.numpy())
-                values.append(value.numpy())
-            self._caches = (attn.key_caches, keys, values)
+            keys, values = stacked_layers(attn.key_caches), stacked_layers(attn.value_caches)
+            self._caches = (attn.key_caches, None if keys is None else keys.numpy(),
+                            None if values is None else values.numpy())
         return self._caches[1], self._caches[2]
