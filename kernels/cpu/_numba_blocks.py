@@ -13,7 +13,11 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
+from llmserve.kernels.numba_cache import versioned_cache
 from llmserve.kernels.cpu._numba_llvm import fma_sum_lanes
+
+# Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
+versioned_cache()
 
 
 def as_float32(block: np.ndarray, bits: np.ndarray) -> np.ndarray:

@@ -20,7 +20,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from llmserve.kernels.numba_cache import versioned_cache
 from llmserve.kernels.cpu._numba_llvm import bits_from_float, float_from_bits
+
+# Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
+versioned_cache()
 
 # Below this exp underflows float32's normal range; the result is 0 (exactly, for -inf:
 # masked scores must weigh nothing).

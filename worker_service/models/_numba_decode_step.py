@@ -21,7 +21,11 @@ import numpy as np
 
 from llmserve.kernels.cpu._numba_decode import decode_attention
 from llmserve.kernels.cpu.numba_cache_ops import write_token
+from llmserve.kernels.numba_cache import versioned_cache
 from worker_service.models._numba_ops import add_rms_norm_serial, rms_norm_serial, rotary_serial, silu_and_mul_serial
+
+# Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
+versioned_cache()
 
 # Explicit signatures: importing this module compiles both functions, or loads them from Numba's cache
 # (cache=True), at the worker's start rather than in its first few-row step.

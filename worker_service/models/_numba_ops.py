@@ -22,7 +22,11 @@ from __future__ import annotations
 import math
 
 import numba
+from llmserve.kernels.numba_cache import versioned_cache
 import numpy as np
+
+# Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
+versioned_cache()
 
 _F32_2D = numba.float32[:, ::1]
 _F32_1D = numba.float32[::1]
