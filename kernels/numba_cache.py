@@ -17,29 +17,38 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 from pathlib import Path
 
 from numba.core import caching
 
-_ROOT = Path(__file__).resolve().parent.parent
-# Where the Numba sources live; only their files that import numba enter the digest.
-_SOURCE_DIRS = ("kernels", "worker_service")
+
+def _source_dirs() -> tuple[Path, ...]:
+    """The folders of the Numba sources: this package's, and worker_service's wherever it is installed (a
+    checkout puts both in one tree; an installed wheel puts this one under llmserve/)."""
+    spec = importlib.util.find_spec("worker_service")  # located, not imported
+    workers = () if spec is None or spec.origin is None else (Path(spec.origin).resolve().parent,)
+    return (Path(__file__).resolve().parent, *workers)
+
+
+_SOURCE_DIRS = _source_dirs()
 
 
 @functools.cache
-def sources_digest(root: Path = _ROOT) -> bytes:
-    """SHA-256 over the paths and contents of every ``*.py`` under the source folders that imports numba."""
+def sources_digest(dirs: tuple[Path, ...] = _SOURCE_DIRS) -> bytes:
+    """SHA-256 over the paths and contents of every ``*.py`` under ``dirs`` that imports numba."""
     digest = hashlib.sha256()
-    for folder in _SOURCE_DIRS:
-        for path in sorted((root / folder).rglob("*.py")):
+    for folder in dirs:
+        for path in sorted(folder.rglob("*.py")):
             text = path.read_bytes()
             if b"import numba" in text or b"from numba" in text:
-                digest.update(str(path.relative_to(root)).encode() + b"\0" + text + b"\0")
+                name = f"{folder.name}/{path.relative_to(folder)}"
+                digest.update(name.encode() + b"\0" + text + b"\0")
     return digest.digest()
 
 
 def _is_ours(py_file: str) -> bool:
-    return any(Path(py_file).resolve().is_relative_to(_ROOT / folder) for folder in _SOURCE_DIRS)
+    return any(Path(py_file).resolve().is_relative_to(folder) for folder in _SOURCE_DIRS)
 
 
 class _VersionedMixin:

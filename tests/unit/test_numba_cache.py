@@ -9,6 +9,12 @@ from llmserve.kernels.cpu._numba_decode import decode_attention
 from worker_service.models._numba_decode_step import decode_layers
 
 
+def test_the_sources_are_this_package_and_worker_service() -> None:
+    kernels_dir, workers_dir = numba_cache._SOURCE_DIRS
+    assert (kernels_dir / "cpu" / "_numba_decode.py").is_file()
+    assert (workers_dir / "models" / "_numba_decode_step.py").is_file()
+
+
 def test_the_kernels_cache_through_the_versioned_locator() -> None:
     for kernel in (decode_attention, decode_layers):
         locator = kernel._cache._impl._locator
@@ -29,11 +35,12 @@ def _tree(root: Path, kernel: str, helper: str, other: str) -> None:
 def test_the_digest_follows_every_numba_source_and_nothing_else(tmp_path: Path) -> None:
     kernel, helper = "import numba\n@numba.njit\ndef f(x): return g(x)\n", "from numba import njit\ndef g(x): return x\n"
     _tree(tmp_path, kernel, helper, "import torch\n")
-    before = numba_cache.sources_digest.__wrapped__(tmp_path)
+    dirs = (tmp_path / "kernels", tmp_path / "worker_service")
+    before = numba_cache.sources_digest.__wrapped__(dirs)
     _tree(tmp_path, kernel, helper, "import torch\nX = 1\n")  # a file without numba: no change
-    assert numba_cache.sources_digest.__wrapped__(tmp_path) == before
+    assert numba_cache.sources_digest.__wrapped__(dirs) == before
     _tree(tmp_path, kernel, helper.replace("return x", "return x + 1"), "import torch\nX = 1\n")  # a helper
-    changed = numba_cache.sources_digest.__wrapped__(tmp_path)
+    changed = numba_cache.sources_digest.__wrapped__(dirs)
     assert changed != before
     _tree(tmp_path, kernel, helper, "import torch\nX = 1\n")  # back as it was
-    assert numba_cache.sources_digest.__wrapped__(tmp_path) == before
+    assert numba_cache.sources_digest.__wrapped__(dirs) == before
