@@ -21,8 +21,8 @@ import numba
 import numpy as np
 
 from llmserve.kernels.cpu._numba_decode import max_of
-from llmserve.kernels.numba_cache import versioned_cache
 from llmserve.kernels.cpu._numba_exp import exp_f32, log_f32
+from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()

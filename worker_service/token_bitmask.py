@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llmserve.kernels.numba_cache import versioned_cache
 import torch
+
+from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()

@@ -13,8 +13,8 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from llmserve.kernels.numba_cache import versioned_cache
 from llmserve.kernels.cpu._numba_llvm import fma_sum_lanes
+from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()

@@ -43,8 +43,8 @@ import numpy as np
 
 from llmserve.kernels.cpu._numba_blocks import flat_block, weighted_sum
 from llmserve.kernels.cpu._numba_exp import exp_f32
-from llmserve.kernels.numba_cache import versioned_cache
 from llmserve.kernels.cpu._numba_llvm import fetch_add, row_sums
+from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from llmserve.kernels.numba_cache import versioned_cache
 from llmserve.kernels.cpu._numba_llvm import bits_from_float, float_from_bits
+from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()

@@ -31,8 +31,8 @@ import numpy as np
 
 from llmserve.kernels.cpu._numba_blocks import as_float32, finite_slots
 from llmserve.kernels.cpu._numba_exp import exp_f32
-from llmserve.kernels.numba_cache import versioned_cache
 from llmserve.kernels.cpu._numba_llvm import fetch_add, gemm_tile
+from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()

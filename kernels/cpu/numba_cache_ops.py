@@ -22,8 +22,8 @@ import torch
 from llmserve.kernels.cache_op_checks import check_reshape_and_cache_args
 from llmserve.kernels.cpu import cache_ops as torch_cache_ops
 from llmserve.kernels.cpu.numpy_views import numpy_view
-from llmserve.kernels.numba_cache import versioned_cache
 from llmserve.kernels.metadata_memo import arguments_layout, reduce_once
+from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()
