@@ -1,7 +1,8 @@
 """Host time of one worker step: the ExecuteStep path in-process, without gRPC.
 
     python -m benchmarks.worker_step [--models tiny default] [--batch-sizes 1 4 16] [--steps 40]
-        [--prompt-len 32] [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16] [--profile]
+        [--prompt-len 32] [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16]
+        [--decode-gemv-rows N] [--profile]
         [--output benchmarks/results/worker_step.json]
 
 For each model and batch size B, a ModelRunner prefills B greedy sequences
@@ -151,9 +152,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN,
                         help="prompt tokens of every sequence (the decode steps attend to them)")
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per sampled token (default none)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0 keeps torch's default)")
+    # A worker's --num-threads 0 (its default) keeps torch's default, one thread per core: so does this.
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default 0: torch's default, one per core, as a worker's)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV cache (auto: float32 on a CPU)")
+    parser.add_argument("--decode-gemv-rows", type=int, default=WorkerConfig.decode_gemv_rows,
+                        help="the worker's few-row decode path limit (0: every step layer by layer)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions per run")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -166,7 +171,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             config = WorkerConfig(model=str(_model_dir(name, Path(tmp))), block_size=BLOCK_SIZE, dtype=args.dtype,
-                                  num_gpu_blocks_override=blocks, max_model_len=context)
+                                  num_gpu_blocks_override=blocks, max_model_len=context,
+                                  decode_gemv_rows=args.decode_gemv_rows)
             runner = model_thread.run(ModelRunner, config)
             for batch in tqdm(args.batch_sizes, desc=f"{name} model", unit="batch size"):
                 row = model_thread.run(measure, runner, batch, args.prompt_len, args.steps, args.logprobs,
@@ -180,6 +186,7 @@ def main() -> None:
                         "no gRPC); medians over the steps. tiny: 2-layer hidden-128 Llama with the default "
                         "tokenizer's vocabulary; default: SmolLM2-135M."),
         "dtype": args.dtype,
+        "decode_gemv_rows": args.decode_gemv_rows,
         "prompt_len": args.prompt_len,
         "phases": PHASES,
         "rows": runs,

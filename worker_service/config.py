@@ -37,7 +37,7 @@ class WorkerConfig:
         per rank (as vLLM's per-GPU budgets): N ranks hold N shards of the same number of blocks.
     simulate: a simulation profile (worker_service/simulation.py): no model, modelled step times.
     decode_gemv_rows: decode steps of up to this many sequences run every layer in one compiled call with
-        GEMV projections over a dense copy of the layer weights (float32 on a CPU, one rank; the copy costs
+        GEMV projections over a dense copy of the layer weights (float32 or bf16 on a CPU, one rank; the copy costs
         the weights' size in memory again); 0 turns it off (worker_service/models/few_row_decode.py).
     """
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from llmserve.kernels.cache_op_checks import check_reshape_and_cache_args
+from llmserve.kernels.cpu._numba_bf16 import narrow_to
 from llmserve.kernels.cpu import cache_ops as torch_cache_ops
 from llmserve.kernels.cpu.numpy_views import numpy_view
 from llmserve.kernels.metadata_memo import arguments_layout, reduce_once
@@ -43,6 +44,8 @@ def _signatures() -> list[object]:
 @numba.njit(inline="always")
 def write_token(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
                  slots: np.ndarray, t: int) -> None:
+    # Bits of the caches' own type are copied; float32 keys/values into a bf16 cache (the few-row decode
+    # path's) are rounded to bf16.
     slot = slots[t]
     if slot < 0:  # padding
         return
@@ -51,9 +54,9 @@ def write_token(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value
     for h in range(key.shape[1]):
         for c in range(chunks):
             for i in range(x):
-                key_cache[block, h, c, offset, i] = key[t, h, c * x + i]
+                key_cache[block, h, c, offset, i] = narrow_to(key[t, h, c * x + i], key_cache)
         for d in range(value.shape[2]):
-            value_cache[block, h, d, offset] = value[t, h, d]
+            value_cache[block, h, d, offset] = narrow_to(value[t, h, d], value_cache)
 
 
 @numba.njit(_signatures(), cache=True, nogil=True)

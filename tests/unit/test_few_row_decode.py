@@ -4,21 +4,26 @@ Two runners on the same checkpoint, one with the few-row path and one without, r
 same plans: every step's sampled tokens and top logprobs must agree to float32 rounding
 (the GEMV sums in another order than oneDNN), and the KV caches they wrote must too.
 The checkpoint has every bias the family allows and a sliding window shorter than the
-sequences, so each argument of the compiled call is exercised.
+sequences, so each argument of the compiled call is exercised. In bf16 the path keeps
+float32 activations where the layer-by-layer path rounds them, so there it is held to
+transformers' bf16 outputs under the half-precision rule instead.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shared.sampling_params import SamplingParams
+from tests.hf_reference import HALF_TOLERANCE, HFReference, compare_greedy
 from worker_service.attention import AttentionMetadata
 from worker_service.config import WorkerConfig
 from worker_service.model_runner import ModelRunner
+from worker_service.models._numba_decode_step import gemv
 from worker_service.models.few_row_decode import FewRowDecode
 from worker_service.plan import NewSequenceData, SequenceDeltaData, StepPlanData
 
@@ -45,9 +50,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _runner(model_dir: Path, rows: int) -> ModelRunner:
+def _runner(model_dir: Path, rows: int, dtype: str = "auto") -> ModelRunner:
     return ModelRunner(WorkerConfig(model=str(model_dir), num_gpu_blocks_override=64, max_model_len=256,
-                                    block_size=8, decode_gemv_rows=rows))
+                                    block_size=8, decode_gemv_rows=rows, dtype=dtype))
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every call of the compiled path, in order."""
+    rows: list[int] = []
+    original = FewRowDecode.__call__
+
+    def counted(self: FewRowDecode, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.append(input_ids.shape[0])
+        return original(self, input_ids, *args)
+
+    monkeypatch.setattr(FewRowDecode, "__call__", counted)
+    return rows
 
 
 def _run(runner: ModelRunner, prompts: list[list[int]]) -> list[list[tuple[int, float, list[float]]]]:
@@ -66,16 +85,7 @@ def _run(runner: ModelRunner, prompts: list[list[int]]) -> list[list[tuple[int, 
 
 # 1, 3 and 4 rows: the GEMV takes rows four at a time, then two, then one.
 @pytest.mark.parametrize("batch", [1, 3, 4])
-def test_few_row_steps_match_the_layer_by_layer_path(model_dir: Path, batch: int,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    original = FewRowDecode.__call__
-
-    def counted(self: FewRowDecode, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(input_ids.shape[0])
-        return original(self, input_ids, *args)
-
-    monkeypatch.setattr(FewRowDecode, "__call__", counted)
+def test_few_row_steps_match_the_layer_by_layer_path(model_dir: Path, batch: int, calls: list[int]) -> None:
     prompts = PROMPTS[:batch]
     fast, reference = _runner(model_dir, 4), _runner(model_dir, 0)
     assert reference.model.few_rows is None
@@ -129,3 +139,49 @@ def test_the_memory_it_holds_is_the_dense_weights_and_the_untied_head(model_dir:
 def test_a_negative_row_limit_is_a_clear_configuration_error(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="decode_gemv_rows must be non-negative, got -1"):
         WorkerConfig(model=str(model_dir), decode_gemv_rows=-1)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2 (q/k/v biases, which transformers reads too) with an untied LM head."""
+    config = AutoConfig.for_model(
+        "qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=512, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("few-rows-qwen2")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+def test_bf16_few_row_steps_match_transformers_in_bf16(qwen2_dir: Path, batch: int, calls: list[int]) -> None:
+    """bf16 weights and caches, float32 activations: transformers' bf16 outputs within the half-precision rule."""
+    prompts = PROMPTS[:batch]
+    runner = _runner(qwen2_dir, 4, "bfloat16")
+    steps = _run(runner, prompts)
+    assert calls == [batch] * (STEPS - 1)
+    assert runner.cache.key_caches[0].dtype == torch.bfloat16
+    reference, tolerance = HFReference(str(qwen2_dir), torch.bfloat16), HALF_TOLERANCE[torch.bfloat16]
+    for i, prompt in enumerate(prompts):
+        tokens, logprobs = [row[i][0] for row in steps], [row[i][1] for row in steps]
+        ref = reference.greedy(prompt, STEPS, stop_at_eos=False)
+        cmp = compare_greedy(tokens, ref, near_tie=tolerance)
+        assert cmp.matched, f"prompt {i}: {cmp.detail}"
+        same = STEPS if cmp.near_tie_at is None else cmp.near_tie_at
+        expected = [float(ref.logprobs[t, token]) for t, token in enumerate(tokens[:same])]
+        assert logprobs[:same] == pytest.approx(expected, abs=tolerance), f"prompt {i}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_gemv_over_bf16_weights_matches_a_float64_reference(rows: int) -> None:
+    """The GEMV widens bf16 weights exactly and sums in float32: float64's result within float32 rounding."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=generator)
+    weight = torch.randn(40, 96, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(40, generator=generator)
+    out = np.empty((rows, 40), dtype=np.float32)
+    gemv(x.numpy(), weight.view(torch.int16).numpy(), bias.numpy(), out)
+    expected = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(torch.from_numpy(out).double(), expected, rtol=1e-5, atol=1e-5)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 import pytest
 import torch
 
 from llmserve.kernels.cpu import cache_ops, numba_cache_ops
+from llmserve.kernels.cpu.numba_cache_ops import write_token
 from llmserve.kernels.layout import allocate_kv_cache
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -61,3 +64,29 @@ def test_a_later_call_with_a_smaller_cache_is_checked_again() -> None:
     assert torch.equal(value_cache[300 // 8, :, :, 300 % 8], key[0])
     with pytest.raises(ValueError, match="cache has only 240 slots"):
         numba_cache_ops.reshape_and_cache(key, key, key_cache[:30], value_cache[:30], slots)
+
+
+@numba.njit
+def _write_float32_tokens(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
+                          slots: np.ndarray) -> None:
+    for t in range(key.shape[0]):
+        write_token(key, value, key_cache, value_cache, slots, t)
+
+
+def test_float32_tokens_into_a_bf16_cache_are_rounded_as_torch_rounds() -> None:
+    """The few-row decode path writes float32 keys/values into bf16 caches: each element rounded to the nearest
+    bf16, ties to even, as ``.to(torch.bfloat16)`` rounds (overflow to infinity, NaN kept NaN)."""
+    torch.manual_seed(0)
+    key, value = torch.randn(12, 3, 32) * 100, torch.randn(12, 3, 32)
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0xFF7FFFFF, 0x007F8000, 0x00018000,
+                            0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFF800001],
+                           dtype=torch.int64).to(torch.int32).view(torch.float32)
+    key[0, 0, :special.shape[0]] = special
+    value[3, 2, -special.shape[0]:] = special
+    slots = torch.randperm(40 * 8)[:12]
+    ours, theirs = _caches(torch.bfloat16), _caches(torch.bfloat16)
+    _write_float32_tokens(key.numpy(), value.numpy(), ours[0].view(torch.int16).numpy(),
+                          ours[1].view(torch.int16).numpy(), slots.numpy())
+    cache_ops.reshape_and_cache(key.to(torch.bfloat16), value.to(torch.bfloat16), *theirs, slots)
+    for got, want in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from llmserve.kernels.cpu._numba_bf16 import widen
 from llmserve.kernels.cpu._numba_decode import decode_attention
 from llmserve.kernels.cpu.numba_cache_ops import write_token
 from llmserve.kernels.numba_cache import versioned_cache
@@ -28,22 +29,27 @@ from worker_service.models._numba_ops import add_rms_norm_serial, rms_norm_seria
 versioned_cache()
 
 # Explicit signatures: importing this module compiles both functions, or loads them from Numba's cache
-# (cache=True), at the worker's start rather than in its first few-row step.
-_F32_1D, _F32_2D, _F32_3D = numba.float32[::1], numba.float32[:, ::1], numba.float32[:, :, ::1]
+# (cache=True), at the worker's start rather than in its first few-row step. Weights, the embedding and the
+# caches are float32, or bf16 viewed as int16 (widened as they are read; activations stay float32).
+_F32_1D, _F32_2D = numba.float32[::1], numba.float32[:, ::1]
 _I64_1D = numba.int64[::1]
-_GEMV = numba.void(_F32_2D, _F32_2D, _F32_1D, _F32_2D)
-_DECODE_LAYERS = numba.void(
-    _I64_1D, _I64_1D, _F32_2D,  # input_ids, positions, embed
-    _F32_2D, _F32_2D, _F32_1D,  # input_norms, post_norms, final_norm
-    *(_F32_3D, _F32_2D) * 4,  # weights and biases of qkv, o, gate_up, down
-    _I64_1D, _F32_2D, _F32_2D,  # windows, cos, sin
-    numba.float32[:, :, :, :, :, ::1], numba.float32[:, :, :, :, ::1],  # key and value caches, all layers
-    _I64_1D, numba.int32[:, ::1], numba.int32[::1],  # slots, block_tables, context_lens
-    numba.int64, numba.int64, numba.float32, numba.float32, numba.int64,  # heads, kv heads, eps, scale, threads
-    _F32_2D,  # out
-)
+_ELEMENTS = (numba.float32, numba.int16)
+_GEMVS = [numba.void(_F32_2D, element[:, ::1], _F32_1D, _F32_2D) for element in _ELEMENTS]
+_DECODE_LAYERS = [
+    numba.void(
+        _I64_1D, _I64_1D, element[:, ::1],  # input_ids, positions, embed
+        _F32_2D, _F32_2D, _F32_1D,  # input_norms, post_norms, final_norm
+        *(element[:, :, ::1], _F32_2D) * 4,  # weights and biases of qkv, o, gate_up, down
+        _I64_1D, _F32_2D, _F32_2D,  # windows, cos, sin
+        element[:, :, :, :, :, ::1], element[:, :, :, :, ::1],  # key and value caches, all layers
+        _I64_1D, numba.int32[:, ::1], numba.int32[::1],  # slots, block_tables, context_lens
+        numba.int64, numba.int64, numba.float32, numba.float32, numba.int64,  # heads, kv heads, eps, scale, threads
+        _F32_2D,  # out
+    )
+    for element in _ELEMENTS
+]
 
-@numba.njit([_GEMV], parallel=True, fastmath={"contract", "reassoc"}, cache=True, nogil=True)
+@numba.njit(_GEMVS, parallel=True, fastmath={"contract", "reassoc"}, cache=True, nogil=True)
 def gemv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """``out[r] = weight @ x[r] (+ bias)`` for the few rows of ``x``; threads split the weight's rows.
 
@@ -63,29 +69,31 @@ def gemv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -
             x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for i in range(width):
-                a0 += x0[i] * w[i]
-                a1 += x1[i] * w[i]
-                a2 += x2[i] * w[i]
-                a3 += x3[i] * w[i]
+                wi = widen(w[i])
+                a0 += x0[i] * wi
+                a1 += x1[i] * wi
+                a2 += x2[i] * wi
+                a3 += x3[i] * wi
             out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = a0 + b, a1 + b, a2 + b, a3 + b
             r += 4
         if r + 2 <= rows:
             x0, x1 = x[r], x[r + 1]
             a0 = a1 = np.float32(0.0)
             for i in range(width):
-                a0 += x0[i] * w[i]
-                a1 += x1[i] * w[i]
+                wi = widen(w[i])
+                a0 += x0[i] * wi
+                a1 += x1[i] * wi
             out[r, o], out[r + 1, o] = a0 + b, a1 + b
             r += 2
         if r < rows:
             x0 = x[r]
             a0 = np.float32(0.0)
             for i in range(width):
-                a0 += x0[i] * w[i]
+                a0 += x0[i] * widen(w[i])
             out[r, o] = a0 + b
 
 
-@numba.njit([_DECODE_LAYERS], cache=True, nogil=True)
+@numba.njit(_DECODE_LAYERS, cache=True, nogil=True)
 def decode_layers(
     input_ids: np.ndarray,
     positions: np.ndarray,
@@ -127,7 +135,8 @@ def decode_layers(
     heads = num_heads + 2 * num_kv_heads
     residual = np.empty((rows, hidden), dtype=np.float32)
     for r in range(rows):
-        residual[r] = embed[input_ids[r]]
+        for i in range(hidden):
+            residual[r, i] = widen(embed[input_ids[r], i])
     x = np.empty((rows, hidden), dtype=np.float32)
     qkv = np.empty((rows, heads * head_size), dtype=np.float32)
     attended = np.empty((rows, num_heads, head_size), dtype=np.float32)

@@ -1,4 +1,4 @@
-"""Decode steps of a few sequences as one compiled call over dense weights (float32, CPU, one rank).
+"""Decode steps of a few sequences as one compiled call over dense weights (float32 or bf16, CPU, one rank).
 
 A step of one to a few decode tokens reads every weight once; the fastest way to do that is
 a GEMV at the memory's bandwidth with nothing between the layers. oneDNN's packed projections
@@ -13,6 +13,12 @@ tensor when the two are tied).
 
 The price is memory: the layer weights (and an untied LM head) are held twice, dense here
 and packed for oneDNN. The worker's ``--decode-gemv-rows 0`` turns the path off and frees it.
+
+A bf16 model's weights, embedding and caches are read as bf16 (half the bytes per token) and
+widened in registers; its activations stay float32 between the ops, where transformers and the
+layer-by-layer path round each op's output to bf16, so the two differ by bf16's rounding (the
+parity tests hold both to transformers' bf16 outputs within the half-precision tolerance). Keys
+and values are rounded to bf16 as they are written, as the layer-by-layer path stores them.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ if TYPE_CHECKING:
 
 # The projections each layer holds densely here, in the order decode_layers takes them.
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# Model dtypes the compiled call reads, and the NumPy view it takes of each (Numba has no bf16).
+ELEMENT_VIEWS = {torch.float32: torch.float32, torch.bfloat16: torch.int16}
+
+
+def _elements(tensor: torch.Tensor) -> np.ndarray:
+    """A float32 or bf16 tensor as the array the compiled call takes (bf16 as int16 bits; no copy)."""
+    return tensor.contiguous().view(ELEMENT_VIEWS[tensor.dtype]).numpy()
 
 
 class FewRowDecode:
@@ -51,7 +64,7 @@ class FewRowDecode:
     def hold(self, name: str, layer: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Copies layer ``layer``'s ``name`` projection into the stack; returns the stack's row (a view)."""
         if name not in self._weights:
-            self._weights[name] = torch.empty((self.num_layers, *weight.shape), dtype=torch.float32)
+            self._weights[name] = torch.empty((self.num_layers, *weight.shape), dtype=weight.dtype)
             width = 0 if bias is None else weight.shape[0]
             self._biases[name] = torch.zeros((self.num_layers, width), dtype=torch.float32)
         if (bias is None) != (self._biases[name].shape[1] == 0):
@@ -67,14 +80,15 @@ class FewRowDecode:
         """Everything else the call reads, as arrays, once every layer is held; ``head``: the LM head's dense
         weight (the embedding's own tensor when they are tied, so nothing more is held)."""
         self._dims = dims
-        self._embed = embed.contiguous().numpy()
-        self._cos, self._sin = rotary.cos.numpy(), rotary.sin.numpy()
+        self._dtype = embed.dtype
+        self._embed = _elements(embed)
+        self._cos, self._sin = rotary.cos.float().contiguous().numpy(), rotary.sin.float().contiguous().numpy()
         self._input_norms = torch.stack(input_norms).float().contiguous().numpy()
         self._post_norms = torch.stack(post_norms).float().contiguous().numpy()
         self._final_norm = final_norm.float().contiguous().numpy()
         self._windows = np.array([w or 0 for w in windows], dtype=np.int64)
-        self._arrays = [a for name in PROJECTIONS for a in (self._weights[name].numpy(), self._biases[name].numpy())]
-        self._head = head.float().contiguous().numpy()
+        self._arrays = [a for name in PROJECTIONS for a in (_elements(self._weights[name]), self._biases[name].numpy())]
+        self._head = _elements(head)
         self._no_bias = np.empty(0, dtype=np.float32)
 
     def extra_bytes(self) -> int:
@@ -91,11 +105,11 @@ class FewRowDecode:
         return out
 
     def covers(self, tokens: int, attn: AttentionMetadata) -> bool:
-        """Whether this step is a few decodes over float32 caches the Numba kernels read."""
+        """Whether this step is a few decodes over caches of the model's dtype that the Numba kernels read."""
         if not 0 < tokens <= self.max_rows or attn.num_prefill_tokens or attn.num_decodes != tokens:
             return False
         key, value = attn.key_caches[0], attn.value_caches[0]
-        if not (key.dtype == torch.float32 and value.dtype == torch.float32 and key.device.type == "cpu"
+        if not (key.dtype == self._dtype and value.dtype == self._dtype and key.device.type == "cpu"
                 and key.dim() == 5):
             return False
         keys, values = self._numba_caches(attn)
@@ -124,7 +138,7 @@ class FewRowDecode:
         dims = self._dims
         key_cache, value_cache = attn.key_caches[0], attn.value_caches[0]
         query = torch.empty((rows, dims.num_heads, dims.head_size), dtype=torch.float32)
-        kv = torch.empty((rows, dims.num_kv_heads, dims.head_size), dtype=torch.float32)
+        kv = torch.empty((rows, dims.num_kv_heads, dims.head_size), dtype=key_cache.dtype)
         check_reshape_and_cache_args(kv, kv, key_cache, value_cache, attn.slot_mapping)
         for window in set(self._windows.tolist()):  # the block ids read depend on the window
             check_paged_attention_args(query, query, key_cache, value_cache, dims.num_kv_heads, dims.scaling,
@@ -138,6 +152,6 @@ class FewRowDecode:
         # The cache engine's caches live as long as the worker: looked at once (and again only if they change).
         if self._caches is None or self._caches[0] is not attn.key_caches:
             keys, values = stacked_layers(attn.key_caches), stacked_layers(attn.value_caches)
-            self._caches = (attn.key_caches, None if keys is None else keys.numpy(),
-                            None if values is None else values.numpy())
+            self._caches = (attn.key_caches, None if keys is None else _elements(keys),
+                            None if values is None else _elements(values))
         return self._caches[1], self._caches[2]

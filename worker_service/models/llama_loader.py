@@ -23,7 +23,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from worker_service.model_loader import model_shape
 from worker_service.models.checkpoint_tensors import CheckpointTensors
-from worker_service.models.few_row_decode import FewRowDecode
+from worker_service.models.few_row_decode import ELEMENT_VIEWS, FewRowDecode
 from worker_service.models.linear import Linear
 from worker_service.models.llama import LlamaDims, LlamaLayer, LlamaModel
 from worker_service.models.rotary import DYNAMIC_ROPE_TYPES, build_rotary_table, rope_type
@@ -111,7 +111,7 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     """Reads ``path``'s weights into rank ``rank``'s share of the fused layout (of ``tp_size`` ranks).
 
     ``decode_gemv_rows``: decode steps of up to this many sequences run models/few_row_decode.py
-    (float32 on a CPU, one rank; 0: never).
+    (float32 or bf16 on a CPU, one rank; 0: never).
     """
     tensors = CheckpointTensors(path, dtype, device)
     shape = model_shape(config)
@@ -121,7 +121,7 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     kv_rows = rank_share(shape.num_kv_heads * shape.head_size, rank, tp_size)
     mlp_rows = rank_share(config.intermediate_size, rank, tp_size)
     few_rows = None
-    if decode_gemv_rows > 0 and dtype == torch.float32 and device.type == "cpu" and tp_size == 1:
+    if decode_gemv_rows > 0 and dtype in ELEMENT_VIEWS and device.type == "cpu" and tp_size == 1:
         few_rows = FewRowDecode(shape.num_layers, decode_gemv_rows)
     layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows, few_rows) for i in range(shape.num_layers)]
     embed = tensors.require("model.embed_tokens.weight")
