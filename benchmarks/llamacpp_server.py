@@ -15,6 +15,7 @@ runs on an idle machine, where the default is llama.cpp's best; `--omp-wait-poli
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -63,6 +64,14 @@ def slot_context(max_prompt_len: int, max_output_len: int) -> int:
     return max_prompt_len + max_output_len + 1
 
 
+class LlamaServerDied(RuntimeError):
+    """llama-server exited while it was being started or used: ``reason`` says how, the message adds its log."""
+
+    def __init__(self, reason: str, log_path: Path, tail: str) -> None:
+        super().__init__(f"{reason} (log {log_path}):\n{tail}")
+        self.reason = reason
+
+
 class LlamaServer:
     """`with LlamaServer(spec) as s: s.base_url` — the server is stopped on exit; its log is kept in `log_path`."""
 
@@ -83,9 +92,10 @@ class LlamaServer:
 
     def _check_alive(self) -> None:
         assert self._proc is not None
-        if self._proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with code {self._proc.returncode} (log {self.log_path}):\n"
-                               f"{self.tail()}")
+        code = self._proc.poll()
+        if code is not None:
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+            raise LlamaServerDied(f"llama-server exited with {how}", self.log_path, self.tail())
 
     def __enter__(self) -> LlamaServer:
         with self.log_path.open("wb") as log:

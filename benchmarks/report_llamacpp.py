@@ -60,6 +60,8 @@ def llamacpp_section(r: dict[str, Any]) -> str:
         *[throughput_row(s) for s in serving],
         "",
         f"Best F32 slot count: {best}" + (f" (also run: {others})." if others else "."),
+        *(["", f"llama.cpp on `{llama['q4_gguf']}` was not measured on this machine: {llama['q4_error']}."]
+          if llama.get("q4_error") else []),
         "",
         "### Single stream",
         "",
