@@ -29,6 +29,13 @@ def ratios_table(ratios: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def unmeasured_q4(llama: dict[str, Any]) -> list[str]:
+    """The report's lines when llama-server failed on the Q4_1 file (its rows are then missing): why."""
+    if not llama.get("q4_error"):
+        return []
+    return ["", f"llama.cpp on `{llama['q4_gguf']}` was not measured on this machine: {llama['q4_error']}."]
+
+
 def _wait_policy(policy: str | None) -> str:
     if not policy:
         return "OpenMP threads waiting as libgomp does by default (spinning, then sleeping), as a user would start it"
@@ -60,8 +67,7 @@ def llamacpp_section(r: dict[str, Any]) -> str:
         *[throughput_row(s) for s in serving],
         "",
         f"Best F32 slot count: {best}" + (f" (also run: {others})." if others else "."),
-        *(["", f"llama.cpp on `{llama['q4_gguf']}` was not measured on this machine: {llama['q4_error']}."]
-          if llama.get("q4_error") else []),
+        *unmeasured_q4(llama),
         "",
         "### Single stream",
         "",

@@ -9,9 +9,9 @@ import torch
 
 from benchmarks.dataset import BenchRequest
 from benchmarks.llamacpp_build import cmake_configure_args
-from benchmarks.llamacpp_server import LlamaServerSpec, slot_context
+from benchmarks.llamacpp_server import LlamaServer, LlamaServerDied, LlamaServerSpec, slot_context
 from benchmarks.openai_driver import OpenAITarget, StreamTally, completion_body, sse_data
-from benchmarks.report_llamacpp import ratios_table
+from benchmarks.report_llamacpp import ratios_table, unmeasured_q4
 from benchmarks.single_stream import TimestampStreamer
 
 REQ = BenchRequest(prompt_token_ids=[101, 102, 103], output_len=3)
@@ -116,3 +116,20 @@ def test_timestamp_streamer_skips_the_prompt() -> None:
     streamer.end()
     assert len(streamer.token_times) == 2
     assert streamer.token_times[0] <= streamer.token_times[1]
+
+
+def test_a_llama_server_killed_by_a_signal_is_reported_by_the_signals_name(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\necho starting\nkill -ILL $$\n")
+    binary.chmod(0o755)
+    spec = LlamaServerSpec(binary, tmp_path / "m.gguf", parallel=1, slot_context=10, threads=1)
+    with pytest.raises(LlamaServerDied, match="starting") as died:
+        with LlamaServer(spec):
+            pass
+    assert died.value.reason == "llama-server exited with signal SIGILL"
+
+
+def test_the_report_says_why_the_q4_rows_are_missing() -> None:
+    assert unmeasured_q4({"q4_gguf": "m.Q4_1.gguf"}) == []
+    lines = unmeasured_q4({"q4_gguf": "m.Q4_1.gguf", "q4_error": "llama-server exited with signal SIGILL"})
+    assert lines[-1] == "llama.cpp on `m.Q4_1.gguf` was not measured on this machine: llama-server exited with signal SIGILL."
