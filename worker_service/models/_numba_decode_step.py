@@ -21,6 +21,7 @@ import numpy as np
 
 from llmserve.kernels.cpu._numba_bf16 import widen
 from llmserve.kernels.cpu._numba_decode import decode_attention
+from llmserve.kernels.cpu._numba_llvm import prefetch
 from llmserve.kernels.cpu.numba_cache_ops import write_token
 from llmserve.kernels.numba_cache import versioned_cache
 from worker_service.models._numba_ops import add_rms_norm_serial, rms_norm_serial, rotary_serial, silu_and_mul_serial
@@ -48,20 +49,32 @@ _DECODE_LAYERS = [
     )
     for element in _ELEMENTS
 ]
+# Weight rows asked for ahead of the one being read. The hardware prefetcher alone kept the default model's
+# layer GEMVs (one row, weights out of cache) at 18-22 GB/s in float32 and 12-15 GB/s in bf16 on the Xeon of
+# docs/benchmarks-history.md; two rows ahead, 25-27 and 21-22 GB/s (four and eight ahead: no better).
+_ROWS_AHEAD = 2
+_LINE_BYTES = 64
+
 
 @numba.njit(_GEMVS, parallel=True, fastmath={"contract", "reassoc"}, cache=True, nogil=True)
 def gemv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """``out[r] = weight @ x[r] (+ bias)`` for the few rows of ``x``; threads split the weight's rows.
 
-    Each weight row is read from memory once and, loaded into registers, serves four rows of
-    ``x`` at a time (then two, then one). The default model's layer projections on the Zen 1
-    EPYC of docs/benchmarks-history.md, one dot product per row (the weight row reloaded from
-    L1) against this: 26.6 / 32.2 / 37.0 ms against 22.9 / 27.9 / 26.3 ms at two / three / four
+    Each weight row is read from memory once (its cache lines asked for two rows ahead) and, loaded
+    into registers, serves four rows of ``x`` at a time (then two, then one). The default model's
+    layer projections on the Zen 1 EPYC of docs/benchmarks-history.md, one dot product per row (the
+    weight row reloaded from L1) against this: 26.6 / 32.2 / 37.0 ms against 22.9 / 27.9 / 26.3 ms at two / three / four
     rows, the same 20-21 ms at one.
     """
     rows, width = x.shape
     has_bias = bias.shape[0] > 0
-    for o in numba.prange(weight.shape[0]):
+    outputs = weight.shape[0]
+    per_line = _LINE_BYTES // weight.itemsize
+    for o in numba.prange(outputs):
+        if o + _ROWS_AHEAD < outputs:
+            ahead = weight[o + _ROWS_AHEAD]
+            for i in range(0, width, per_line):
+                prefetch(ahead, i)
         w = weight[o]
         b = bias[o] if has_bias else np.float32(0.0)
         r = 0
