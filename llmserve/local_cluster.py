@@ -295,6 +295,10 @@ class LocalCluster:
         self._wait_for([(role, READY)])
         self._wait_ready()
 
+    def log_tails(self, lines: int = 80) -> dict[str, str]:
+        """The last lines of every service's log, by role (a failed test reports them: tests/conftest.py)."""
+        return {role: self.tail(role, lines) for role in self._args} if self.log_dir is not None else {}
+
     def tail(self, role: str, lines: int = 40) -> str:
         """The last lines of a process's log."""
         path = self.log_path(role)

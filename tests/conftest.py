@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import tests.hypothesis_profiles  # noqa: F401  (loads the profile before any test module builds settings)
+from llmserve.local_cluster import LocalCluster
 from shared.default_model import prepare_default_model
 from shared.redis_server import RedisServer
 from tests.tiny_models import build_tiny_llama
@@ -31,7 +32,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failed test that ran processes (a fixture with `pods`, as ManifestCluster) reports their last log lines.
+    """A failed test that ran processes (a fixture with `pods`, as ManifestCluster, or a LocalCluster) reports
+    their last log lines.
 
     A fault in one service usually shows only as a symptom in another (a client's deadline), so the
     services' own words are what tells the cause.
@@ -41,6 +43,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for value in getattr(item, "funcargs", {}).values():
             for name, pod in (getattr(value, "pods", None) or {}).items():
                 report.sections.append((f"log of {name} (last 80 lines)", pod.tail(80)))
+            if isinstance(value, LocalCluster):
+                for role, tail in value.log_tails(80).items():
+                    report.sections.append((f"log of the {role} (last 80 lines)", tail))
     return report
 
 

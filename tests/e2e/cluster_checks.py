@@ -14,7 +14,7 @@ import grpc
 import redis
 
 from llmserve.local_cluster import LocalCluster
-from protos import worker_pb2, worker_pb2_grpc
+from protos import generation_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_service import keys
 from shared.redis_server import free_port
 
@@ -47,6 +47,19 @@ def start_standby_scheduler(cluster: LocalCluster, log: Path) -> tuple[subproces
 def describe_worker(cluster: LocalCluster) -> worker_pb2.WorkerDescription:
     with grpc.insecure_channel(cluster.worker_address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
+
+
+def committed_stream(client: redis.Redis, request_id: str) -> tuple[dict[int, list[int]], bool]:
+    """The tokens of each sequence (by index) in the request's output stream in Redis, and whether its final
+    message is there: what any client reading the stream gets."""
+    tokens: dict[int, list[int]] = {}
+    finished = False
+    for _entry_id, fields in client.xrange(keys.output_stream(request_id)):
+        msg = generation_pb2.GenerateResponse.FromString(fields[b"m"])
+        for delta in msg.outputs:
+            tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        finished |= msg.HasField("usage")
+    return tokens, finished
 
 
 def redis_state(cluster: LocalCluster) -> dict[str, object]:

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2
 from scheduler_service.step_profile import read_profiles
-from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
+from tests.e2e.cluster_checks import assert_all_blocks_free, committed_stream, redis_state
 from tests.e2e.concurrency import Streams, generate_all
 from tests.e2e.engine_modes import SCHEDULING
 from tests.hf_reference import HFReference, Reference, compare_greedy
@@ -66,15 +67,23 @@ def _prompts(n: int, vocab: int, seed: int = 1) -> list[list[int]]:
 def test_concurrent_greedy_matches_transformers(cluster: LocalCluster, reference: HFReference) -> None:
     vocab = reference.model.config.vocab_size
     prompts = _prompts(16, vocab)
-    requests = [make_request(prompt_token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True) for p in prompts]
+    # Named, so that a mismatch can be told apart: lost between Redis and the client, or never committed.
+    ids = [f"concurrent-{i}" for i in range(len(prompts))]
+    requests = [make_request(request_id=rid, prompt_token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+                for rid, p in zip(ids, prompts)]
     results = generate_all(cluster.address, requests)
     near_ties = []
-    for prompt, result, ref in zip(prompts, results, reference.greedy_many(prompts, MAX_NEW, stop_at_eos=False)):
+    for rid, prompt, result, ref in zip(ids, prompts, results, reference.greedy_many(prompts, MAX_NEW, stop_at_eos=False)):
         assert result.error == ""
         assert result.finish_reason == "FINISH_REASON_LENGTH"
         assert result.prompt_tokens == len(prompt) and result.completion_tokens == MAX_NEW
         cmp = compare_greedy(result.token_ids, ref)
-        assert cmp.matched, f"prompt of {len(prompt)} tokens: {cmp.detail}"
+        if not cmp.matched:
+            with redis.Redis.from_url(cluster.redis_url) as rds:
+                committed = committed_stream(rds, rid)[0].get(0, [])
+            pytest.fail(f"{rid}, prompt of {len(prompt)} tokens: {cmp.detail}; the client got {len(result.token_ids)} "
+                        f"tokens, Redis's stream holds {len(committed)} (the same: {committed == result.token_ids}); "
+                        f"client {result.token_ids}, reference {ref.token_ids}")
         if cmp.near_tie_at is not None:
             near_ties.append(cmp.detail)
     print(f"near-ties accepted: {near_ties or 'none'}")

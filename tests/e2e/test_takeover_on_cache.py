@@ -24,7 +24,13 @@ from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import generation_pb2
 from scheduler_service import keys
-from tests.e2e.cluster_checks import assert_all_blocks_free, describe_worker, start_standby_scheduler, wait_for
+from tests.e2e.cluster_checks import (
+    assert_all_blocks_free,
+    committed_stream,
+    describe_worker,
+    start_standby_scheduler,
+    wait_for,
+)
 from tests.e2e.engine_modes import SCHEDULING
 from tests.hf_reference import HFReference, compare_greedy
 
@@ -47,17 +53,6 @@ def cluster(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[Lo
     )
     with LocalCluster(spec) as c:
         yield c
-
-
-def _streams(client: redis.Redis, request_id: str) -> tuple[dict[int, list[int]], bool]:
-    tokens: dict[int, list[int]] = {}
-    finished = False
-    for _entry_id, fields in client.xrange(keys.output_stream(request_id)):
-        msg = generation_pb2.GenerateResponse.FromString(fields[b"m"])
-        for delta in msg.outputs:
-            tokens.setdefault(delta.index, []).extend(delta.token_ids)
-        finished |= msg.HasField("usage")
-    return tokens, finished
 
 
 def _send(address: str, req: generation_pb2.GenerateRequest) -> None:
@@ -91,14 +86,14 @@ def test_the_standby_replica_continues_on_the_workers_cache(cluster: LocalCluste
     try:
         # The first request computes the shared prefix; the others then hit its blocks.
         _send(cluster.address, requests[0])
-        wait_for(lambda: _streams(rds, ids[0])[0], 60, "the first request produced no token")
+        wait_for(lambda: committed_stream(rds, ids[0])[0], 60, "the first request produced no token")
         for req in requests[1:]:
             _send(cluster.address, req)
 
         def busy() -> bool:
             # Eight sequences running with hundreds of tokens each, some swapped out.
             running = rds.lrange(keys.running(w), 0, -1)
-            outputs = [len(t) for r in running for t in _streams(rds, r.decode())[0].values()]
+            outputs = [len(t) for r in running for t in committed_stream(rds, r.decode())[0].values()]
             return len(running) >= 4 and rds.llen(keys.swapped(w)) > 0 and min(outputs, default=0) >= 20
 
         wait_for(busy, 120, "the worker never ran four groups with others swapped out")
@@ -107,7 +102,7 @@ def test_the_standby_replica_continues_on_the_workers_cache(cluster: LocalCluste
         # A busy async loop commits with a step in flight, which the standby lands first.
         async_loop = "--async-scheduling" in cluster.spec.scheduler_args
         assert rds.hexists(keys.engine(w), keys.ENGINE_INFLIGHT) == async_loop
-        at_kill = {rid: sum(len(t) for t in _streams(rds, rid)[0].values()) for rid in ids}
+        at_kill = {rid: sum(len(t) for t in committed_stream(rds, rid)[0].values()) for rid in ids}
         stats = {k.decode(): int(v) for k, v in rds.hgetall(keys.stats(w)).items()}
         running, swapped = rds.llen(keys.running(w)), rds.llen(keys.swapped(w))
         assert running >= 4 and swapped >= 1, (running, swapped)
@@ -115,14 +110,14 @@ def test_the_standby_replica_continues_on_the_workers_cache(cluster: LocalCluste
         assert any(n < 2 * MAX_NEW for n in at_kill.values()), at_kill
 
         # Generation resumes when the lease moves: the first new token of any request.
-        wait_for(lambda: sum(sum(len(t) for t in _streams(rds, r)[0].values()) for r in ids) > sum(at_kill.values()),
+        wait_for(lambda: sum(sum(len(t) for t in committed_stream(rds, r)[0].values()) for r in ids) > sum(at_kill.values()),
               LEASE_TTL_S + 60, "no token after the kill")
         pause = time.monotonic() - killed
-        wait_for(lambda: all(_streams(rds, rid)[1] for rid in ids), 240, "the requests did not finish")
+        wait_for(lambda: all(committed_stream(rds, rid)[1] for rid in ids), 240, "the requests did not finish")
 
         reference = HFReference(str(tiny_llama_dir))
         for rid, expected in zip(ids, reference.greedy_many(prompts, MAX_NEW, stop_at_eos=False)):
-            outputs, _ = _streams(rds, rid)
+            outputs, _ = committed_stream(rds, rid)
             for index in (0, 1):
                 cmp = compare_greedy(outputs[index], expected)
                 assert cmp.matched, f"{rid}[{index}] ({at_kill[rid]} tokens at the kill): {cmp.detail}"
