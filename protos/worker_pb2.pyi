@@ -70,7 +70,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
-    __slots__ = ("seq_id", "new_block_ids", "num_new_tokens", "replaced_blocks", "last_token_id")
+    __slots__ = ("seq_id", "new_block_ids", "num_new_tokens", "replaced_blocks", "last_token_id", "num_tokens")
     class ReplacedBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,12 +83,14 @@ class SequenceDelta(_message.Message):
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLACED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: int
     replaced_blocks: _containers.ScalarMap[int, int]
     last_token_id: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., replaced_blocks: _Optional[_Mapping[int, int]] = ..., last_token_id: _Optional[int] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., replaced_blocks: _Optional[_Mapping[int, int]] = ..., last_token_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("epoch", "step_id", "swap_in", "swap_out", "copy", "new_sequences", "cached_sequences", "finished_seq_ids")

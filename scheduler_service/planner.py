@@ -69,7 +69,8 @@ class Planner:
                 )
                 continue
             delta = plan.cached_sequences.add(
-                seq_id=seq.seq_id, new_block_ids=table.block_ids, num_new_tokens=item.num_new_tokens
+                seq_id=seq.seq_id, new_block_ids=table.block_ids, num_new_tokens=item.num_new_tokens,
+                num_tokens=seq.num_tokens,
             )
             if table.replaced:  # rare (copy-on-write of a block the worker holds); an empty map costs a decode
                 delta.replaced_blocks.update(table.replaced)

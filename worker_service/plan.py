@@ -38,6 +38,8 @@ class SequenceDeltaData:
     replaced_blocks: dict[int, int] = field(default_factory=dict)
     # Replaces the token the worker sampled last step (beam search); None keeps it.
     last_token_id: int | None = None
+    # The sequence's tokens as the scheduler counts them (in-flight ones included); 0: not checked.
+    num_tokens: int = 0
 
 
 @dataclass
@@ -92,6 +94,7 @@ def plan_from_proto(msg: worker_pb2.StepPlan) -> StepPlanData:
                 num_new_tokens=s.num_new_tokens,
                 replaced_blocks=dict(s.replaced_blocks),
                 last_token_id=s.last_token_id if s.HasField("last_token_id") else None,
+                num_tokens=s.num_tokens,
             )
             for s in msg.cached_sequences
         ],

@@ -158,6 +158,11 @@ class SequenceCache:
         seq = self._seqs.get(delta.seq_id)
         if seq is None:
             raise PlanError(f"sequence {delta.seq_id} is not cached on this worker; it must be sent in full")
+        if delta.num_tokens and delta.num_tokens != len(seq.token_ids):
+            # Computing on would sample from tokens the scheduler never streamed: the step fails instead, and the
+            # scheduler resets the worker and recomputes from its own tokens (the ones its clients were sent).
+            raise PlanError(f"sequence {delta.seq_id}: the scheduler counts {delta.num_tokens} tokens, the worker "
+                            f"holds {len(seq.token_ids)}")
         for index, block_id in delta.replaced_blocks.items():
             if index >= len(seq.block_table):
                 raise PlanError(f"sequence {delta.seq_id}: replaced block index {index} is out of range")

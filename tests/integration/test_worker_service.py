@@ -83,8 +83,16 @@ def test_bad_plans_are_invalid_argument_and_the_worker_stays_up(worker: worker_p
     worker.Reset(worker_pb2.ResetRequest(epoch=21), timeout=10)
     first = worker.ExecuteStep(worker_pb2.StepPlan(epoch=21, step_id=1, new_sequences=[_new_seq(1, [5, 6, 7], [2])]), timeout=30)
     assert [s.seq_id for s in first.sampled] == [1]
+    # A delta whose count of the sequence's tokens is not the worker's (3 prompt tokens + 1 sampled) is refused
+    # and changes nothing: the scheduler and the worker no longer see the same sequence.
+    with pytest.raises(grpc.RpcError) as info:
+        worker.ExecuteStep(worker_pb2.StepPlan(epoch=21, step_id=2, cached_sequences=[
+            worker_pb2.SequenceDelta(seq_id=1, num_new_tokens=1, num_tokens=5)]), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sequence 1: the scheduler counts 5 tokens, the worker holds 4" in info.value.details()
     second = worker.ExecuteStep(worker_pb2.StepPlan(
-        epoch=21, step_id=2, cached_sequences=[worker_pb2.SequenceDelta(seq_id=1, num_new_tokens=1)]), timeout=30)
+        epoch=21, step_id=2, cached_sequences=[worker_pb2.SequenceDelta(seq_id=1, num_new_tokens=1, num_tokens=4)]),
+        timeout=30)
     assert [s.seq_id for s in second.sampled] == [1]
     desc = worker.Describe(worker_pb2.DescribeRequest(), timeout=10)
     assert desc.num_cached_sequences == 1 and desc.num_used_blocks == 1
