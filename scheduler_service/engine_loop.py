@@ -378,6 +378,7 @@ class EngineLoop:
         results never arrived, so the scheduler's state is the one before that step, and its committed outputs
         are what clients have seen: recomputing from there loses and repeats nothing."""
         log.error("worker %s failed a step: %s %s", self.worker_id, exc.code(), exc.details())
+        commit.num_worker_failures += 1
         message = f"the worker failed while running this request: {exc.code().name}: {exc.details()}"
         # Running groups (the step's ones included) had KV on the worker, swapped ones in its CPU pool:
         # both are gone with it. Waiting ones hold no KV and are sent in full anyway.

@@ -97,6 +97,7 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
                 pipe.rpush(key, *snapshot)
     if c.cache_stats is not None:
         pipe.hset(keys.stats(w), mapping=c.cache_stats.as_hash())
-    for name, count in (("preemptions", c.num_preemptions), ("swaps", c.num_swaps)):
+    for name, count in (("preemptions", c.num_preemptions), ("swaps", c.num_swaps),
+                        ("worker_failures", c.num_worker_failures)):
         if count:
             pipe.hincrby(keys.stats(w), name, count)

@@ -123,6 +123,8 @@ class StepCommit:
     num_preemptions: int = 0
     # Of those, preemptions by swapping out (the rest recompute).
     num_swaps: int = 0
+    # Steps the worker failed (the loop reset it and recomputed what it held).
+    num_worker_failures: int = 0
 
     def is_empty(self) -> bool:
         """Whether it writes nothing: every field but the loop's own three is at its default (so a new

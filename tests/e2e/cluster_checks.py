@@ -80,6 +80,7 @@ def redis_state(cluster: LocalCluster) -> dict[str, object]:
         "blocks": blocks,
         "preemptions": stats.get("preemptions", 0),
         "swaps": stats.get("swaps", 0),
+        "worker_failures": stats.get("worker_failures", 0),
         "prefix_cache_queries": stats.get("prefix_cache_queries", 0),
         "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
     }

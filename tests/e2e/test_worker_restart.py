@@ -20,7 +20,7 @@ import redis
 from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from scheduler_service import keys
-from tests.e2e.cluster_checks import assert_all_blocks_free
+from tests.e2e.cluster_checks import assert_all_blocks_free, redis_state
 from tests.e2e.engine_modes import SCHEDULING
 from tests.hf_reference import HFReference, compare_greedy
 
@@ -62,3 +62,5 @@ def test_requests_survive_a_worker_sigkill(cluster: LocalCluster, tiny_llama_dir
         cmp = compare_greedy(result.token_ids, expected)
         assert cmp.matched, cmp.detail
     assert_all_blocks_free(cluster)
+    # The steps in flight at the kill failed: counted where an operator looks (the worker's stats hash).
+    assert redis_state(cluster)["worker_failures"] >= 1

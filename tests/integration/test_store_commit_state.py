@@ -92,6 +92,8 @@ def apply_reference(r: redis.Redis, c: StepCommit) -> None:
         r.hincrby(keys.stats(c.worker_id), "preemptions", c.num_preemptions)
     if c.num_swaps:
         r.hincrby(keys.stats(c.worker_id), "swaps", c.num_swaps)
+    if c.num_worker_failures:
+        r.hincrby(keys.stats(c.worker_id), "worker_failures", c.num_worker_failures)
     if c.pick_up:
         r.lpop(keys.inbox(c.worker_id), 64)
         r.lpop(keys.aborts(c.worker_id), 64)
@@ -144,10 +146,10 @@ def commits() -> list[StepCommit]:
                    outputs=[delta("a", [102]), delta("n2", [302]), delta("n2", [402], index=1, finish=LENGTH)],
                    finished_seqs={"n2": {4: "FINISHED_LENGTH"}}, running=["a", "n2", "best", "beam"],
                    waiting=["b", "moved"], num_preemptions=1),
-        # Beam search drops beam 8 and reuses its id in the same commit; a swap-out.
+        # Beam search drops beam 8 and reuses its id in the same commit; a swap-out; a step the worker failed.
         StepCommit(W, reset_seqs={"beam": [8]}, new_tokens={8: [703, 704]}, seq_states={8: b"reforked", 5: b"swapped"},
                    cumulative_logprobs={"beam": {7: -0.3, 8: -0.4}}, swapped=["best"],
-                   running=["a", "n2", "beam"], num_preemptions=1, num_swaps=1),
+                   running=["a", "n2", "beam"], num_preemptions=1, num_swaps=1, num_worker_failures=1),
         # Finishes: a (stop), n2 (its last sequence), an aborted waiting request; the waiting ones are handed
         # over, one to a live worker, one to a worker gone meanwhile (it comes back; picked up next commit).
         StepCommit(W, new_tokens={1: [103], 3: [303]},
