@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_byte
 from worker_service.config import WorkerConfig
 from worker_service.grammar_masks import GrammarMasks
 from worker_service.input_builder import ModelInputs, build_inputs
-from worker_service.model_loader import load_config, model_shape, resolve_dtype
+from worker_service.model_loader import load_config, model_shape, resolve_dtype, slow_dtype_warning
 from worker_service.models import build_model
 from worker_service.plan import PlanError, StepPlanData, check_block_ids, new_sequence_from_proto, pairs_from_proto
 from worker_service.profiler import profile_gpu_memory
@@ -26,6 +27,8 @@ from worker_service.sampler import sample
 from worker_service.sequence_cache import CachedSequence, SequenceCache
 from worker_service.sharding import local_shape
 from worker_service.tensor_parallel import Command, TensorParallelGroup
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,6 +102,8 @@ class ModelRunner:
         # What this rank's attention and KV cache hold; self.shape stays the whole model's.
         self.cache_shape = local_shape(self.shape, tp_size)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        if (slow := slow_dtype_warning(self.dtype, self.device)) is not None and (tp is None or tp.rank == 0):
+            log.warning("%s", slow)
         max_len = config.max_model_len or self.shape.max_position_embeddings
         if max_len > self.shape.max_position_embeddings:
             raise ValueError(
