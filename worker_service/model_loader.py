@@ -53,31 +53,6 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
     return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.float16
 
 
-def _onednn_runs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN (torch's mkldnn) has matmul kernels for ``dtype`` on this CPU."""
-    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
-    try:
-        return bool(getattr(torch.ops.mkldnn, check)())
-    except (AttributeError, RuntimeError):  # a torch built without oneDNN
-        return False
-
-
-def slow_dtype_warning(dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why a 16-bit ``dtype`` will run slower than float32 on this CPU, or None.
-
-    Without bf16 / fp16 instructions (AVX512-BF16, AVX512-FP16, AMX) oneDNN has no kernels for them and
-    the projections fall back to generic ones: on a 2-core AVX2 EPYC, a [64, 576] x [576, 3072] projection
-    took 12.1 ms in bf16 and 10.1 ms in fp16 against 1.65 ms in float32, and `make bench`'s workload ran at
-    21.8 output tok/s in bf16 against 103.9 in float32 (docs/benchmarks-history.md).
-    """
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or _onednn_runs(dtype):
-        return None
-    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
-    return (f"--dtype {name}: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no {name} matmul kernels "
-            f"(oneDNN needs AVX512-BF16, AVX512-FP16 or AMX), so the model runs several times slower than in "
-            f"float32; use --dtype float32 (the CPU default) unless memory is the limit")
-
-
 def model_shape(config: PretrainedConfig) -> ModelShape:
     """Reads layer, head and vocabulary sizes from a config."""
     num_heads = config.num_attention_heads

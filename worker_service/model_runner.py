@@ -18,8 +18,9 @@ from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_byte
 from worker_service.config import WorkerConfig
 from worker_service.grammar_masks import GrammarMasks
 from worker_service.input_builder import ModelInputs, build_inputs
-from worker_service.model_loader import load_config, model_shape, resolve_dtype, slow_dtype_warning
+from worker_service.model_loader import load_config, model_shape, resolve_dtype
 from worker_service.models import build_model
+from worker_service.models.linear import slow_dtype_warning
 from worker_service.plan import PlanError, StepPlanData, check_block_ids, new_sequence_from_proto, pairs_from_proto
 from worker_service.profiler import profile_gpu_memory
 from worker_service.prompt_logprobs import PromptLogprobsData, compute_prompt_logprobs

@@ -27,7 +27,7 @@ def test_packed_float32_matches_float64(rows: int, with_bias: bool) -> None:
     torch.testing.assert_close(projection(x).double(), _reference(x, weight, bias), rtol=1e-5, atol=3e-4)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+@pytest.mark.skipif(not linear_module.onednn_has_kernels(torch.bfloat16),
                     reason="oneDNN has no bf16 GEMM on this CPU (AVX-512 BF16 / AMX): bf16 weights stay dense")
 def test_packed_bfloat16_matches_f_linear() -> None:
     torch.manual_seed(0)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_service import model_loader
 from worker_service.config import WorkerConfig
-from worker_service.model_loader import slow_dtype_warning
+from worker_service.models import linear
+from worker_service.models.linear import slow_dtype_warning
 from worker_service.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def no_16bit_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_loader, "_onednn_runs", lambda dtype: False)
+    monkeypatch.setattr(linear, "onednn_has_kernels", lambda dtype: False)
 
 
 @pytest.mark.usefixtures("no_16bit_kernels")
@@ -38,14 +38,14 @@ def test_float32_and_gpus_never_warn() -> None:
 
 
 def test_16bit_with_kernels_does_not_warn(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_loader, "_onednn_runs", lambda dtype: True)
+    monkeypatch.setattr(linear, "onednn_has_kernels", lambda dtype: True)
     assert slow_dtype_warning(torch.bfloat16, CPU) is None
     assert slow_dtype_warning(torch.float16, CPU) is None
 
 
 def test_the_answer_follows_this_cpus_onednn() -> None:
     # Whatever this machine is: the warning appears exactly when oneDNN says it has no bf16 kernels.
-    supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    supported = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert (slow_dtype_warning(torch.bfloat16, CPU) is None) == supported
 
 

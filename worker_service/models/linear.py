@@ -52,6 +52,33 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def onednn_has_kernels(dtype: torch.dtype) -> bool:
+    """Whether oneDNN (torch's mkldnn) has matmul kernels for the 16-bit ``dtype`` on this CPU."""
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a torch whose oneDNN lacks the query
+        return False
+
+
+def slow_dtype_warning(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why a 16-bit ``dtype`` will run slower than float32 on this CPU, or None.
+
+    Without bf16 / fp16 instructions (AVX512-BF16, AVX512-FP16, AMX) oneDNN has no kernels for them and
+    the projections fall back to generic ones: on a 2-core AVX2 EPYC, a [64, 576] x [576, 3072] projection
+    took 12.1 ms in bf16 and 10.1 ms in fp16 against 1.65 ms in float32, and `make bench`'s workload ran at
+    21.8 output tok/s in bf16 against 103.9 in float32 (docs/benchmarks-history.md).
+    """
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or onednn_has_kernels(dtype):
+        return None
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    return (f"--dtype {name}: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no {name} matmul kernels "
+            f"(oneDNN needs AVX512-BF16, AVX512-FP16 or AMX), so the model runs several times slower than in "
+            f"float32; use --dtype float32 (the CPU default) unless memory is the limit")
+
+
 def bucket_rows(rows: int) -> int:
     """The row count a packed projection runs ``rows`` as: exact up to 16, then multiples of 8, 16 and 64.
 
