@@ -47,8 +47,8 @@ _MIN_WORK_PER_THREAD = 1 << 15
 def kernel_threads(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, max_context_len: int) -> int:
     """Threads for one decode call: what the work fills, at most torch's thread count (the worker's --num-threads).
 
-    Each (sequence, KV head) work item is computed the same way on any thread, so the
-    result does not depend on the count.
+    Each work item (a sequence, or one KV head of it) is computed the same way on any thread, and each query
+    head the same way in either kind of item, so the result does not depend on the count.
     """
     return _threads_for(num_seqs * num_heads * max_context_len * head_size, num_seqs * num_kv_heads)
 

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from tests.hypothesis_profiles import examples
 
-from llmserve.kernels.cpu import _numba_prefill
+from llmserve.kernels.cpu import _numba_decode, _numba_prefill
 from llmserve.kernels.cpu import attention as cpu_attention
 from llmserve.kernels.cpu import numba_attention
 from tests import kernel_cases
 from tests.kernel_cases import TOLERANCE, PagedCache, alibi_slopes_for, nan_like, rel_error
-from tests.kernels_reference import ref_context_attention
+from tests.kernels_reference import ref_context_attention, ref_paged_attention
 
 
 @pytest.fixture
@@ -230,6 +230,37 @@ def test_prefill_results_do_not_depend_on_the_thread_count() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alibi, window", [(False, 0), (True, 150)])
+def test_decode_results_do_not_depend_on_how_items_split_the_heads(dtype: torch.dtype, alibi: bool,
+                                                                   window: int) -> None:
+    # With sequences enough for its threads the kernel takes each sequence's kv heads as one work item (one read of
+    # a block's heads side by side); with few, each kv head of a sequence is an item. The `threads` argument picks
+    # the split here (1: 3 sequences are enough; 8: they are not), independently of the machine's cores. Both
+    # compute every query head the same way, so the outputs are bitwise the same, and both match the reference.
+    # Contexts over 32 blocks of 16 take two spans; 150 under a window starts inside a block.
+    lens = [700, 33, 260]
+    gen = torch.Generator().manual_seed(41)
+    cache = PagedCache(lens, 3, 64, 16, dtype, gen)
+    query = torch.randn(len(lens), 9, 64, generator=gen)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    slopes = alibi_slopes_for(9) if alibi else None
+    kernel_slopes = np.empty(0, np.float32) if slopes is None else slopes.numpy()
+    view = torch.float32 if dtype == torch.float32 else torch.int16
+    keys = cache.key_cache.view(view).flatten(3).numpy()
+    values = cache.value_cache.view(view).numpy()
+    outputs = []
+    for threads in (1, 8):
+        out = torch.full_like(query, float("nan"))
+        _numba_decode.decode_attention(out.numpy(), query.numpy(), keys, values, cache.block_tables.numpy(),
+                                       context_lens.numpy(), kernel_slopes, np.float32(0.125), window, threads)
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1])
+    expected = ref_paged_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, context_lens,
+                                   0.125, slopes, window or None)
+    assert rel_error(outputs[0], expected) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("group, window", [(1, 0), (3, 0), (3, 50)])
