@@ -19,7 +19,9 @@
                     with the stored state).
 
 Only a restarted worker (another instance id), a step in flight that the worker never ran, or no
-stored state at all make the new owner recompute everything.
+stored state at all make the new owner recompute everything. A step that reached the worker runs even
+when its caller is gone (worker_service/servicer.py), so "never ran" is left to a plan that never
+reached the worker.
 """
 
 from __future__ import annotations

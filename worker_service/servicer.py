@@ -25,6 +25,12 @@ from worker_service.plan import StepPlanData, plan_from_proto
 log = logging.getLogger(__name__)
 
 
+def _log_orphan_failure(step: asyncio.Future[StepOutput]) -> None:
+    """A step whose caller left ran to its end; a failure of it has no one else to tell."""
+    if not step.cancelled() and step.exception() is not None:
+        log.warning("a step whose caller had gone failed: %s", step.exception())
+
+
 def step_result(out: StepOutput) -> worker_pb2.StepResult:
     """The wire form of a step's output.
 
@@ -136,18 +142,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # A child of the engine loop's step span: its context comes in the call's metadata.
         span = self._tracer.start_span("llmserve.worker.execute_step", kind=SpanKind.SERVER,
                                        context=context_from_metadata(context.invocation_metadata()))
+        # Shielded from the caller: a plan that reached the worker runs in its turn even if its caller is gone
+        # (a scheduler replica killed while this step waited behind the one before it). The next owner lands
+        # its kept result (Reset with keep_cache reports the last steps); dropped, it would leave the stored
+        # state, which already counts the step as run under async scheduling, one step ahead of the cache, and
+        # the next owner would recompute every sequence.
+        step = asyncio.ensure_future(self._run_step(request))
         try:
-            async with self._lock:
-                self._fence(request.epoch)
-                plan = plan_from_proto(request)
-                # The wire plan too: a tensor-parallel rank 0 forwards it to the other ranks.
-                out = await self._model_thread.call(self._execute, plan, request)
+            out = await asyncio.shield(step)
+        except asyncio.CancelledError:
+            step.add_done_callback(_log_orphan_failure)
+            raise
         except Exception as exc:
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             span.end()
             raise  # the status: shared.grpc_server.EdgeInterceptor
         self._observe(request, out, span)
         return step_result(out)
+
+    async def _run_step(self, request: worker_pb2.StepPlan) -> StepOutput:
+        async with self._lock:
+            self._fence(request.epoch)
+            plan = plan_from_proto(request)
+            # The wire plan too: a tensor-parallel rank 0 forwards it to the other ranks.
+            return await self._model_thread.call(self._execute, plan, request)
 
     def _observe(self, plan: worker_pb2.StepPlan, out: StepOutput, span: trace.Span) -> None:
         """The step's span attributes and metrics (execute_seconds is the runner's own measurement)."""

@@ -85,3 +85,49 @@ def test_servicer_runs_steps_on_the_model_thread_it_was_given() -> None:
     finally:
         model_thread.shutdown()
     assert runner.threads == [loaded_on] * 3
+
+
+class _GatedRunner:
+    """Stands in for the ModelRunner: step 1 waits for a gate; every step's id is recorded as it runs."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.ran: list[int] = []
+
+    def execute(self, plan: Any, wire: Any = None) -> Any:
+        if wire.step_id == 1:
+            self.started.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+        self.ran.append(wire.step_id)
+        raise RuntimeError("no model here")  # what the servicer returns is not what this test is about
+
+
+def test_a_step_whose_caller_left_while_it_waited_still_runs_in_its_turn(caplog: pytest.LogCaptureFixture) -> None:
+    # A scheduler replica killed with step 2 queued behind step 1 (async scheduling): its calls are cancelled, but
+    # the stored state counts step 2 as run, so the worker must run it for the next owner to land its result.
+    model_thread = ModelThread()
+    runner = _GatedRunner()
+    servicer = WorkerServicer(runner, model_name="m", model_thread=model_thread)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(servicer.ExecuteStep(worker_pb2.StepPlan(step_id=1, epoch=1), _Context()))  # type: ignore[arg-type]
+        assert await asyncio.to_thread(runner.started.wait, 60)
+        second = asyncio.ensure_future(servicer.ExecuteStep(worker_pb2.StepPlan(step_id=2, epoch=1), _Context()))  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # step 2 now waits for step 1
+        first.cancel()
+        second.cancel()
+        for call in (first, second):
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        runner.gate.set()
+        # The servicer's next call queues behind both orphans, so when it returns they have run.
+        with pytest.raises(RuntimeError):
+            await servicer.ExecuteStep(worker_pb2.StepPlan(step_id=3, epoch=1), _Context())  # type: ignore[arg-type]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        model_thread.shutdown()
+    assert runner.ran == [1, 2, 3]
+    assert sum("a step whose caller had gone failed: no model here" in r.getMessage() for r in caplog.records) == 2
