@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.kernels.huge_pages import advise_huge_pages
-
 # Bytes per innermost key-cache chunk; x = _KEY_CHUNK_BYTES // element_size.
 _KEY_CHUNK_BYTES = 16
 
@@ -138,14 +136,8 @@ def allocate_kv_cache(
     # Zeros, not empty: stale NaNs in never-written slots would otherwise leak
     # through 0 * NaN in kernels that touch whole blocks. One allocation per kind, every layer a view of it:
     # a kernel that runs all layers in one call takes the stack as one array (stacked_layers).
-    def zeros(shape: tuple[int, ...]) -> torch.Tensor:
-        cache = torch.empty((num_layers, *shape), dtype=dtype, device=dev, pin_memory=pin_memory)
-        if not pin_memory:
-            # Before the first write: huge pages back the memory as it is first touched (kernels/huge_pages.py).
-            advise_huge_pages(cache)
-        return cache.zero_()
-
-    keys, values = zeros(k_shape), zeros(v_shape)
+    keys = torch.zeros((num_layers, *k_shape), dtype=dtype, device=dev, pin_memory=pin_memory)
+    values = torch.zeros((num_layers, *v_shape), dtype=dtype, device=dev, pin_memory=pin_memory)
     return list(keys.unbind(0)), list(values.unbind(0))
 
 
