@@ -94,6 +94,10 @@ _LANES = 64
 # sequences of 256 tokens, 30 layers, alternating: 61.8 -> 55.1 ms a step over a cache out of the CPU's
 # caches, 30.7-35.2 -> 25.5-29.1 ms within them; the same output, bit for bit.
 _RUN_BLOCKS = 8
+# The most bytes of a block's kv heads one work item reads side by side. A whole sequence of the default model
+# (3 kv heads x 4 KiB); no more, as an item's scratch grows with its query heads (lanes, scores and value sums:
+# ~130 KiB a thread for the default model's 9 heads), and models with many heads would leave L2 for it.
+_ITEM_BYTES = 12 * 1024
 
 
 @numba.njit(fastmath={"contract", "reassoc"}, cache=True)
@@ -230,12 +234,18 @@ def decode_attention(
     values_flat = value_cache.reshape(value_cache.size)
     use_alibi = slopes.shape[0] > 0
     widen = key_cache.itemsize == 2  # bf16 (as int16), widened block by block
-    # A work item: the kv heads [h_first, h_first + per_item) of one sequence. Every kv head of it when there are
-    # sequences enough to keep the threads busy: a block's kv heads lie side by side, so the item then reads one
-    # span of 3 x 4 KiB per block instead of a 4 KiB piece (the hardware prefetchers start over at every
-    # scattered piece). One kv head per item for a few sequences, so that the threads share even one sequence.
-    parts = 1 if num_seqs >= 2 * threads else kv_heads
-    per_item = kv_heads // parts
+    # A work item: the kv heads [h_first, h_first + per_item) of one sequence. A block's kv heads lie side by
+    # side, so an item of several reads one stretch per block instead of scattered pieces (the hardware
+    # prefetchers start over at every piece): as many as fit in _ITEM_BYTES (the default model's 3 x 4 KiB)
+    # when there are sequences enough to keep the threads busy. One kv head per item for a few sequences, so
+    # that the threads share even one sequence, and where one head's piece is already that long.
+    per_item = 1
+    if num_seqs >= 2 * threads:
+        for count in range(kv_heads, 1, -1):
+            if kv_heads % count == 0 and count * per_block * key_cache.itemsize <= _ITEM_BYTES:
+                per_item = count
+                break
+    parts = kv_heads // per_item
     heads = per_item * group  # query heads of an item
     item_block = per_item * per_block  # elements of an item's share of one block
     items = num_seqs * parts
