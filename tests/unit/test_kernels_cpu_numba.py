@@ -21,6 +21,7 @@ from tests.hypothesis_profiles import examples
 from llmserve.kernels.cpu import _numba_decode, _numba_prefill
 from llmserve.kernels.cpu import attention as cpu_attention
 from llmserve.kernels.cpu import numba_attention
+from llmserve.kernels.cpu.numpy_views import numpy_view
 from tests import kernel_cases
 from tests.kernel_cases import TOLERANCE, PagedCache, alibi_slopes_for, nan_like, rel_error
 from tests.kernels_reference import ref_context_attention, ref_paged_attention
@@ -248,9 +249,9 @@ def test_decode_results_do_not_depend_on_how_items_split_the_heads(dtype: torch.
     context_lens = torch.tensor(lens, dtype=torch.int32)
     slopes = alibi_slopes_for(9) if alibi else None
     kernel_slopes = np.empty(0, np.float32) if slopes is None else slopes.numpy()
-    view = torch.float32 if dtype == torch.float32 else torch.int16
-    keys = cache.key_cache.view(view).flatten(3).numpy()
-    values = cache.value_cache.view(view).numpy()
+    view = numba_attention._KERNEL_VIEW[dtype]  # the arrays as the worker's calls hand them to the kernel
+    keys = numpy_view(cache.key_cache, view, flatten_from=3)
+    values = numpy_view(cache.value_cache, view)
     outputs = []
     for threads in (1, 8):
         out = torch.full_like(query, float("nan"))
