@@ -31,6 +31,26 @@ def test_16bit_without_kernels_is_named_with_the_way_out(dtype: torch.dtype, nam
     assert torch.backends.cpu.get_cpu_capability() in message
 
 
+def test_float16_without_its_kernels_points_to_bfloat16_where_this_cpu_has_those(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An AMD Zen 4: AVX512-BF16 without AVX512-FP16. The fp16 message must not name bf16's instructions as
+    # what fp16 lacks, and it offers bf16 as the 16-bit choice.
+    monkeypatch.setattr(linear, "onednn_has_kernels", lambda dtype: dtype == torch.bfloat16)
+    assert slow_dtype_warning(torch.bfloat16, CPU) is None
+    message = slow_dtype_warning(torch.float16, CPU)
+    assert message is not None
+    assert "AVX512-FP16" in message and "AVX512-BF16" not in message
+    assert "--dtype bfloat16" in message and "--dtype float32" in message
+
+
+@pytest.mark.usefixtures("no_16bit_kernels")
+def test_without_any_16bit_kernels_float32_is_the_only_way_out() -> None:
+    bf16, fp16 = slow_dtype_warning(torch.bfloat16, CPU), slow_dtype_warning(torch.float16, CPU)
+    assert bf16 is not None and fp16 is not None
+    assert "AVX512-BF16" in bf16 and "AVX512-FP16" in fp16
+    assert "use --dtype float32" in bf16 and "use --dtype float32" in fp16
+
+
 @pytest.mark.usefixtures("no_16bit_kernels")
 def test_float32_and_gpus_never_warn() -> None:
     assert slow_dtype_warning(torch.float32, CPU) is None

@@ -63,20 +63,29 @@ def onednn_has_kernels(dtype: torch.dtype) -> bool:
         return False
 
 
+# The instructions oneDNN's 16-bit matmul kernels need, by dtype: bf16 kernels do not serve float16.
+_16BIT_KERNELS_NEED = {torch.bfloat16: ("bfloat16", "AVX512-BF16 or AMX"),
+                       torch.float16: ("float16", "AVX512-FP16 or AMX")}
+
+
 def slow_dtype_warning(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why a 16-bit ``dtype`` will run slower than float32 on this CPU, or None.
 
-    Without bf16 / fp16 instructions (AVX512-BF16, AVX512-FP16, AMX) oneDNN has no kernels for them and
-    the projections fall back to generic ones: on a 2-core AVX2 EPYC, a [64, 576] x [576, 3072] projection
-    took 12.1 ms in bf16 and 10.1 ms in fp16 against 1.65 ms in float32, and `make bench`'s workload ran at
-    21.8 output tok/s in bf16 against 103.9 in float32 (docs/benchmarks-history.md).
+    Without the dtype's instructions oneDNN has no kernels for it and the projections fall back to
+    generic ones: on a 2-core AVX2 EPYC, a [64, 576] x [576, 3072] projection took 12.1 ms in bf16 and
+    10.1 ms in fp16 against 1.65 ms in float32, and `make bench`'s workload ran at 21.8 output tok/s in
+    bf16 against 103.9 in float32 (docs/benchmarks-history.md). A CPU can have one dtype's kernels and
+    not the other's: on a 2-core AMD Zen 4 (AVX512-BF16, no AVX512-FP16) the same projection took 0.62 ms
+    in bf16, 5.9 ms in fp16 and 1.15 ms in float32; the message then names bf16 as the 16-bit way out.
     """
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or onednn_has_kernels(dtype):
+    if device.type != "cpu" or dtype not in _16BIT_KERNELS_NEED or onednn_has_kernels(dtype):
         return None
-    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    name, needs = _16BIT_KERNELS_NEED[dtype]
+    way_out = "--dtype float32 (the CPU default) unless memory is the limit"
+    if dtype != torch.bfloat16 and onednn_has_kernels(torch.bfloat16):
+        way_out = "--dtype bfloat16, which this CPU has kernels for, or --dtype float32 (the CPU default)"
     return (f"--dtype {name}: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no {name} matmul kernels "
-            f"(oneDNN needs AVX512-BF16, AVX512-FP16 or AMX), so the model runs several times slower than in "
-            f"float32; use --dtype float32 (the CPU default) unless memory is the limit")
+            f"(oneDNN needs {needs}), so the model runs several times slower than in float32; use {way_out}")
 
 
 def bucket_rows(rows: int) -> int:
