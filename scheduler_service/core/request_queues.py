@@ -122,6 +122,8 @@ class RequestQueues:
             if not seq.is_finished:
                 raise ValueError(f"seq {seq.seq_id} added as a hypothesis must be finished, got {seq.status.name}.")
         prompt = group.seqs[0].prompt_token_ids
+        # Every check before the first block is freed: a bad hypothesis leaves the group as it was.
+        self._check_joining(group, add_finished, prompt, freed={seq.seq_id for seq in drop})
         for seq in drop:
             if not seq.is_finished:
                 # Marked finished so that update_after_step skips it if it was in the step.
@@ -130,7 +132,7 @@ class RequestQueues:
             group.seqs.remove(seq)
             self._seq_ids.discard(seq.seq_id)
         for seq in add_finished:
-            self._add_to_group(group, seq, prompt)
+            self._add_to_group(group, seq)
         if group.is_finished():
             self._remove(group)
 
@@ -142,21 +144,29 @@ class RequestQueues:
         self._check_member(group)
         if parent.status is not SequenceStatus.RUNNING or not any(s is parent for s in group.seqs):
             raise ValueError(f"seq {parent.seq_id} is not a running sequence of request {group.request_id!r}.")
-        if child.seq_id in self._seq_ids:
-            raise ValueError(f"seq_id {child.seq_id} is already in use.")
+        # Checked before the fork: a child that cannot join must not be left holding references to parent's blocks.
+        self._check_joining(group, [child], parent.prompt_token_ids)
         self.block_manager.fork(parent, child)
         child.status = SequenceStatus.RUNNING
-        self._add_to_group(group, child, parent.prompt_token_ids)
+        self._add_to_group(group, child)
 
     def _check_member(self, group: SequenceGroup) -> None:
         if self._requests.get(group.request_id) is not group:
             raise ValueError(f"request {group.request_id!r} is not scheduled.")
 
-    def _add_to_group(self, group: SequenceGroup, seq: Sequence, prompt: list[int]) -> None:
-        if seq.seq_id in self._seq_ids:
-            raise ValueError(f"seq_id {seq.seq_id} is already in use.")
-        if seq.prompt_token_ids != prompt:
-            raise ValueError(f"seq {seq.seq_id} must share the prompt of request {group.request_id!r}.")
+    def _check_joining(self, group: SequenceGroup, seqs: list[Sequence], prompt: list[int],
+                       freed: frozenset[int] | set[int] = frozenset()) -> None:
+        """Raises unless every seq may join the group: a free seq_id (`freed`: ids that leave it first) and its prompt."""
+        taken = self._seq_ids - freed
+        for seq in seqs:
+            if seq.seq_id in taken:
+                raise ValueError(f"seq_id {seq.seq_id} is already in use.")
+            taken.add(seq.seq_id)
+            if seq.prompt_token_ids != prompt:
+                raise ValueError(f"seq {seq.seq_id} must share the prompt of request {group.request_id!r}.")
+
+    def _add_to_group(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Adds a seq that _check_joining accepted."""
         group.seqs.append(seq)
         self._seq_ids.add(seq.seq_id)
 

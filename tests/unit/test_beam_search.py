@@ -199,6 +199,47 @@ def test_replace_beams_frees_dropped_beams_reuses_their_ids_and_finishes_the_gro
     assert sched.block_manager.get_num_used_blocks() == 0
 
 
+def test_a_child_that_cannot_join_is_refused_before_it_shares_a_block() -> None:
+    sched = make_scheduler(num_gpu_blocks=8, block_size=4)
+    group = _beam_group([1, 2, 3, 4, 5, 6])
+    sched.add_request(group)
+    out = sched.schedule()
+    parent = group.seqs[0]
+    sched.update_after_step(out, {0: 7})
+    bm = sched.block_manager
+    with pytest.raises(ValueError, match="must share the prompt"):
+        sched.fork_seq(group, parent, Sequence(1, [1, 2, 3, 4, 5, 9], [8]))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.fork_seq(group, parent, Sequence(0, [1, 2, 3, 4, 5, 6], [8]))
+    assert [bm.block_pool.get_ref_count(b) for b in bm.get_block_table(parent)] == [1, 1]
+    assert [s.seq_id for s in group.seqs] == [0]
+    sched.fork_seq(group, parent, Sequence(1, [1, 2, 3, 4, 5, 6], [8]))  # the id and prompt are still free to use
+    assert [bm.block_pool.get_ref_count(b) for b in bm.get_block_table(parent)] == [2, 2]
+
+
+def test_a_refused_hypothesis_leaves_the_beams_and_their_blocks_as_they_were() -> None:
+    sched = make_scheduler(num_gpu_blocks=8, block_size=4)
+    group = _beam_group([1, 2, 3])
+    sched.add_request(group)
+    out = sched.schedule()
+    parent = group.seqs[0]
+    sched.update_after_step(out, {0: 7})
+    sched.fork_seq(group, parent, Sequence(1, [1, 2, 3], [8]))
+    bm = sched.block_manager
+    table, used = bm.get_block_table(parent), bm.get_num_used_blocks()
+    bad = [Sequence(2, [1, 2, 4], [7, EOS], status=SequenceStatus.FINISHED_STOPPED)]
+    twice = [Sequence(2, [1, 2, 3], [7, EOS], status=SequenceStatus.FINISHED_STOPPED),
+             Sequence(2, [1, 2, 3], [8, EOS], status=SequenceStatus.FINISHED_STOPPED)]
+    for hypotheses, message in ((bad, "must share the prompt"), (twice, "already in use")):
+        with pytest.raises(ValueError, match=message):
+            sched.replace_beams(group, [parent], hypotheses)
+        assert [s.seq_id for s in group.seqs] == [0, 1] and parent.status is SequenceStatus.RUNNING
+        assert bm.get_block_table(parent) == table and bm.get_num_used_blocks() == used
+    # The dropped beam's id is free for a hypothesis of the same call.
+    sched.replace_beams(group, [parent], [Sequence(0, [1, 2, 3], [7, EOS], status=SequenceStatus.FINISHED_STOPPED)])
+    assert [s.seq_id for s in group.seqs] == [1, 0]
+
+
 def test_a_beam_search_wider_than_max_num_seqs_is_ignored() -> None:
     sched = make_scheduler(max_num_seqs=2)
     sp = SamplingParams(use_beam_search=True, best_of=3, temperature=0.0)
