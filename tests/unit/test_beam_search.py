@@ -13,6 +13,7 @@ from scheduler_service.core.beam_search import (
     beam_step,
     hypothesis_score,
 )
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from shared.sampling_params import SamplingParams
 from tests.unit.test_scheduler import make_scheduler
@@ -156,13 +157,18 @@ def _beam_group(prompt: list[int]) -> SequenceGroup:
     return SequenceGroup("b", [Sequence(0, prompt)], sp, 0.0)
 
 
-def test_fork_seq_shares_blocks_and_the_next_step_copies_the_last_on_write() -> None:
+def _after_first_step(prompt: list[int]) -> tuple[Scheduler, SequenceGroup, Sequence]:
+    """A beam search request whose prompt ran one step (token 7): the scheduler, the group and its one beam."""
     sched = make_scheduler(num_gpu_blocks=8, block_size=4)
-    group = _beam_group([1, 2, 3, 4, 5, 6])
+    group = _beam_group(prompt)
     sched.add_request(group)
     out = sched.schedule()
-    parent = group.seqs[0]
     sched.update_after_step(out, {0: 7})
+    return sched, group, group.seqs[0]
+
+
+def test_fork_seq_shares_blocks_and_the_next_step_copies_the_last_on_write() -> None:
+    sched, group, parent = _after_first_step([1, 2, 3, 4, 5, 6])
     child = Sequence(1, [1, 2, 3, 4, 5, 6], [8])
     sched.fork_seq(group, parent, child)
     bm = sched.block_manager
@@ -176,12 +182,7 @@ def test_fork_seq_shares_blocks_and_the_next_step_copies_the_last_on_write() -> 
 
 
 def test_replace_beams_frees_dropped_beams_reuses_their_ids_and_finishes_the_group() -> None:
-    sched = make_scheduler(num_gpu_blocks=8, block_size=4)
-    group = _beam_group([1, 2, 3])
-    sched.add_request(group)
-    out = sched.schedule()
-    parent = group.seqs[0]
-    sched.update_after_step(out, {0: 7})
+    sched, group, parent = _after_first_step([1, 2, 3])
     sched.fork_seq(group, parent, Sequence(1, [1, 2, 3], [8]))
     used = sched.block_manager.get_num_used_blocks()
     # The first beam finishes as a hypothesis under the dropped beam's id 0; beam 1 goes on.
@@ -200,12 +201,7 @@ def test_replace_beams_frees_dropped_beams_reuses_their_ids_and_finishes_the_gro
 
 
 def test_a_child_that_cannot_join_is_refused_before_it_shares_a_block() -> None:
-    sched = make_scheduler(num_gpu_blocks=8, block_size=4)
-    group = _beam_group([1, 2, 3, 4, 5, 6])
-    sched.add_request(group)
-    out = sched.schedule()
-    parent = group.seqs[0]
-    sched.update_after_step(out, {0: 7})
+    sched, group, parent = _after_first_step([1, 2, 3, 4, 5, 6])
     bm = sched.block_manager
     with pytest.raises(ValueError, match="must share the prompt"):
         sched.fork_seq(group, parent, Sequence(1, [1, 2, 3, 4, 5, 9], [8]))
@@ -218,12 +214,7 @@ def test_a_child_that_cannot_join_is_refused_before_it_shares_a_block() -> None:
 
 
 def test_a_refused_hypothesis_leaves_the_beams_and_their_blocks_as_they_were() -> None:
-    sched = make_scheduler(num_gpu_blocks=8, block_size=4)
-    group = _beam_group([1, 2, 3])
-    sched.add_request(group)
-    out = sched.schedule()
-    parent = group.seqs[0]
-    sched.update_after_step(out, {0: 7})
+    sched, group, parent = _after_first_step([1, 2, 3])
     sched.fork_seq(group, parent, Sequence(1, [1, 2, 3], [8]))
     bm = sched.block_manager
     table, used = bm.get_block_table(parent), bm.get_num_used_blocks()
