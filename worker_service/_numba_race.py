@@ -47,6 +47,14 @@ def _hash32(x: np.uint32) -> np.uint32:
     return x ^ (x >> _U32(16))
 
 
+@numba.njit(inline="always", cache=True)
+def _noise(token: int, a: np.uint32, b: np.uint32) -> np.float32:
+    """Token ``token``'s E = -log(u) of a row keyed (a, b): u = (2k + 1) / 2^24 for the hash's top 23 bits k,
+    exact in float32, never 0 or 1."""
+    k = np.int32(_hash32(_hash32(_U32(token) ^ a) ^ b) >> _U32(9))
+    return -log_f32(np.float32(k * np.int32(2) + np.int32(1)) * _INV_2_24)
+
+
 # error_model="numpy": a float division is IEEE's, not Python's (whose zero check kept the loop scalar).
 @numba.njit(_SIGNATURE, parallel=True, fastmath={"contract"}, error_model="numpy", cache=True, nogil=True)
 def race_tokens(logits: np.ndarray, inverse_temperature: np.ndarray, key_a: np.ndarray, key_b: np.ndarray,
@@ -64,14 +72,38 @@ def race_tokens(logits: np.ndarray, inverse_temperature: np.ndarray, key_a: np.n
         a, b = key_a[r], key_b[r]
         ratios = np.empty(vocab, dtype=np.float32)
         for i in range(vocab):
-            # u = (2k + 1) / 2^24 for the hash's top 23 bits k: exact in float32, never 0 or 1.
-            k = np.int32(_hash32(_hash32(_U32(i) ^ a) ^ b) >> _U32(9))
-            noise = -log_f32(np.float32(k * np.int32(2) + np.int32(1)) * _INV_2_24)
-            ratios[i] = exp_f32((row[i] - largest) * scale) / noise
+            ratios[i] = exp_f32((row[i] - largest) * scale) / _noise(i, a, b)
         best = max_of(ratios, 0, vocab)
         chosen = 0
         for i in range(vocab):
             if ratios[i] == best:
                 chosen = i
                 break
+        out[r] = chosen
+
+
+_CANDIDATES_SIGNATURE = numba.void(numba.float32[:, ::1], numba.int64[:, ::1], numba.uint32[::1], numba.uint32[::1],
+                                   numba.int64[::1])
+
+
+@numba.njit(_CANDIDATES_SIGNATURE, parallel=True, fastmath={"contract"}, error_model="numpy", cache=True, nogil=True)
+def race_candidates(values: np.ndarray, token_ids: np.ndarray, key_a: np.ndarray, key_b: np.ndarray,
+                    out: np.ndarray) -> None:
+    """race_tokens over each row's candidates only (``values[r, j]`` is token ``token_ids[r, j]``'s logit, -inf
+    outside the row's top-k / nucleus), at temperature 1: the same token as race_tokens over the whole row
+    masked to those sets, since every token outside them has probability 0 and each token's noise is keyed
+    by its id. A top-p row's nucleus is a few hundred tokens, not the whole vocabulary."""
+    rows, count = values.shape
+    scale = np.float32(1.0)
+    for r in numba.prange(rows):
+        largest = max_of(values[r], 0, count)
+        a, b = key_a[r], key_b[r]
+        best = np.float32(-1.0)
+        chosen = np.int64(-1)
+        for j in range(count):
+            i = token_ids[r, j]
+            ratio = exp_f32((values[r, j] - largest) * scale) / _noise(i, a, b)
+            # race_tokens takes the first token of the row on a tie: the smallest id.
+            if ratio > best or (ratio == best and i < chosen):
+                best, chosen = ratio, i
         out[r] = chosen

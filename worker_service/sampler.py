@@ -32,14 +32,16 @@ import numpy as np
 import torch
 
 from shared.sampling_params import SamplingParams
-from worker_service._numba_race import race_tokens
+from worker_service._numba_race import race_candidates, race_tokens
 from worker_service.grammar_masks import TokenMasks
 from worker_service.logits_processing import (
     apply_min_p,
     apply_penalties,
+    TopCut,
     apply_top_k_top_p,
     mask_tokens,
     token_counts,
+    top_k_top_p_cut,
 )
 from worker_service.seeded_noise import row_keys, seeded_exponentials
 from worker_service.token_bitmask import apply_token_bitmask
@@ -179,6 +181,8 @@ def _sample_random(logits: torch.Tensor, params: list[SamplingParams], positions
         # The compiled race takes the temperature itself: one pass over each row in all.
         return _race_on_cpu(logits, 1.0 / temps, params, positions)
     logits = logits / temps.unsqueeze(1)
+    if on_cpu and cut and not floor:
+        return _race_cut_on_cpu(logits, top_k_top_p_cut(logits, top_k, top_p), params, positions)
     if cut:
         logits = apply_top_k_top_p(logits, top_k, top_p)
     if floor:
@@ -204,23 +208,50 @@ def _compiled_race_for(logits: torch.Tensor) -> bool:
     return logits.device.type == "cpu" and logits.dtype == torch.float32
 
 
+def _race_keys(params: list[SamplingParams], positions: list[int], device: torch.device) -> np.ndarray:
+    """Each row's two 32-bit race keys ``[2, rows]``: seeded rows from (seed, position), the others at random."""
+    keys = torch.randint(0, 1 << 32, (2, len(params)), dtype=torch.int64)
+    seeded = [j for j, p in enumerate(params) if p.seed is not None]
+    if seeded:
+        a, b = row_keys([params[j].seed for j in seeded], [positions[j] for j in seeded],  # type: ignore[misc]
+                        device)
+        keys[0, seeded], keys[1, seeded] = a, b
+    return keys.numpy().astype(np.uint32)
+
+
 def _race_on_cpu(logits: torch.Tensor, inverse_temperature: torch.Tensor, params: list[SamplingParams],
                  positions: list[int]) -> torch.Tensor:
     """The exponential race of _sample_random's torch path, compiled (_numba_race.py): ~10x faster on a CPU.
 
     Seeded rows hash their (seed, position) keys into the same noise as seeded_exponentials; unseeded
-    rows take random keys from torch's global generator.
+    rows take random keys from torch's generator.
     """
-    keys = torch.randint(0, 1 << 32, (2, len(params)), dtype=torch.int64)
-    seeded = [j for j, p in enumerate(params) if p.seed is not None]
-    if seeded:
-        a, b = row_keys([params[j].seed for j in seeded], [positions[j] for j in seeded],  # type: ignore[misc]
-                        logits.device)
-        keys[0, seeded], keys[1, seeded] = a, b
-    words = keys.numpy().astype(np.uint32)
+    words = _race_keys(params, positions, logits.device)
     chosen = np.empty(len(params), dtype=np.int64)
     race_tokens(logits.contiguous().numpy(), inverse_temperature.to(torch.float32).contiguous().numpy(), words[0],
                 words[1], chosen)
+    return torch.from_numpy(chosen)
+
+
+def _race_cut_on_cpu(logits: torch.Tensor, cut: TopCut, params: list[SamplingParams],
+                     positions: list[int]) -> torch.Tensor:
+    """_race_on_cpu over the rows masked to their top-k / nucleus sets (``logits`` already tempered), the same
+    tokens: rows decided on their candidates race over those only, the rest over their whole (masked) rows.
+    64 top-p rows of the default model's vocabulary: the race ~5 ms over whole rows, ~0.1 ms over nuclei."""
+    words = _race_keys(params, positions, logits.device)
+    chosen = np.empty(len(params), dtype=np.int64)
+    whole = torch.cat([cut.uncut, cut.sorted_rows]).numpy()
+    if len(whole):
+        rows = torch.cat([logits[cut.uncut], cut.sorted_logits]).to(torch.float32).contiguous().numpy()
+        picked = np.empty(len(whole), dtype=np.int64)
+        race_tokens(rows, np.ones(len(whole), dtype=np.float32), words[0, whole], words[1, whole], picked)
+        chosen[whole] = picked
+    for index, values, order in cut.chunks:
+        at = index.numpy()
+        picked = np.empty(len(at), dtype=np.int64)
+        race_candidates(values.to(torch.float32).contiguous().numpy(), order.contiguous().numpy(), words[0, at],
+                        words[1, at], picked)
+        chosen[at] = picked
     return torch.from_numpy(chosen)
 
 
