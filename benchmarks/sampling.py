@@ -67,6 +67,7 @@ def model_logits(rows: int) -> torch.Tensor:
 def torch_only() -> Iterator[None]:
     """The sampler as it was: torch's race, and top-k / top-p over whole sorted rows."""
     with mock.patch.object(sampler, "_compiled_race_for", lambda logits: False), \
+            mock.patch.object(logits_processing, "_compiled_cut_for", lambda logits: False), \
             mock.patch.object(logits_processing, "CANDIDATE_COUNTS", ()):
         yield
 

@@ -84,13 +84,17 @@ def sample(
     if grammar_masks is not None:
         constrained = apply_grammar(logits, constrained, grammar_masks)
     logits = constrained
-    chosen = _argmax(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        chosen[rows] = _sample_random(
-            logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows]
-        )
+    if len(random_rows) == len(params):
+        # Every row samples: no argmax, and no copy of the rows (12.5 MB for 64 rows of a 49k vocabulary).
+        chosen = _sample_random(logits, params, positions)
+    else:
+        chosen = _argmax(logits)
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            chosen[rows] = _sample_random(
+                logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows]
+            )
     token_logprobs = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     return SamplerOutput(chosen.tolist(), token_logprobs.tolist(), _top_logprobs(raw_logprobs, params))
 
@@ -177,12 +181,14 @@ def _sample_random(logits: torch.Tensor, params: list[SamplingParams], positions
     cut = bool((top_k > 0).any()) or bool((top_p < 1.0).any())
     floor = any(p.min_p > 0.0 for p in params)
     on_cpu = _compiled_race_for(logits)
-    if on_cpu and not cut and not floor:
-        # The compiled race takes the temperature itself: one pass over each row in all.
-        return _race_on_cpu(logits, 1.0 / temps, params, positions)
+    if on_cpu and not floor:
+        # The compiled race and cut take the temperature themselves: no tempered copy of the rows.
+        inverse_temperature = 1.0 / temps
+        if not cut:
+            return _race_on_cpu(logits, inverse_temperature, params, positions)
+        return _race_cut_on_cpu(logits, inverse_temperature,
+                                top_k_top_p_cut(logits, top_k, top_p, inverse_temperature), params, positions)
     logits = logits / temps.unsqueeze(1)
-    if on_cpu and cut and not floor:
-        return _race_cut_on_cpu(logits, top_k_top_p_cut(logits, top_k, top_p), params, positions)
     if cut:
         logits = apply_top_k_top_p(logits, top_k, top_p)
     if floor:
@@ -233,20 +239,24 @@ def _race_on_cpu(logits: torch.Tensor, inverse_temperature: torch.Tensor, params
     return torch.from_numpy(chosen)
 
 
-def _race_cut_on_cpu(logits: torch.Tensor, cut: TopCut, params: list[SamplingParams],
-                     positions: list[int]) -> torch.Tensor:
-    """_race_on_cpu over the rows masked to their top-k / nucleus sets (``logits`` already tempered), the same
-    tokens: rows decided on their candidates race over those only, the rest over their whole (masked) rows.
-    64 top-p rows of the default model's vocabulary: the race ~5 ms over whole rows, ~0.1 ms over nuclei."""
+def _race_cut_on_cpu(logits: torch.Tensor, inverse_temperature: torch.Tensor, cut: TopCut,
+                     params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    """_race_on_cpu over the rows masked to their top-k / nucleus sets (``cut`` of ``logits`` at
+    ``inverse_temperature``): rows decided on their candidates race over those only, the rest over their whole
+    rows (uncut ones at their temperature, sorted ones already tempered and masked). 64 top-p rows of the
+    default model's vocabulary: the race ~5 ms over whole rows, ~0.1 ms over nuclei."""
     words = _race_keys(params, positions, logits.device)
     chosen = np.empty(len(params), dtype=np.int64)
     whole = torch.cat([cut.uncut, cut.sorted_rows]).numpy()
     if len(whole):
         rows = torch.cat([logits[cut.uncut], cut.sorted_logits]).to(torch.float32).contiguous().numpy()
+        scale = torch.cat([inverse_temperature[cut.uncut], torch.ones(len(cut.sorted_rows))])
         picked = np.empty(len(whole), dtype=np.int64)
-        race_tokens(rows, np.ones(len(whole), dtype=np.float32), words[0, whole], words[1, whole], picked)
+        race_tokens(rows, scale.to(torch.float32).contiguous().numpy(), words[0, whole], words[1, whole], picked)
         chosen[whole] = picked
     for index, values, order in cut.chunks:
+        if not len(index):
+            continue
         at = index.numpy()
         picked = np.empty(len(at), dtype=np.int64)
         race_candidates(values.to(torch.float32).contiguous().numpy(), order.contiguous().numpy(), words[0, at],
