@@ -1,4 +1,4 @@
-"""Each row's top-k and nucleus (top-p) sets on the CPU, compiled, without sorting or a top-k over the row.
+"""Each row's top-k, nucleus (top-p) and min-p sets on the CPU, compiled, without sorting or a top-k over the row.
 
 ``logits_processing.top_k_top_p_cut`` decides most rows on their few hundred most likely tokens; with
 torch it found those with a ``topk`` over the whole row and renormalised with an ``exp`` over it again,
@@ -13,6 +13,10 @@ vector loops where it can be, at its temperature T:
    descending order, with every tie included, gathered and sorted (a few hundred tokens);
 4. over that prefix, the nucleus exactly as ``_top_candidates`` decides it: the top-k renormalised
    over itself, the mass strictly before a token below top_p keeps it.
+
+min-p (vLLM applies it after top-k / top-p) keeps the tokens at least min_p times as likely as the most
+likely one, i.e. at most -log(min_p) nats below it: a prefix as well, so a row with min-p takes the
+bins up to that distance when they come first, and the cut stops at the first token below the floor.
 
 A row whose prefix would exceed the output's width (a wide nucleus; a top-k in a flat row, whose
 bins each hold thousands of tokens), or whose threshold lies beyond the histogram, is left
@@ -40,7 +44,8 @@ BINS = 64 * BINS_PER_NAT  # tokens more than 64 nats below the maximum: probabil
 _MASS_MARGIN = 1.0 + 1e-4
 
 _SIGNATURE = numba.void(numba.float32[:, ::1], numba.int64[::1], numba.int64[::1], numba.float32[::1],
-                        numba.float32[::1], numba.float32[:, ::1], numba.int64[:, ::1], numba.int64[::1])
+                        numba.float32[::1], numba.float32[::1], numba.float32[:, ::1], numba.int64[:, ::1],
+                        numba.int64[::1])
 
 
 @numba.njit(inline="always", cache=True)
@@ -53,8 +58,9 @@ def _bin(distance: np.float32) -> int:
 
 # Its own function, so that its flags stay its own: reassociated, the sum runs in vector lanes (a float32 sum in
 # order over 49k tokens was off by ~1e-5, enough to move a nucleus' boundary), in float64 it stays exact enough.
+# The exponentials are taken apart, under the callers' flags: reassociation would undo exp_f32's range reduction.
 @numba.njit(numba.float64(numba.float32[::1]), fastmath=True, cache=True, nogil=True)
-def _sum(values: np.ndarray) -> np.float64:
+def sum_f64(values: np.ndarray) -> np.float64:
     total = np.float64(0.0)
     for i in range(values.shape[0]):
         total += np.float64(values[i])
@@ -62,36 +68,40 @@ def _sum(values: np.ndarray) -> np.float64:
 
 
 @numba.njit(_SIGNATURE, parallel=True, fastmath={"contract"}, error_model="numpy", cache=True, nogil=True)
-def nucleus_cut(logits: np.ndarray, rows: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, scale: np.ndarray,
-                out_values: np.ndarray, out_ids: np.ndarray, kept: np.ndarray) -> None:
+def nucleus_cut(logits: np.ndarray, rows: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                scale: np.ndarray, out_values: np.ndarray, out_ids: np.ndarray, kept: np.ndarray) -> None:
     """For each ``j``, row ``rows[j]`` of ``logits``, times ``scale[j]`` (the inverse temperature), cut to its top
-    ``top_k[j]`` tokens (the vocabulary size for none) and then to the nucleus of ``top_p[j]`` over those:
-    ``kept[j]`` tokens, most likely first, in ``out_values[j, :kept[j]]`` (their scaled logits) and
-    ``out_ids[j, :kept[j]]``; ``kept[j] = -1`` when the row is not decided within ``out_values``' width."""
+    ``top_k[j]`` tokens (the vocabulary size for none), then to the nucleus of ``top_p[j]`` over those, then to
+    the tokens at least ``min_p[j]`` times as likely as the most likely one (0: none): ``kept[j]`` tokens, most
+    likely first, in ``out_values[j, :kept[j]]`` (their scaled logits) and ``out_ids[j, :kept[j]]``;
+    ``kept[j] = -1`` when the row is not decided within ``out_values``' width."""
     vocab = logits.shape[1]
     width = out_values.shape[1]
     for j in numba.prange(rows.shape[0]):
         row = logits[rows[j]]
-        k, p, s = top_k[j], top_p[j], scale[j]
+        k, p, floor, s = top_k[j], top_p[j], min_p[j], scale[j]
         kept[j] = -1
+        # min-p keeps the tokens at most -log(min_p) nats below the most likely: a prefix too, within these bins
+        # (a thousandth of a nat more, for the rounding of the exponentials it is decided on).
+        floor_bin = _bin(np.float32(-np.log(floor) + 1e-3)) if floor > np.float32(0.0) else BINS
         largest = max_of(row, 0, vocab)
         weights = np.empty(vocab, dtype=np.float32)
         for i in range(vocab):
             weights[i] = exp_f32((row[i] - largest) * s)
-        total = _sum(weights)
+        total = sum_f64(weights)
         counts = np.zeros(BINS + 1, dtype=np.int64)
         masses = np.zeros(BINS + 1, dtype=np.float64)
         for i in range(vocab):
             b = _bin((largest - row[i]) * s)
             counts[b] += 1
             masses[b] += weights[i]
-        # The first bins that hold the top-k, or without one the nucleus' mass.
+        # The first bins that hold the top-k, or without one the nucleus' mass or min-p's tokens.
         target = np.float64(p) * total * _MASS_MARGIN
         last, count, mass = -1, 0, np.float64(0.0)
         for b in range(BINS):
             count += counts[b]
             mass += masses[b]
-            if (k < vocab and count >= k) or (k >= vocab and mass >= target):
+            if (k < vocab and count >= k) or (k >= vocab and (mass >= target or b >= floor_bin)):
                 last = b
                 break
         if last < 0 or count > width or count == 0:
@@ -116,12 +126,13 @@ def nucleus_cut(logits: np.ndarray, rows: np.ndarray, top_k: np.ndarray, top_p: 
         mass = np.float64(0.0)
         n = 0
         for r in range(top):
-            if p < np.float32(1.0) and mass >= p:
+            weight = exp_f32((values[order[r]] - largest) * s)
+            if (p < np.float32(1.0) and mass >= p) or weight < floor:
                 break
-            mass += exp_f32((values[order[r]] - largest) * s) / renormaliser
+            mass += weight / renormaliser
             out_values[j, n] = values[order[r]] * s
             out_ids[j, n] = ids[order[r]]
             n += 1
-        # Decided when the top-k lies among the prefix, or the nucleus closed within it.
-        if k <= count or mass >= p:
+        # Decided when the top-k lies among the prefix, the nucleus closed within it, or it holds min-p's tokens.
+        if k <= count or mass >= p or last >= floor_bin:
             kept[j] = n

@@ -67,43 +67,50 @@ COMPILED_CUT_WIDTH = 4096
 
 @dataclass
 class TopCut:
-    """Each row's top-k and nucleus (top-p) sets, as top_k_top_p_cut decides them.
+    """Each row's top-k, nucleus (top-p) and min-p sets, as top_k_top_p_cut decides them.
 
     Most rows are decided on their few most likely tokens: ``chunks`` hold those rows' indices with their
     candidates' (tempered) logits (-inf outside the sets) and token ids, ``[rows, count]`` each. ``uncut`` rows
-    keep their whole row (not tempered); ``sorted_rows`` were sorted whole and ``sorted_logits`` are those rows
-    tempered and masked.
+    keep their whole row (not tempered); ``masked_logits`` are the ``masked_rows`` whole, tempered and masked
+    (rows sorted whole, and min-p's rows that no compiled cut decided).
     """
 
     uncut: torch.Tensor
     chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    sorted_rows: torch.Tensor
-    sorted_logits: torch.Tensor
+    masked_rows: torch.Tensor
+    masked_logits: torch.Tensor
 
 
 def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    inverse_temperature: torch.Tensor | None = None) -> TopCut:
-    """The top-k and then nucleus (top-p) sets of each row of ``logits * inverse_temperature`` (per row; none:
-    the logits as they are; top_k <= 0 keeps every token).
+                    inverse_temperature: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> TopCut:
+    """The top-k, then nucleus (top-p), then min-p sets of each row of ``logits * inverse_temperature`` (per
+    row; none: the logits as they are; top_k <= 0 keeps every token, min_p none or 0 applies no floor).
 
     The nucleus is taken on the distribution renormalised over the top-k, as vLLM does. Float32 rows on a CPU
     are cut by one compiled pass each (_numba_nucleus.py). The others, and the rows it leaves, are decided
     on their most likely tokens (CANDIDATE_COUNTS, or the whole top-k if larger) when their top-k or nucleus
     ends among them, and sorted whole otherwise: sorting 64 rows of a 49k vocabulary took 170 ms on a
-    2-core CPU, their top 256 with torch 9 ms, the compiled cut 3.3 ms on a Zen 5.
+    2-core CPU, their top 256 with torch 9 ms, the compiled cut 3.3 ms on a Zen 5. min-p is applied to
+    those by apply_min_p.
     """
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    filtered = (k < vocab) | (top_p < 1.0)
+    cutting = (k < vocab) | (top_p < 1.0)
+    floor = torch.zeros(len(logits)) if min_p is None else min_p.to(torch.float32)
+    filtered = cutting | (floor > 0.0)
     rows = filtered.nonzero().squeeze(1)
     scale = torch.ones(len(logits)) if inverse_temperature is None else inverse_temperature.to(torch.float32)
     chunks = []
     if rows.numel() and _compiled_cut_for(logits):
-        chunks, rows = _cut_compiled(logits, rows, k[rows], top_p[rows], scale[rows])
+        chunks, rows = _cut_compiled(logits, rows, k[rows], top_p[rows], floor[rows], scale[rows])
 
     def tempered(at: torch.Tensor) -> torch.Tensor:
         return logits[at] if inverse_temperature is None else logits[at] * scale[at].unsqueeze(1)
 
+    def floored(at: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return values if min_p is None else apply_min_p(values, floor[at])
+
+    floor_only, rows = rows[~cutting[rows]], rows[cutting[rows]]
     for candidates in CANDIDATE_COUNTS:
         if not rows.numel():
             break
@@ -112,10 +119,11 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         if count >= vocab // 2:
             break
         values, order, decided = _top_candidates(tempered(rows), rows_k, top_p[rows], count)
-        chunks.append((rows[decided], values[decided], order[decided]))
+        chunks.append((rows[decided], floored(rows[decided], values[decided]), order[decided]))
         rows = rows[~decided]
-    sorted_logits = _top_k_top_p_sorted(tempered(rows), k[rows], top_p[rows]) if rows.numel() else logits[:0]
-    return TopCut((~filtered).nonzero().squeeze(1), chunks, rows, sorted_logits)
+    masked = [floored(rows, _top_k_top_p_sorted(tempered(rows), k[rows], top_p[rows])) if rows.numel() else logits[:0],
+              floored(floor_only, tempered(floor_only))]
+    return TopCut((~filtered).nonzero().squeeze(1), chunks, torch.cat([rows, floor_only]), torch.cat(masked))
 
 
 def _compiled_cut_for(logits: torch.Tensor) -> bool:
@@ -123,7 +131,7 @@ def _compiled_cut_for(logits: torch.Tensor) -> bool:
     return logits.device.type == "cpu" and logits.dtype == torch.float32
 
 
-def _cut_compiled(logits: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+def _cut_compiled(logits: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   scale: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
     """_numba_nucleus.nucleus_cut over ``rows``: the chunk of the rows it decided (TopCut's layout, as wide as
     the widest of their sets), and the rows it left to torch."""
@@ -131,7 +139,8 @@ def _cut_compiled(logits: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, top
     ids = np.empty((len(rows), COMPILED_CUT_WIDTH), dtype=np.int64)
     kept = np.empty(len(rows), dtype=np.int64)
     nucleus_cut(logits.contiguous().numpy(), rows.numpy(), k.to(torch.int64).numpy(),
-                top_p.to(torch.float32).contiguous().numpy(), scale.contiguous().numpy(), values, ids, kept)
+                top_p.to(torch.float32).contiguous().numpy(), min_p.contiguous().numpy(), scale.contiguous().numpy(),
+                values, ids, kept)
     decided = kept > 0
     if not decided.any():
         return [], rows
@@ -151,7 +160,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     out[cut.uncut] = logits[cut.uncut]
     for rows, values, order in cut.chunks:
         out[rows] = out[rows].scatter_(-1, order, values)
-    out[cut.sorted_rows] = cut.sorted_logits
+    out[cut.masked_rows] = cut.masked_logits
     return out
 
 

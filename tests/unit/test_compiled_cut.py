@@ -17,18 +17,21 @@ VOCAB = 49_152  # the default model's: the whole-row sums the cut's boundary res
 NEAR_TIE = 1e-6
 
 
-def reference(row: np.ndarray, top_k: int, top_p: float) -> tuple[set[int], float]:
-    """The top-k, then the shortest prefix of the renormalised top-k whose mass reaches top_p, in float64;
-    and how close any token's preceding mass came to top_p (the margin of that decision)."""
+def reference(row: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[set[int], float]:
+    """The top-k, then the shortest prefix of the renormalised top-k whose mass reaches top_p, then the tokens
+    at least min_p times as likely as the first, in float64; and how close (relatively) any token's preceding
+    mass came to top_p or its probability ratio to min_p (the margin of those decisions)."""
     order = np.argsort(-row, kind="stable")
     candidates = order[:top_k] if 0 < top_k < len(row) else order
     finite = candidates[np.isfinite(row[candidates])]
     weights = np.exp(row[finite] - row[finite[0]])
     before = np.concatenate([[0.0], np.cumsum(weights / weights.sum())[:-1]])
-    if top_p >= 1.0:
-        return set(finite.tolist()), math.inf
-    keep = before < top_p
-    return set(finite[keep].tolist()), float(np.abs(before - top_p).min())
+    keep = before < top_p if top_p < 1.0 else np.ones(len(finite), dtype=bool)
+    margin = float(np.abs(before - top_p).min()) if top_p < 1.0 else math.inf
+    if min_p > 0.0:
+        keep &= weights >= min_p
+        margin = min(margin, float(np.abs(weights / min_p - 1.0).min()))
+    return set(finite[keep].tolist()), margin
 
 
 def kept_sets(cut: TopCut, logits: torch.Tensor) -> dict[int, set[int]]:
@@ -37,7 +40,7 @@ def kept_sets(cut: TopCut, logits: torch.Tensor) -> dict[int, set[int]]:
     for rows, values, ids in cut.chunks:
         for r, v, i in zip(rows.tolist(), values, ids):
             sets[r] = set(i[v > -math.inf].tolist())
-    for r, row in zip(cut.sorted_rows.tolist(), cut.sorted_logits):
+    for r, row in zip(cut.masked_rows.tolist(), cut.masked_logits):
         sets[r] = set(torch.nonzero(row > -math.inf).flatten().tolist())
     return sets
 
@@ -45,15 +48,17 @@ def kept_sets(cut: TopCut, logits: torch.Tensor) -> dict[int, set[int]]:
 def test_the_compiled_cut_keeps_the_reference_sets_at_each_rows_temperature(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(3)
     spreads = [9.0, 5.0, 3.0, 2.0, 1.0, 0.05]  # from a nucleus of one token to one of most of the vocabulary
-    params = [(0, 0.9), (0, 0.5), (0, 0.99), (1, 1.0), (50, 1.0), (300, 0.95), (2000, 0.8)]
-    cases = [(spread, k, p, temperature) for spread in spreads for k, p in params for temperature in (0.7, 1.3)]
-    logits = torch.stack([torch.randn(VOCAB, generator=g) * spread for spread, _, _, _ in cases])
+    params = [(0, 0.9, 0.0), (0, 0.5, 0.0), (0, 0.99, 0.0), (1, 1.0, 0.0), (50, 1.0, 0.0), (300, 0.95, 0.0),
+              (2000, 0.8, 0.0), (0, 1.0, 0.05), (0, 0.9, 0.1), (50, 0.95, 0.3)]
+    cases = [(spread, k, p, m, temperature) for spread in spreads for k, p, m in params for temperature in (0.7, 1.3)]
+    logits = torch.stack([torch.randn(VOCAB, generator=g) * case[0] for case in cases])
     logits[0, 1::2] = -math.inf  # masked tokens (a grammar, min_tokens) take no part
     logits[1, 1:] = -math.inf  # one token left
     logits[2, :400] = logits[2, :400].round()  # ties across the boundary
-    top_k = torch.tensor([k for _, k, _, _ in cases])
-    top_p = torch.tensor([p for _, _, p, _ in cases])
-    inverse = torch.tensor([1.0 / t for _, _, _, t in cases])
+    top_k = torch.tensor([case[1] for case in cases])
+    top_p = torch.tensor([case[2] for case in cases])
+    min_p = torch.tensor([case[3] for case in cases])
+    inverse = torch.tensor([1.0 / case[4] for case in cases])
     decided: dict[int, int] = {}
     real_cut = logits_processing.nucleus_cut
 
@@ -62,10 +67,10 @@ def test_the_compiled_cut_keeps_the_reference_sets_at_each_rows_temperature(monk
         decided.update((int(r), int(n)) for r, n in zip(args[1], args[-1]) if n > 0)  # kept = -1: left to torch
 
     monkeypatch.setattr(logits_processing, "nucleus_cut", spy)
-    cut = top_k_top_p_cut(logits, top_k, top_p, inverse)
+    cut = top_k_top_p_cut(logits, top_k, top_p, inverse, min_p)
     sets = kept_sets(cut, logits)
     tempered = (logits * inverse.unsqueeze(1)).double().numpy()
-    references = [reference(tempered[r], int(top_k[r]), float(top_p[r])) for r in range(len(cases))]
+    references = [reference(tempered[r], int(top_k[r]), float(top_p[r]), float(min_p[r])) for r in range(len(cases))]
     ties = 0
     for r in decided:
         expected, margin = references[r]
@@ -77,7 +82,7 @@ def test_the_compiled_cut_keeps_the_reference_sets_at_each_rows_temperature(monk
     assert ties <= 2, ties
     # The compiled cut decided every row that keeps up to a few thousand tokens (the flat rows' top-k lie in
     # bins wider than its output: those go to torch) and none that keeps more than its output holds.
-    for r, (spread, _, _, _) in enumerate(cases):
+    for r, (spread, *_) in enumerate(cases):
         size = len(references[r][0])
         if size <= 2000 and spread > 0.1:
             assert r in decided, (cases[r], size)

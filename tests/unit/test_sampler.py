@@ -412,24 +412,26 @@ def test_compiled_and_torch_races_draw_the_same_seeded_tokens(race: str, monkeyp
 @pytest.mark.parametrize("trial", range(6))
 def test_the_race_over_nuclei_draws_the_tokens_of_the_race_over_masked_rows(race: str, trial: int) -> None:
     # Rows decided on their candidates race over those only (race_candidates); the tokens must be exactly
-    # those of race_tokens over the same rows masked to their top-k / nucleus, seeded and unseeded rows alike,
-    # beside rows that are not cut and rows whose nucleus is too wide for the candidates (sorted whole).
-    from worker_service.logits_processing import apply_top_k_top_p
+    # those of race_tokens over the same rows masked to their top-k / nucleus / min-p sets, seeded and unseeded
+    # rows alike, beside rows that are not cut and rows whose nucleus is too wide for the candidates (sorted
+    # whole), or whose min-p keeps too many tokens (masked whole).
+    from worker_service.logits_processing import apply_min_p, apply_top_k_top_p
 
     g = torch.Generator().manual_seed(trial)
-    rows, vocab = 40, 6000
+    rows, vocab = 42, 6000
     peaked = torch.randn(rows, vocab, generator=g) * 4
     flat = torch.randn(rows, vocab, generator=g) * 0.05
-    logits = torch.where((torch.arange(rows) % 5 == 4).unsqueeze(1), flat, peaked)
-    cuts = [(0, 0.9), (40, 1.0), (0, 1.0), (300, 0.95), (0, 0.999)]
-    params = [SamplingParams(temperature=0.7 + 0.01 * i, top_k=cuts[i % 5][0], top_p=cuts[i % 5][1],
-                             seed=None if i % 3 == 0 else 50 * trial + i) for i in range(rows)]
+    logits = torch.where((torch.arange(rows) % 7 >= 5).unsqueeze(1), flat, peaked)
+    cuts = [(0, 0.9, 0.0), (40, 1.0, 0.0), (0, 1.0, 0.0), (300, 0.95, 0.1), (0, 1.0, 0.05), (0, 0.999, 0.0),
+            (0, 1.0, 0.9)]
+    params = [SamplingParams(temperature=0.7 + 0.01 * i, top_k=cuts[i % 7][0], top_p=cuts[i % 7][1],
+                             min_p=cuts[i % 7][2], seed=None if i % 3 == 0 else 50 * trial + i) for i in range(rows)]
     positions = list(range(rows))
     temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     top_k = torch.tensor([p.top_k for p in params])
     top_p = torch.tensor([p.top_p for p in params])
     torch.manual_seed(trial)  # the unseeded rows' keys: the same draw on both paths
-    masked = apply_top_k_top_p(logits / temps, top_k, top_p)
+    masked = apply_min_p(apply_top_k_top_p(logits / temps, top_k, top_p), torch.tensor([p.min_p for p in params]))
     expected = sampler_module._race_on_cpu(masked, torch.ones(rows), params, positions).tolist()
     torch.manual_seed(trial)
     assert sampler_module._sample_random(logits, params, positions).tolist() == expected
