@@ -96,10 +96,11 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     cutting = (k < vocab) | (top_p < 1.0)
-    floor = torch.zeros(len(logits)) if min_p is None else min_p.to(torch.float32)
+    floor = torch.zeros(len(logits), device=logits.device) if min_p is None else min_p.to(torch.float32)
     filtered = cutting | (floor > 0.0)
     rows = filtered.nonzero().squeeze(1)
-    scale = torch.ones(len(logits)) if inverse_temperature is None else inverse_temperature.to(torch.float32)
+    scale = (torch.ones(len(logits), device=logits.device) if inverse_temperature is None
+             else inverse_temperature.to(torch.float32))
     chunks = []
     if rows.numel() and _compiled_cut_for(logits):
         chunks, rows = _cut_compiled(logits, rows, k[rows], top_p[rows], floor[rows], scale[rows])
@@ -144,12 +145,13 @@ def _cut_compiled(logits: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, top
     decided = kept > 0
     if not decided.any():
         return [], rows
-    kept, values, ids = kept[decided], values[decided], ids[decided]
+    kept = kept[decided]
     widest = int(kept.max())
+    values, ids = values[:, :widest][decided], ids[:, :widest][decided]  # only the columns any row keeps
     outside = np.arange(widest) >= kept[:, None]
     chunk = (rows[torch.from_numpy(decided)],
-             torch.from_numpy(np.where(outside, np.float32(-np.inf), values[:, :widest])),
-             torch.from_numpy(np.where(outside, 0, ids[:, :widest])))
+             torch.from_numpy(np.where(outside, np.float32(-np.inf), values)),
+             torch.from_numpy(np.where(outside, 0, ids)))
     return [chunk], rows[torch.from_numpy(~decided)]
 
 
