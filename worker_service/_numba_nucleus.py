@@ -31,9 +31,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.cpu._numba_decode import max_of
-from kernels.cpu._numba_exp import exp_f32
-from kernels.numba_cache import versioned_cache
+from llmserve.kernels.cpu._numba_decode import max_of
+from llmserve.kernels.cpu._numba_exp import exp_f32
+from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()
