@@ -118,18 +118,19 @@ def nucleus_cut(logits: np.ndarray, rows: np.ndarray, top_k: np.ndarray, top_p: 
         # Stable: equal logits stay in id order, the order torch's sort gives the row.
         order = np.argsort(-values, kind="mergesort")
         top = min(k, count)
+        prefix = np.empty(top, dtype=np.float32)  # the top-k's weights, most likely first
         renormaliser = np.float64(0.0)
         for r in range(top):
-            renormaliser += exp_f32((values[order[r]] - largest) * s)
+            prefix[r] = exp_f32((values[order[r]] - largest) * s)
+            renormaliser += prefix[r]
         if k >= vocab:
             renormaliser = total
         mass = np.float64(0.0)
         n = 0
         for r in range(top):
-            weight = exp_f32((values[order[r]] - largest) * s)
-            if (p < np.float32(1.0) and mass >= p) or weight < floor:
+            if (p < np.float32(1.0) and mass >= p) or prefix[r] < floor:
                 break
-            mass += weight / renormaliser
+            mass += prefix[r] / renormaliser
             out_values[j, n] = values[order[r]] * s
             out_ids[j, n] = ids[order[r]]
             n += 1

@@ -120,7 +120,8 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         if count >= vocab // 2:
             break
         values, order, decided = _top_candidates(tempered(rows), rows_k, top_p[rows], count)
-        chunks.append((rows[decided], floored(rows[decided], values[decided]), order[decided]))
+        if decided.any():
+            chunks.append((rows[decided], floored(rows[decided], values[decided]), order[decided]))
         rows = rows[~decided]
     masked = [floored(rows, _top_k_top_p_sorted(tempered(rows), k[rows], top_p[rows])) if rows.numel() else logits[:0],
               floored(floor_only, tempered(floor_only))]

@@ -254,8 +254,6 @@ def _race_cut_on_cpu(logits: torch.Tensor, inverse_temperature: torch.Tensor, cu
         race_tokens(rows, scale.to(torch.float32).contiguous().numpy(), words[0, whole], words[1, whole], picked)
         chosen[whole] = picked
     for index, values, order in cut.chunks:
-        if not len(index):
-            continue
         at = index.numpy()
         picked = np.empty(len(at), dtype=np.int64)
         race_candidates(values.to(torch.float32).contiguous().numpy(), order.contiguous().numpy(), words[0, at],
