@@ -98,6 +98,10 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="plan and send the next step while the worker runs the current one, hiding the "
                         "scheduler's per-step time where the worker's host has cores to spare (a GPU worker); "
                         "beam search always waits for each result")
+    g.add_argument("--num-scheduler-steps", type=int, default=defaults.NUM_SCHEDULER_STEPS, metavar="N",
+                   help="run a batch of decodes N steps per call to the worker (multi-step scheduling): one "
+                        "round trip and one commit for N tokens of every sequence; tokens stream in bursts of N "
+                        f"(1..{defaults.MAX_NUM_SCHEDULER_STEPS}; not with --async-scheduling)")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -357,6 +361,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file, metrics_port=args.metrics_port,
         max_num_queued_requests=args.max_num_queued_requests, max_queued_tokens=args.max_queued_tokens,
         step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling, lease_ttl_s=args.lease_ttl,
+        num_scheduler_steps=args.num_scheduler_steps,
         liveness_timeout_s=args.liveness_timeout, front_only=args.front_only,
         tls=sec.server_tls_from(args), auth_token=sec.auth_token_from(args), worker_tls=sec.worker_tls_from(args),
         redis=sec.redis_options_from(args),
@@ -385,7 +390,7 @@ _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
                    "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port",
                    "max-num-queued-requests", "max-queued-tokens", "step-timeout", "async-scheduling",
-                   "liveness-timeout", "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
+                   "num-scheduler-steps", "liveness-timeout", "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
 # The HTTP front is a client of the scheduler: it trusts the CA and sends the token.
 _HTTP_PASS = ["tls-ca-file", "auth-token-file"]
 

@@ -102,3 +102,9 @@ class StepRecord(_message.Message):
     swap_out: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockPair]
     copy: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockPair]
     def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[_worker_pb2.BlockPair, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[_worker_pb2.BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[_worker_pb2.BlockPair, _Mapping]]] = ...) -> None: ...
+
+class StepRecords(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ...) -> None: ...

@@ -46,6 +46,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.ExecuteSteps = channel.unary_unary(
+                '/llmserve.v1.Worker/ExecuteSteps',
+                request_serializer=protos_dot_worker__pb2.StepBatch.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.StepBatchResult.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/llmserve.v1.Worker/Reset',
                 request_serializer=protos_dot_worker__pb2.ResetRequest.SerializeToString,
@@ -73,6 +78,15 @@ class WorkerServicer:
     def ExecuteStep(self, request, context):
         """Executes one step plan: block operations, then the forward pass, then sampling.
         Rejects (FAILED_PRECONDITION) a plan whose epoch is older than the newest seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExecuteSteps(self, request, context):
+        """Executes several step plans back to back, in order, as one call (multi-step scheduling): a
+        decode of a later plan reads the token that the plan before it sampled, as a step sent behind
+        another under async scheduling does. Fails as a whole when one of them fails.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +121,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExecuteStep,
                     request_deserializer=protos_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=protos_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'ExecuteSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExecuteSteps,
+                    request_deserializer=protos_dot_worker__pb2.StepBatch.FromString,
+                    response_serializer=protos_dot_worker__pb2.StepBatchResult.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
@@ -175,6 +194,33 @@ class Worker:
             '/llmserve.v1.Worker/ExecuteStep',
             protos_dot_worker__pb2.StepPlan.SerializeToString,
             protos_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecuteSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Worker/ExecuteSteps',
+            protos_dot_worker__pb2.StepBatch.SerializeToString,
+            protos_dot_worker__pb2.StepBatchResult.FromString,
             options,
             channel_credentials,
             insecure,

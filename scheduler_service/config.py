@@ -34,6 +34,12 @@ class SchedulerServiceConfig(SchedulingFlags):
       each step waits for the previous result. Beam search always waits. Off by default: on the 2-core
       CPU machine of docs/benchmarks.md the overlapped scheduling work slows the worker's step as much
       as it saves (docs/benchmarks-history.md); it pays where the worker's host has idle cores (a GPU).
+    num_scheduler_steps: the most steps one call to a worker carries (multi-step scheduling, vLLM's
+      --num-scheduler-steps): a batch of decodes only, with nothing waiting, runs that many steps back to
+      back on the worker, each decoding the token the one before sampled, for one round trip, one Redis
+      commit and one postprocessing; clients get the tokens in bursts, a sequence that stops mid-call
+      computes the rest of the call for nothing, and a request arriving meanwhile waits for the call's end.
+      Not with async scheduling.
     liveness_timeout_s: grpc.health.v1 "liveness" turns NOT_SERVING when an engine loop holding requests
       has completed no step for this long; keep it well above step_timeout_s, which handles a hung worker
       first (a restart of the scheduler does not mend a worker).
@@ -56,6 +62,7 @@ class SchedulerServiceConfig(SchedulingFlags):
     max_queued_tokens: int = 0
     step_timeout_s: float = defaults.STEP_TIMEOUT_S
     async_scheduling: bool = False
+    num_scheduler_steps: int = defaults.NUM_SCHEDULER_STEPS
     liveness_timeout_s: float = defaults.LIVENESS_TIMEOUT_S
     lease_ttl_s: float = defaults.LEASE_TTL_S
     tls: ServerTLS | None = None
@@ -76,4 +83,10 @@ class SchedulerServiceConfig(SchedulingFlags):
         for name in ("step_timeout_s", "liveness_timeout_s"):
             if not getattr(self, name) > 0:  # NaN fails too
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 1 <= self.num_scheduler_steps <= defaults.MAX_NUM_SCHEDULER_STEPS:
+            raise ValueError(f"num_scheduler_steps must be in 1..{defaults.MAX_NUM_SCHEDULER_STEPS}, "
+                             f"got {self.num_scheduler_steps}")
+        if self.num_scheduler_steps > 1 and self.async_scheduling:
+            raise ValueError("num_scheduler_steps > 1 and async_scheduling are exclusive: both plan steps ahead of "
+                             "their results, one per call and one in a call")
         self.redis.check_url(self.redis_url)  # its message redacts a password in the URL

@@ -39,6 +39,7 @@ from scheduler_service import keys
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.fleet import Fleet
+from scheduler_service.multi_step import is_steady_decode, plan_call
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner, build_step
 from scheduler_service.step_profile import StepProfile, StepProfileWriter
@@ -91,6 +92,7 @@ class EngineLoop:
         registration: WorkerEntry | None = None,
         on_owned: Callable[[str, int], None] | None = None,
         async_scheduling: bool = False,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.worker_id = worker_id
         # Told (worker id, epoch) each time the loop owns its worker: the replica's start-up reports the first.
@@ -107,6 +109,8 @@ class EngineLoop:
         self._processor = processor
         self._planner = Planner(epoch=0)
         self._async_scheduling = async_scheduling
+        # The most steps one call to the worker may carry (multi-step scheduling; 1: one step a call).
+        self._num_scheduler_steps = num_scheduler_steps
         self.steps = 0
         # perf_counter() when the last landed step's result came back.
         self._last_stepped = 0.0
@@ -114,8 +118,9 @@ class EngineLoop:
         # liveness (scheduler_service/health.py) flags a loop holding work that has not stepped since.
         self.last_progress = time.monotonic()
         self._journal = StateJournal()
-        # The steps sent and not landed yet: planned only, and advanced (async scheduling: its samples are the
-        # tokens in flight). A commit stores records of both for a new owner.
+        # The calls sent and not landed yet: planned only, and advanced (async scheduling: its samples are the
+        # tokens in flight; a multi-step call is advanced as it is sent). A commit stores records of both for a
+        # new owner.
         self._unlanded: SentStep | None = None
         self._inflight: SentStep | None = None
         self._profiles = StepProfileWriter(profile_path) if profile_path is not None else None
@@ -243,7 +248,7 @@ class EngineLoop:
                 if pickup.is_empty():
                     break
                 continue
-            step = self._send(pending, clock, started, time.perf_counter())
+            step = self._send(pending, stop, clock, started, time.perf_counter())
             if step is None and self._inflight is None:
                 if not pending.is_empty():
                     pickup, commit_start, commit_s = await _timed(self._commit(pending))
@@ -290,25 +295,55 @@ class EngineLoop:
         s = self._scheduler
         return not any(g.sampling_params.use_beam_search for g in (*s.running, *s.swapped))
 
-    def _send(self, commit: StepCommit, clock: PerfClock | None, started: float, ingested: float) -> SentStep | None:
-        """Plans a step and sends it to the worker; None when there is nothing to send."""
-        profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
-        out, plan = self._plan(commit, profile)
-        if plan is None:
+    def _send(self, commit: StepCommit, stop: asyncio.Event, clock: PerfClock | None, started: float,
+              ingested: float) -> SentStep | None:
+        """Plans a call and sends it to the worker; None when there is nothing to send. Under multi-step
+        scheduling a steady decode batch takes up to num_scheduler_steps steps in the call (multi_step.py)."""
+        profiles: list[StepProfile] = []
+
+        def plan_step() -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
+            profile = StepProfile(self.steps + 1, 0, 0, 0) if self._measure else None
+            if profile is not None:
+                profiles.append(profile)
+            return self._plan(commit, profile)
+
+        def may_continue(out: SchedulerOutput) -> bool:
+            return self._steady() and not stop.is_set() and is_steady_decode(self._scheduler, out)
+
+        planned = plan_call(self._scheduler, plan_step, self._num_scheduler_steps, may_continue)
+        if planned is None:
             return None
+        outs, plans = planned.outs, planned.plans
+        # One profile for the call: its planning and decode tokens summed.
+        profile = profiles[0] if profiles else None
+        if profile is not None:
+            for ahead in profiles[1:len(outs)]:
+                profile.schedule_s += ahead.schedule_s
+                profile.plan_s += ahead.plan_s
+                profile.num_decode_tokens += ahead.num_decode_tokens
+            profile.num_steps = len(outs)
         if self._processor.record_timings:
-            self._processor.mark_scheduled(out, time.time())
-        span = self._telemetry.start_step(out, clock, started)
+            for out in outs:
+                self._processor.mark_scheduled(out, time.time())
+        span = self._telemetry.start_step(outs[0], clock, started)
         # The RPC starts (and runs by itself) when the call is created: time it from here to the loop
         # holding its result. Awaited as is: a Task around it cost the loop one more turn per answer.
         sent = time.perf_counter()
-        call = self._stub.ExecuteStep(plan, timeout=self._step_timeout_s, metadata=metadata_for(span))
-        self._unlanded = SentStep(out, call, span, clock, profile, started, ingested, sent, step_record(plan, out))
+        timeout, metadata = self._step_timeout_s * len(plans), metadata_for(span)  # the deadline is per step
+        if len(plans) == 1:
+            call = self._stub.ExecuteStep(plans[0], timeout=timeout, metadata=metadata)
+        else:
+            call = self._stub.ExecuteSteps(worker_pb2.StepBatch(steps=plans), timeout=timeout, metadata=metadata)
+        records = [step_record(plan, out) for plan, out in zip(plans, outs)]
+        self._unlanded = SentStep(outs, call, span, clock, profile, started, ingested, sent, records,
+                                  planned.num_advanced)
         return self._unlanded
 
     def _advance(self, step: SentStep) -> None:
         """Counts the step as running (Scheduler.advance): the next one is planned before it lands."""
-        self._scheduler.advance(step.out)
+        for out in step.outs[step.num_advanced:]:
+            self._scheduler.advance(out)
+        step.num_advanced = len(step.outs)
         self._unlanded, self._inflight = None, step
 
     async def _land(
@@ -319,9 +354,8 @@ class EngineLoop:
         returns whether it landed (False: the worker failed and was reset) and the commit's pickup.
         `then`: the step sent behind it (async scheduling), cancelled when this one failed."""
         failure: grpc.aio.AioRpcError | None = None
-        advanced = step is self._inflight
         try:
-            result = await step.call
+            answer = await step.call
         except grpc.aio.AioRpcError as exc:
             failure = exc
         finally:
@@ -338,22 +372,27 @@ class EngineLoop:
             await self._on_worker_failure(failure, pending, stop)
             return False, pickup
         processing = time.perf_counter()
-        self._processor.process(step.out, result, pending, advanced=advanced)
-        self.steps += 1
+        results = step.results(answer)
+        if len(results) != len(step.outs):
+            raise RuntimeError(f"worker {self.worker_id} answered {len(results)} results to {len(step.outs)} plans")
+        for i, (out, result) in enumerate(zip(step.outs, results)):
+            self._processor.process(out, result, pending, advanced=i < step.num_advanced)
+        self.steps += len(step.outs)
         self.last_progress = time.monotonic()
         done = time.perf_counter()
         profile = step.profile
         if profile is not None:
             profile.ingest_s = step.ingested - step.started
             # From when the worker could start it: its sending, or the answer to the step ahead of it.
-            profile.rpc_s, profile.worker_s = stepped - max(step.sent, self._last_stepped), result.execute_seconds
+            profile.rpc_s = stepped - max(step.sent, self._last_stepped)
+            profile.worker_s = sum(r.execute_seconds for r in results)
             profile.commit_s, profile.commit_wait_s = commit_s, max(0.0, processing - stepped)
             # With async scheduling it was planned while the step ahead ran: its wall time starts at that
             # step's answer (step_profile.py).
             profile.process_s, profile.wall_s = done - processing, done - max(step.started, self._last_stepped)
             if self._profiles is not None:
                 self._profiles.write(profile)
-            self._telemetry.observe_step(profile, step.out, result, step.span, step.clock, step.ingested,
+            self._telemetry.observe_step(profile, step.outs, results, step.span, step.clock, step.ingested,
                                          commit_start, processing)
         self._last_stepped = stepped
         return True, pickup
@@ -368,9 +407,13 @@ class EngineLoop:
         # Fenced by the loop's epoch, stamped at commit time: the loop may have taken a newer epoch (worker
         # reset) since the commit began, and a loop that lost its worker to another replica writes nothing.
         commit.epoch = self._planner.epoch
-        self._journal.write(self._scheduler, commit, None if self._unlanded is None else self._unlanded.record,
-                            (self._planner.epoch, self._planner.last_step_id),
-                            None if self._inflight is None else self._inflight.record)
+        inflight, planned = [], None
+        for sent in (self._inflight, self._unlanded):  # oldest first
+            if sent is not None:
+                inflight += sent.records[:sent.num_advanced]
+                planned = sent.records[-1] if sent.num_advanced < len(sent.records) else planned
+        self._journal.write(self._scheduler, commit, planned, (self._planner.epoch, self._planner.last_step_id),
+                            inflight)
         return self._store.commit(commit)
 
     async def _on_worker_failure(self, exc: grpc.aio.AioRpcError, commit: StepCommit, stop: asyncio.Event) -> None:

@@ -83,7 +83,8 @@ def cached_blocks(worker_id: str) -> str:
 
 
 # Fields of the engine hash: whether the stored state may be continued ("1"), the prefix cache's clock, the
-# StepRecords of the step sent and not landed and of the step in flight (async scheduling), the last step
+# StepRecord of the step sent and not landed, the StepRecords of the steps in flight (async or multi-step
+# scheduling: counted as run, their samples not back yet), the last step
 # sent ("epoch:step id") and the worker instance whose KV cache the state describes.
 ENGINE_VALID, ENGINE_CLOCK, ENGINE_STEP, ENGINE_INFLIGHT, ENGINE_LAST_SENT, ENGINE_INSTANCE = (
     "valid", "clock", "step", "inflight", "last_sent", "instance")

@@ -112,9 +112,11 @@ class WorkerResume:
             log.info("worker %s restarted since its state was stored (instance %s, stored %s): recomputing",
                      self._worker_id, fenced.instance_id, state.instance_id or "none")
             return None
-        if state.inflight is not None and _key(state.inflight) not in {_key(s) for s in fenced.last_steps}:
+        ran = {_key(s) for s in fenced.last_steps}
+        never_ran = [_key(r) for r in state.inflight if _key(r) not in ran]
+        if never_ran:
             log.warning("worker %s never ran step %s, which its stored state counts as run: recomputing",
-                        self._worker_id, _key(state.inflight))
+                        self._worker_id, never_ran[0])
             return None
         try:
             load_snapshot(self._scheduler, takeover.snapshot)
@@ -160,12 +162,13 @@ class WorkerResume:
         newest = _key(steps[-1]) if steps else (0, 0)
         known = state.last_sent
         landed = 0
-        if state.inflight is not None:  # run() checked that the worker ran it
+        for inflight in state.inflight:  # run() checked that the worker ran them
+            # Rebuilt only once the one before has landed: each samples the oldest of its sequences' tokens in flight.
             out = restore_inflight_step(self._scheduler, [(t.seq_id, t.num_new_tokens, t.num_computed_tokens)
-                                                          for t in state.inflight.scheduled if t.seq_id in continued])
-            result = _only(executed[_key(state.inflight)].result, out)
+                                                          for t in inflight.scheduled if t.seq_id in continued])
+            result = _only(executed[_key(inflight)].result, out)
             self._processor.process(out, result, commit, advanced=True)
-            landed = 1
+            landed += 1
         # A landed step counted as run while the next one is planned (as the old owner did under async
         # scheduling), its result processed after that planning.
         in_flight: tuple[SchedulerOutput, worker_pb2.StepResult] | None = None
@@ -180,7 +183,7 @@ class WorkerResume:
                              if t.seq_id in continued and t.seq_id in held]
                 out = restore_step(self._scheduler, scheduled, *_ops(record))
                 result = _only(executed[key].result, out)
-                if state.inflight is not None and newest > key:
+                if state.inflight and newest > key:
                     self._scheduler.advance(out)
                     in_flight = (out, result)
                 else:
@@ -191,27 +194,42 @@ class WorkerResume:
             known = key
         if newest <= known:
             return landed, None, True
-        # The worker ran the step after the stored ones: land it if this owner plans exactly that step.
-        planned = self._plan_next(steps[-1], commit) if newest == (known[0], known[1] + 1) else None
+        # The worker ran the call after the stored steps: land it if this owner plans exactly its steps.
+        after = [s for s in steps if _key(s) > known]
+        planned = self._plan_after(after, commit) if [_key(s) for s in after] == [
+            (known[0], known[1] + 1 + i) for i in range(len(after))] else None
         if in_flight is not None:
             self._processor.process(*in_flight, commit, advanced=True)
         if planned is not None:
-            self._processor.process(planned, steps[-1].result, commit)
-            return landed + 1, None, True
+            for i, (out, step) in enumerate(zip(planned, after)):
+                self._processor.process(out, step.result, commit, advanced=i < len(planned) - 1)
+            return landed + len(planned), None, True
         log.warning("worker %s ran step %s, which the stored state does not account for: its sequences are "
                     "checked against the cache and the prefix cache is forgotten", self._worker_id, newest)
         return landed, None, False
 
-    def _plan_next(self, step: worker_pb2.ExecutedStep, commit: StepCommit) -> SchedulerOutput | None:
-        """Plans the next step when it is exactly `step`; None (nothing planned) when it is not."""
+    def _plan_after(self, after: list[worker_pb2.ExecutedStep], commit: StepCommit) -> list[SchedulerOutput] | None:
+        """Plans the steps of `after` as the last owner did, each once the one before counts as run (the steps of
+        one multi-step call; otherwise a single step); None (nothing planned) unless each is exactly the step the
+        worker ran."""
         scratch = restore_scheduler(self._scheduler.scheduler_config, self._scheduler.cache_config,
                                     snapshot_scheduler(self._scheduler))
-        if not _same_step(scratch, scratch.schedule(), step):
-            return None
-        out, _ = self._plan_step(commit)
-        if not _same_step(self._scheduler, out, step):  # the same schedule on the same state: cannot differ
-            raise RuntimeError("planning the same state twice gave two different steps")
-        return out
+        out: SchedulerOutput | None = None
+        for step in after:
+            if out is not None:
+                scratch.advance(out)
+            out = scratch.schedule()
+            if not _same_step(scratch, out, step):
+                return None
+        planned: list[SchedulerOutput] = []
+        for step in after:
+            if planned:
+                self._scheduler.advance(planned[-1])
+            out, _ = self._plan_step(commit)
+            if not _same_step(self._scheduler, out, step):  # the same schedule on the same state: cannot differ
+                raise RuntimeError("planning the same state twice gave two different steps")
+            planned.append(out)
+        return planned
 
     async def _resume_sequences(self, epoch: int, replay: state_pb2.StepRecord | None
                                 ) -> list[worker_pb2.RefusedSequence] | None:
@@ -245,9 +263,13 @@ def _only(result: worker_pb2.StepResult, out: SchedulerOutput) -> worker_pb2.Ste
 
 
 def _same_step(scheduler: Scheduler, out: SchedulerOutput, step: worker_pb2.ExecutedStep) -> bool:
-    """Whether `out` (planned on `scheduler`) is the step the worker ran: sequences, counts, tables, operations."""
+    """Whether `out` (planned on `scheduler`) is the step the worker ran: sequences, counts, tables, operations.
+
+    The worker reports the tables with its newest step only (the tables as they are now): an older step of a
+    multi-step call is compared without them, its call's last step with them."""
     bm = scheduler.block_manager
-    mine = sorted((s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens, tuple(bm.logical_block_table(s.seq)))
-                  for s in out.scheduled)
+    tables = any(e.block_table for e in step.sequences)
+    mine = sorted((s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens,
+                   tuple(bm.logical_block_table(s.seq)) if tables else ()) for s in out.scheduled)
     theirs = sorted((e.seq_id, e.num_computed_tokens, e.num_new_tokens, tuple(e.block_table)) for e in step.sequences)
     return mine == theirs and (out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy) == _ops(step)

@@ -1,4 +1,4 @@
-"""A step the engine loop has sent to its worker and not yet landed (its result not processed)."""
+"""A call the engine loop has sent to its worker and not yet landed (its results not processed)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from shared.tracing import PerfClock
 
 @dataclass
 class SentStep:
-    """The plan's scheduler output, the ExecuteStep call carrying it, and what its telemetry needs."""
+    """The scheduler outputs of one worker call (one step; several under multi-step scheduling), the call
+    carrying their plans, and what its telemetry needs."""
 
-    out: SchedulerOutput
-    call: grpc.aio.UnaryUnaryCall[worker_pb2.StepPlan, worker_pb2.StepResult]
+    outs: list[SchedulerOutput]
+    # ExecuteStep, or ExecuteSteps for more than one plan.
+    call: grpc.aio.UnaryUnaryCall
     span: trace.Span
     clock: PerfClock | None
     profile: StepProfile | None
@@ -26,5 +28,12 @@ class SentStep:
     started: float
     ingested: float
     sent: float
-    # What a commit stores of it for a new owner while it has not landed.
-    record: state_pb2.StepRecord
+    # What a commit stores of each step for a new owner while it has not landed.
+    records: list[state_pb2.StepRecord]
+    # How many of `outs`, from the first, the scheduler counts as run (Scheduler.advance): their samples are
+    # tokens in flight until they land.
+    num_advanced: int = 0
+
+    def results(self, answer: worker_pb2.StepResult | worker_pb2.StepBatchResult) -> list[worker_pb2.StepResult]:
+        """The call's answer as one result per step."""
+        return list(answer.results) if isinstance(answer, worker_pb2.StepBatchResult) else [answer]

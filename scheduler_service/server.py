@@ -135,7 +135,8 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
                           OutputProcessor(tokenizer, scheduler), fleet, profile, tracer=tracer,
                           metrics=metrics.engine(entry.worker_id) if metrics is not None else None,
                           step_timeout_s=config.step_timeout_s, channel=channel, registration=entry,
-                          on_owned=owned, async_scheduling=config.async_scheduling)
+                          on_owned=owned, async_scheduling=config.async_scheduling,
+                          num_scheduler_steps=config.num_scheduler_steps)
 
     supervisor = Supervisor(registry, leases, router, make_loop, changes=changes, drives_workers=not config.front_only)
     servicer = GenerationServicer(admission, store, router, tracer, model_name,

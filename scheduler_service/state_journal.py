@@ -59,11 +59,12 @@ class StateJournal:
         self._instance_id = instance_id
 
     def write(self, scheduler: Scheduler, commit: StepCommit, unlanded: state_pb2.StepRecord | None,
-              last_sent: tuple[int, int], inflight: state_pb2.StepRecord | None = None) -> None:
+              last_sent: tuple[int, int], inflight: list[state_pb2.StepRecord] = ()) -> None:
         """Queues, cache counts and the restorable state into `commit`.
 
         unlanded: the step planned and sent, not landed nor advanced, if any (the commit runs beside it);
-        inflight: the step advanced and not landed (async scheduling: its samples are the tokens in flight);
+        inflight: the steps advanced and not landed, oldest first (async scheduling: the one step ahead; multi-step
+        scheduling: those of the call in flight), whose samples are the tokens in flight;
         last_sent: (epoch, step id) of the last step sent.
         """
         self._write_queues(scheduler, commit)
@@ -95,9 +96,11 @@ class StateJournal:
         commit.engine_fields[keys.ENGINE_VALID] = b"1"
         commit.engine_fields[keys.ENGINE_CLOCK] = str(pool.clock).encode()
         commit.engine_fields[keys.ENGINE_LAST_SENT] = f"{last_sent[0]}:{last_sent[1]}".encode()
-        for field, record in ((keys.ENGINE_STEP, unlanded), (keys.ENGINE_INFLIGHT, inflight)):
-            if record is not None:
-                commit.engine_fields[field] = record.SerializeToString()
+        stored = (unlanded.SerializeToString() if unlanded is not None else None,
+                  state_pb2.StepRecords(steps=inflight).SerializeToString() if inflight else None)
+        for field, value in zip((keys.ENGINE_STEP, keys.ENGINE_INFLIGHT), stored):
+            if value is not None:
+                commit.engine_fields[field] = value
             else:
                 commit.dropped_engine_fields.append(field)
 

@@ -41,6 +41,8 @@ class StepProfile:
     # KV cache at the end of planning: slots in allocated blocks, and tokens they hold.
     kv_slots: int = 0
     kv_tokens: int = 0
+    # Steps of the worker call (multi-step scheduling; their decode tokens and worker time are summed above).
+    num_steps: int = 1
 
 
 class StepProfileWriter:

@@ -70,16 +70,19 @@ class StepTelemetry:
         return self._tracer.start_span("llmserve.step", kind=SpanKind.INTERNAL, links=links,
                                        start_time=clock.ns(started), attributes=attributes)
 
-    def observe_step(self, p: StepProfile, out: SchedulerOutput, result: worker_pb2.StepResult, span: trace.Span,
-                      clock: PerfClock | None, ingested: float, commit_start: float, processing: float) -> None:
-        """Records one finished step as spans and metrics (all times from its StepProfile)."""
+    def observe_step(self, p: StepProfile, outs: list[SchedulerOutput], results: list[worker_pb2.StepResult],
+                     span: trace.Span, clock: PerfClock | None, ingested: float, commit_start: float,
+                     processing: float) -> None:
+        """Records one finished worker call (one step, or several under multi-step scheduling) as spans and
+        metrics (all times from its StepProfile)."""
+        preemptions = sum(len(out.preempted) for out in outs)
         if clock is not None:
             span.set_attributes({
                 "llmserve.step": p.step, "llmserve.worker": self.worker_id, "llmserve.step.num_seqs": p.num_seqs,
                 "llmserve.step.prefill_tokens": p.num_prefill_tokens, "llmserve.step.decode_tokens": p.num_decode_tokens,
-                "llmserve.step.preemptions": len(out.preempted),
-                "llmserve.step.swap_in_blocks": len(out.blocks_to_swap_in),
-                "llmserve.step.swap_out_blocks": len(out.blocks_to_swap_out),
+                "llmserve.step.preemptions": preemptions, "llmserve.step.steps": p.num_steps,
+                "llmserve.step.swap_in_blocks": sum(len(out.blocks_to_swap_in) for out in outs),
+                "llmserve.step.swap_out_blocks": sum(len(out.blocks_to_swap_out) for out in outs),
                 "llmserve.step.rpc_s": p.rpc_s, "llmserve.step.worker_s": p.worker_s,
                 "llmserve.step.commit_wait_s": p.commit_wait_s,
             })
@@ -96,9 +99,10 @@ class StepTelemetry:
             m.step_time.observe(p.wall_s)
             m.commit_time.observe(p.commit_s)
             m.prompt_tokens.inc(p.num_prefill_tokens)
-            m.generation_tokens.inc(len(result.sampled))
-            m.preemptions.inc(len(out.preempted))
-            m.iteration_tokens.observe(out.num_batched_tokens)
+            m.generation_tokens.inc(sum(len(result.sampled) for result in results))
+            m.preemptions.inc(preemptions)
+            for out in outs:
+                m.iteration_tokens.observe(out.num_batched_tokens)
         self._observe_state()
 
     def observe_idle_commit(self, step: int, commit_start: float, commit_s: float, clock: PerfClock | None) -> None:

@@ -279,7 +279,7 @@ class RedisStore:
             valid=fields.get(keys.ENGINE_VALID) == b"1",
             clock=int(fields.get(keys.ENGINE_CLOCK, 0)),
             step=state_pb2.StepRecord.FromString(step) if step is not None else None,
-            inflight=state_pb2.StepRecord.FromString(inflight) if inflight is not None else None,
+            inflight=list(state_pb2.StepRecords.FromString(inflight).steps) if inflight is not None else [],
             last_sent=(int(epoch), int(step_id or 0)),
             instance_id=fields.get(keys.ENGINE_INSTANCE, b"").decode(),
             waiting=queues[0], running=queues[1], swapped=queues[2],

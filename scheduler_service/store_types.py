@@ -167,9 +167,9 @@ class StoredEngineState:
     # The prefix cache's logical clock.
     clock: int
     # The steps the last owner had sent and not landed at its last commit: planned and not counted as run,
-    # and counted as run with its samples in flight (async scheduling).
+    # and counted as run with their samples in flight, oldest first (async or multi-step scheduling).
     step: state_pb2.StepRecord | None
-    inflight: state_pb2.StepRecord | None
+    inflight: list[state_pb2.StepRecord]
     # (epoch, step id) of the last step it had sent; the worker instance its state describes.
     last_sent: tuple[int, int]
     instance_id: str

@@ -14,6 +14,10 @@ SWAP_SPACE_GIB = 0.0
 DECODE_GEMV_ROWS = 4
 # Scheduling.
 MAX_NUM_SEQS = 256
+# Steps one call to a worker may carry (multi-step scheduling), and the most a scheduler accepts: a worker
+# keeps the last steps of its calls for a new owner (worker_service/model_runner.py KEPT_STEPS).
+NUM_SCHEDULER_STEPS = 1
+MAX_NUM_SCHEDULER_STEPS = 16
 # Deadlines and leases, in seconds.
 STEP_TIMEOUT_S = 60.0
 LIVENESS_TIMEOUT_S = 300.0

@@ -13,6 +13,7 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from llmserve.kernels import get_backend
 from protos import worker_pb2
+from shared import defaults
 from shared.checkpoint import pretrained_source
 from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_bytes, size_cache
 from worker_service.config import WorkerConfig
@@ -62,10 +63,11 @@ class ExecutedStepData:
     scheduled: list[tuple[int, int, int]]
 
 
-# Steps kept: the one whose plan the last owner committed, the one after it (sent before that commit
-# returned, the owner may have died meanwhile) and, under async scheduling, the one before it (counted as run
-# in that commit, its result not landed).
-KEPT_STEPS = 3
+# Steps kept: those of the call whose plans the last owner committed, those of the call after it (sent before
+# that commit returned, the owner may have died meanwhile) and, under async scheduling, the step before them
+# (counted as run in that commit, its result not landed). A call holds one step, or up to
+# MAX_NUM_SCHEDULER_STEPS under multi-step scheduling.
+KEPT_STEPS = 2 * defaults.MAX_NUM_SCHEDULER_STEPS + 1
 
 
 def eos_token_ids(config: PretrainedConfig, path: str) -> list[int]:

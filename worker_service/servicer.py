@@ -13,7 +13,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from protos import worker_pb2, worker_pb2_grpc
-from shared.errors import StaleEpochError, status_for
+from shared.errors import InvalidRequestError, StaleEpochError, status_for
 from shared.metrics import WorkerMetrics
 from shared.tracing import context_from_metadata
 from worker_service.model_runner import ExecutedStepData, ModelRunner, StepOutput
@@ -117,10 +117,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         started = self._step_started
         return Activity(has_work=started is not None, last_progress=started if started is not None else 0.0)
 
-    def _execute(self, plan: StepPlanData, request: worker_pb2.StepPlan) -> StepOutput:
+    def _execute(self, plans: list[StepPlanData], requests: list[worker_pb2.StepPlan]) -> list[StepOutput]:
         self._step_started = time.monotonic()
         try:
-            return self._runner.execute(plan, request)
+            return [self._runner.execute(plan, request) for plan, request in zip(plans, requests)]
         finally:
             self._step_started = None
 
@@ -139,56 +139,71 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return describe_runner(self._runner, self._model_name, self.instance_id, self._epoch)
 
     async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
-        # A child of the engine loop's step span: its context comes in the call's metadata.
+        return step_result((await self._run_call([request], context))[0])
+
+    async def ExecuteSteps(self, request: worker_pb2.StepBatch, context: grpc.aio.ServicerContext
+                           ) -> worker_pb2.StepBatchResult:
+        if not request.steps:
+            raise InvalidRequestError("a step batch holds no plan")
+        outs = await self._run_call(list(request.steps), context)
+        return worker_pb2.StepBatchResult(results=[step_result(out) for out in outs])
+
+    async def _run_call(self, plans: list[worker_pb2.StepPlan], context: grpc.aio.ServicerContext) -> list[StepOutput]:
+        """Runs a call's plans in order; its span is a child of the engine loop's step span (the call's metadata)."""
         span = self._tracer.start_span("llmserve.worker.execute_step", kind=SpanKind.SERVER,
                                        context=context_from_metadata(context.invocation_metadata()))
-        # Shielded from the caller: a plan that reached the worker runs in its turn even if its caller is gone
-        # (a scheduler replica killed while this step waited behind the one before it). The next owner lands
-        # its kept result (Reset with keep_cache reports the last steps); dropped, it would leave the stored
-        # state, which already counts the step as run under async scheduling, one step ahead of the cache, and
+        # Shielded from the caller: plans that reached the worker run in their turn even if their caller is gone
+        # (a scheduler replica killed while this call waited behind the one before it). The next owner lands
+        # their kept results (Reset with keep_cache reports the last steps); dropped, they would leave the stored
+        # state, which already counts them as run under async or multi-step scheduling, ahead of the cache, and
         # the next owner would recompute every sequence.
-        step = asyncio.ensure_future(self._run_step(request))
+        steps = asyncio.ensure_future(self._run_steps(plans))
         try:
-            out = await asyncio.shield(step)
+            outs = await asyncio.shield(steps)
         except asyncio.CancelledError:
-            step.add_done_callback(_log_orphan_failure)
+            steps.add_done_callback(_log_orphan_failure)
             raise
         except Exception as exc:
             span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
             span.end()
             raise  # the status: shared.grpc_server.EdgeInterceptor
-        self._observe(request, out, span)
-        return step_result(out)
+        self._observe(plans, outs, span)
+        return outs
 
-    async def _run_step(self, request: worker_pb2.StepPlan) -> StepOutput:
+    async def _run_steps(self, requests: list[worker_pb2.StepPlan]) -> list[StepOutput]:
         async with self._lock:
-            self._fence(request.epoch)
-            plan = plan_from_proto(request)
-            # The wire plan too: a tensor-parallel rank 0 forwards it to the other ranks.
-            return await self._model_thread.call(self._execute, plan, request)
+            for request in requests:
+                self._fence(request.epoch)
+            plans = [plan_from_proto(request) for request in requests]
+            # The wire plans too: a tensor-parallel rank 0 forwards them to the other ranks.
+            return await self._model_thread.call(self._execute, plans, requests)
 
-    def _observe(self, plan: worker_pb2.StepPlan, out: StepOutput, span: trace.Span) -> None:
-        """The step's span attributes and metrics (execute_seconds is the runner's own measurement)."""
+    def _observe(self, plans: list[worker_pb2.StepPlan], outs: list[StepOutput], span: trace.Span) -> None:
+        """The call's span attributes and each step's metrics (execute_seconds is the runner's own measurement)."""
         m = self._metrics
         if not span.is_recording() and m is None:
             return
-        tokens = sum(s.num_new_tokens for s in plan.new_sequences) + sum(s.num_new_tokens for s in plan.cached_sequences)
+        tokens = [sum(s.num_new_tokens for s in p.new_sequences) + sum(s.num_new_tokens for s in p.cached_sequences)
+                  for p in plans]
         used = self._runner.seqs.num_used_blocks()
         if span.is_recording():
+            first = plans[0]
             span.set_attributes({
-                "llmserve.step_id": plan.step_id, "llmserve.epoch": plan.epoch,
-                "llmserve.worker.new_sequences": len(plan.new_sequences),
-                "llmserve.worker.cached_sequences": len(plan.cached_sequences),
-                "llmserve.worker.tokens": tokens, "llmserve.worker.sampled": len(out.sampled),
-                "llmserve.worker.swap_in_blocks": len(plan.swap_in), "llmserve.worker.swap_out_blocks": len(plan.swap_out),
-                "llmserve.worker.copy_blocks": len(plan.copy), "llmserve.worker.blocks_in_use": used,
-                "llmserve.worker.execute_s": out.execute_seconds,
+                "llmserve.step_id": first.step_id, "llmserve.epoch": first.epoch, "llmserve.worker.steps": len(plans),
+                "llmserve.worker.new_sequences": sum(len(p.new_sequences) for p in plans),
+                "llmserve.worker.cached_sequences": len(first.cached_sequences),
+                "llmserve.worker.tokens": sum(tokens), "llmserve.worker.sampled": sum(len(o.sampled) for o in outs),
+                "llmserve.worker.swap_in_blocks": sum(len(p.swap_in) for p in plans),
+                "llmserve.worker.swap_out_blocks": sum(len(p.swap_out) for p in plans),
+                "llmserve.worker.copy_blocks": sum(len(p.copy) for p in plans), "llmserve.worker.blocks_in_use": used,
+                "llmserve.worker.execute_s": sum(o.execute_seconds for o in outs),
             })
         span.end()
         if m is not None:
-            m.step_time.observe(out.execute_seconds)
-            m.tokens.inc(tokens)
-            m.sampled.inc(len(out.sampled))
+            for out, num_tokens in zip(outs, tokens):
+                m.step_time.observe(out.execute_seconds)
+                m.tokens.inc(num_tokens)
+                m.sampled.inc(len(out.sampled))
             m.blocks_used.set(used)
 
     def _observe_blocks(self) -> None:

@@ -333,7 +333,10 @@ class BlockManager:
         table = self.block_tables.get(seq.seq_id)
         if hashes is None or table is None:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # Blocks of known tokens only: with several tokens in flight (multi-step scheduling) the computed ones
+        # run past the known ones, and a block holding one not known yet is registered once it has landed.
+        num_known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        num_full = min(min(seq.num_computed_tokens, num_known) // self.block_size, len(table))
         if num_full <= len(hashes):
             return
         self.block_pool.tick()

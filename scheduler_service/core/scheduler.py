@@ -103,6 +103,10 @@ class Scheduler(RequestQueues):
         waiting = [s for s in output.scheduled if s.samples and s.seq.num_inflight_tokens]
         self._check_sampled(output, sampled, [s for s in waiting if not s.seq.is_finished])
         self._resolve(waiting, sampled)
+        for s in waiting:
+            if not s.seq.is_finished:
+                # A block computed while one of its tokens was in flight (mark_computed) can be registered now.
+                self.block_manager.mark_computed(s.seq)
 
     def _advance(self, live: list[ScheduledSequence]) -> None:
         for s in live:

@@ -51,7 +51,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    num_inflight_tokens: int = field(default=0, init=False)
+    num_inflight_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.seq_id, int) or isinstance(self.seq_id, bool) or self.seq_id < 0:
@@ -63,6 +63,9 @@ class Sequence:
         self.output_token_ids = list(self.output_token_ids)
         _validate_token_ids("prompt_token_ids", self.prompt_token_ids)
         _validate_token_ids("output_token_ids", self.output_token_ids)
+        if not isinstance(self.num_inflight_tokens, int) or self.num_inflight_tokens < 0:
+            raise ValueError(f"num_inflight_tokens must be a non-negative int, got {self.num_inflight_tokens!r}.")
+        # In-flight tokens count: a step decoding one of them has computed the ones before it.
         if not 0 <= self.num_computed_tokens <= self.num_tokens:
             raise ValueError(
                 f"num_computed_tokens must be in [0, {self.num_tokens}], "

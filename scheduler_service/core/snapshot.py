@@ -117,12 +117,12 @@ def restore_scheduler(
     for queue, groups in zip(queues, (snapshot.waiting, snapshot.running, snapshot.swapped)):
         for g in groups:
             seqs = [
-                Sequence(s.seq_id, list(g.prompt_token_ids), list(s.output_token_ids), s.num_computed_tokens, s.status)
+                Sequence(s.seq_id, list(g.prompt_token_ids), list(s.output_token_ids), s.num_computed_tokens, s.status,
+                         s.num_inflight_tokens)
                 for s in g.seqs
             ]
             queue.append(SequenceGroup(g.request_id, seqs, g.sampling_params, g.arrival_time))
             for seq, s in zip(seqs, g.seqs):
-                seq.num_inflight_tokens = s.num_inflight_tokens
                 if s.block_table is not None:
                     tables.append((seq, list(s.block_table)))
                 if s.cpu_block_table is not None:

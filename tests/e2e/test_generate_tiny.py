@@ -3,7 +3,8 @@
 The KV cache is deliberately small (64 blocks of 16 tokens for 16 concurrent
 requests of up to 300 + 64 tokens), so the engine preempts and recomputes
 while the outputs must still match transformers token for token. Every test
-runs twice: with the synchronous engine loop and with async scheduling.
+runs three times: with the synchronous engine loop, with async scheduling and
+with multi-step scheduling (tests/e2e/engine_modes.py).
 """
 
 from __future__ import annotations
@@ -101,14 +102,23 @@ def test_step_profiles_split_each_step(cluster: LocalCluster, profile_path: Path
     with GenerationClient(cluster.address) as client:
         client.generate(make_request(prompt_token_ids=list(range(50, 90)), max_tokens=20, temperature=0.0,
                                      ignore_eos=True))
-    deadline = time.monotonic() + 10
-    while not (profile_path.exists() and read_profiles(profile_path)):
-        assert time.monotonic() < deadline, "no step profile was written"
+    # The loop flushes its profiles when it goes idle; under multi-step scheduling the request's decodes
+    # run 4 steps a call (it runs alone), and such a call's profile is awaited.
+    def written() -> bool:
+        found = read_profiles(profile_path) if profile_path.exists() else []
+        return bool(found) and (scheduling != "multi_step" or any(p.num_steps == 4 for p in found))
+
+    deadline = time.monotonic() + 30
+    while not written():
+        assert time.monotonic() < deadline, "no step profile (of a multi-step call) was written"
         time.sleep(0.2)
     profiles = read_profiles(profile_path)
     for p in profiles:
         parts = max(p.rpc_s, p.commit_s) + p.process_s
-        if scheduling == "sync":
+        # A call's decode tokens are those of its steps (one call, one step but under multi-step scheduling;
+        # a sequence that ends by length with a token in flight is not in the steps after).
+        assert p.num_steps == 1 or (scheduling == "multi_step" and p.num_decode_tokens <= p.num_steps * p.num_seqs), p
+        if scheduling != "async":
             parts += p.ingest_s + p.schedule_s + p.plan_s
             assert p.worker_s <= p.rpc_s, p
         # (async: the worker starts a step as it answers the one before, so the loop's wait can be the shorter)

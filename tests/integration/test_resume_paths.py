@@ -14,6 +14,10 @@ The same three points are taken in the async loop (plan and send N+1, commit bes
 run), whose commits also hold a step counted as run and not landed: the new owner lands it first, and
 plans the step after N (when the worker ran it) with N in flight, as the old owner did.
 
+Under multi-step scheduling (a call of several decode steps, all counted as run as they are planned) the
+first two points: the new owner lands every step of the committed call, then plans the next call's steps
+itself, each with the one before in flight, and lands them too.
+
 A new owner (WorkerResume, the engine loop's takeover) continues. Every request must end with
 transformers' greedy tokens, and the worker must have computed no token twice.
 """
@@ -33,9 +37,10 @@ from transformers import AutoTokenizer
 
 from llmserve.client import make_request
 from llmserve.local_cluster import wait_serving
-from protos import generation_pb2, worker_pb2, worker_pb2_grpc
+from protos import generation_pb2, state_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_service import keys
 from scheduler_service.admission import Admission, ModelLimits, to_record
+from scheduler_service.multi_step import is_steady_decode, plan_call
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import SequenceStatus
 from scheduler_service.output_processor import OutputProcessor
@@ -85,6 +90,8 @@ class Owner:
         self.pending = StepCommit(W)
         # Async loop: the step counted as run and not landed, with its call.
         self.inflight: tuple[SchedulerOutput, worker_pb2.StepPlan, object] | None = None
+        # Multi-step loop: the steps of the call whose commit runs beside it.
+        self.call_steps: list[state_pb2.StepRecord] = []
 
     def plan(self, commit: StepCommit) -> tuple[SchedulerOutput, worker_pb2.StepPlan | None]:
         out = self.scheduler.schedule()
@@ -94,7 +101,8 @@ class Owner:
         c, self.pending = self.pending, StepCommit(W)
         c.epoch = self.planner.epoch
         record = step_record(unlanded, out) if unlanded is not None else None
-        inflight = step_record(self.inflight[1], self.inflight[0]) if self.inflight is not None else None
+        inflight = [step_record(self.inflight[1], self.inflight[0])] if self.inflight is not None else []
+        inflight += self.call_steps
         self.journal.write(self.scheduler, c, record, (self.planner.epoch, self.planner.last_step_id), inflight)
         pickup = await self.store.commit(c)
         for admitted in pickup.admitted:
@@ -146,6 +154,33 @@ class Owner:
         self.inflight = (out, plan, call)
         return ""
 
+    async def multi_step(self, stop_at: str = "") -> str:
+        """One iteration of the sync loop under multi-step scheduling (MULTI_STEPS steps a call): plan the call,
+        send it, commit beside it, land every step."""
+        call = plan_call(self.scheduler, lambda: self.plan(self.pending), MULTI_STEPS,
+                         lambda out: is_steady_decode(self.scheduler, out))
+        if call is None:
+            await self.commit()
+            return "idle"
+        if call.num_advanced:
+            self.call_steps = [step_record(plan, out) for plan, out in zip(call.plans, call.outs)]
+            answer = await self.stub.ExecuteSteps(worker_pb2.StepBatch(steps=call.plans), timeout=60)
+            results = list(answer.results)
+        else:
+            results = [await self.stub.ExecuteStep(call.plans[0], timeout=60)]
+        if stop_at == "unlanded_next":
+            return stop_at  # sent and run, its commit never made
+        if call.num_advanced:
+            await self.commit()
+        else:
+            await self.commit(call.plans[0], call.outs[0])
+        self.call_steps = []
+        if stop_at == "unlanded":
+            return stop_at
+        for i, (out, result) in enumerate(zip(call.outs, results)):
+            self.processor.process(out, result, self.pending, advanced=i < call.num_advanced)
+        return ""
+
     async def land_inflight(self) -> None:
         assert self.inflight is not None
         (out, _, call), self.inflight = self.inflight, None
@@ -159,13 +194,16 @@ def _fork_copies(owner: Owner) -> bool:
         for g in owner.scheduler.running if g.pending_fork_seqs() for parent in g.get_seqs(SequenceStatus.RUNNING))
 
 
-CASES = [("unlanded", 1, False, False), ("unlanded_next", 2, False, False), ("before_send", 0, True, False),
-         ("unlanded", 2, False, True), ("unlanded_next", 3, False, True), ("before_send", 1, True, True)]
+# (where the old owner stops, steps the new owner lands, whether it stops at a fork step, the loop)
+CASES = [("unlanded", 1, False, "sync"), ("unlanded_next", 2, False, "sync"), ("before_send", 0, True, "sync"),
+         ("unlanded", 2, False, "async"), ("unlanded_next", 3, False, "async"), ("before_send", 1, True, "async"),
+         ("unlanded", 3, False, "multi_step"), ("unlanded_next", 6, False, "multi_step")]
+MULTI_STEPS = 3
 
 
-@pytest.mark.parametrize(("stop_at", "landed", "fork", "async_loop"), CASES)
+@pytest.mark.parametrize(("stop_at", "landed", "fork", "loop"), CASES)
 def test_a_new_owner_continues_wherever_the_old_one_stopped(
-    worker_address: str, tiny_llama_dir: Path, stop_at: str, landed: int, fork: bool, async_loop: bool
+    worker_address: str, tiny_llama_dir: Path, stop_at: str, landed: int, fork: bool, loop: str
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
 
@@ -177,7 +215,7 @@ def test_a_new_owner_continues_wherever_the_old_one_stopped(
             stub = worker_pb2_grpc.WorkerStub(channel)
             try:
                 desc = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
-                plain.set(keys.epoch(W), 1000 + 10 * CASES.index((stop_at, landed, fork, async_loop)))
+                plain.set(keys.epoch(W), 1000 + 10 * CASES.index((stop_at, landed, fork, loop)))
                 epoch = int(plain.get(keys.epoch(W)))
                 await stub.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=10)
                 recomputed_before = desc.num_recomputed_tokens
@@ -191,7 +229,7 @@ def test_a_new_owner_continues_wherever_the_old_one_stopped(
                     record = to_record(admitted, await store.reserve_seq_ids(admitted.sampling.num_sequences), W, i)
                     await store.admit(record)
                 await old.commit()  # picks them up
-                step = old.async_step if async_loop else old.step
+                step = {"sync": old.step, "async": old.async_step, "multi_step": old.multi_step}[loop]
                 if fork:
                     # Stop right at the fork step, whose copy-on-write the replay must do.
                     while not _fork_copies(old):
@@ -208,9 +246,13 @@ def test_a_new_owner_continues_wherever_the_old_one_stopped(
                 new = Owner(epoch + 1, stub, store, tokenizer, desc)
                 resume = WorkerResume(W, stub, new.scheduler, new.processor, new.planner, new.plan)
                 state = await store.load_engine_state(W)
-                assert state is not None and state.step is not None
-                assert bool(state.step.copy) == fork  # the fork step's copy-on-write, to replay
-                assert (state.inflight is not None) == async_loop
+                assert state is not None
+                if loop == "multi_step":  # every step of the call counts as run
+                    assert state.step is None and len(state.inflight) == MULTI_STEPS
+                else:
+                    assert state.step is not None
+                    assert bool(state.step.copy) == fork  # the fork step's copy-on-write, to replay
+                    assert len(state.inflight) == (loop == "async")
                 resumed = await resume.run(state, new.pending)
                 assert resumed is not None and not resumed.needs_reset
                 assert (resumed.landed_steps, resumed.continued, resumed.recomputed) == (landed, len(PROMPTS), 0)

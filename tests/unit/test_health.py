@@ -124,7 +124,7 @@ def test_worker_servicer_reports_a_step_only_while_it_executes() -> None:
     runner.servicer = servicer
     assert not servicer.step_activity.has_work
     before = time.monotonic()
-    assert servicer._execute(None, None) == "out"  # type: ignore[arg-type]  # noqa: SLF001
+    assert servicer._execute([None], [None]) == ["out"]  # type: ignore[list-item]  # noqa: SLF001
     assert runner.seen is not None and runner.seen.has_work and runner.seen.last_progress >= before
     assert not servicer.step_activity.has_work
 
