@@ -9,7 +9,8 @@ One run, in this order, written to `benchmarks/results/llamacpp.json`:
 2. llmserve (Redis, worker, scheduler and the OpenAI HTTP front, float32) on the serving workload
    (64 requests, same seed as benchmarks/serving.py), driven through the HTTP front by the OpenAI
    client that also drives llama-server, and through gRPC `Generate` as in serving.py; then single
-   stream (one request at a time, 128 output tokens) through both;
+   stream (one request at a time, 128 output tokens) through both; both again through gRPC with
+   multi-step scheduling (--num-scheduler-steps 8);
 3. llama-server on the F32 GGUF at each slot count (`-np`), each slot with room for the longest
    prompt and output, as many threads as this process may use; single stream on one slot;
 4. llama-server on the wheel's original Q4_1 GGUF (what a llama.cpp user would run) at the best
@@ -93,7 +94,20 @@ def _llmserve_runs(model: str, requests: list[BenchRequest], single: list[BenchR
         streams = [_checked(label, *run_openai(http, single, max_concurrency=1, label=label))]
         label = "llmserve (gRPC), single stream"
         streams.append(_checked(label, *run_llmserve(cluster.address, single, max_concurrency=1, label=label)))
+    # Multi-step scheduling (README, Architecture): decode batches run MULTI_STEPS steps per worker call.
+    flag = f"--num-scheduler-steps {MULTI_STEPS}"
+    with bench_cluster(model, "float32", scheduler_args=flag.split()) as cluster:
+        run_llmserve(cluster.address, warm, label="warm-up")
+        label = f"llmserve (gRPC, {flag})"
+        runs.append(_checked(label, *run_llmserve(cluster.address, requests, label=label)))
+        label = f"llmserve (gRPC, {flag}), single stream"
+        streams.append(_checked(label, *run_llmserve(cluster.address, single, max_concurrency=1, label=label)))
     return runs, streams
+
+
+# Steps per worker call of the multi-step rows: in a sitting on the 2-core Zen 5 of docs/benchmarks.md, one
+# stream took 18.3-19.4 ms a token with 1, 17.1-18.7 with 4 and 16.6-17.0 with 8 (docs/benchmarks-history.md).
+MULTI_STEPS = 8
 
 
 def _tok_s(s: Summary) -> float:
