@@ -398,7 +398,7 @@ _HTTP_PASS = ["tls-ca-file", "auth-token-file"]
 def _cmd_up(args: argparse.Namespace) -> int:
     timer = _startup_timer(args, cpu=False)
     with timer.phase("imports"):
-        from llmserve.local_cluster import ClusterSpec, LocalCluster  # noqa: PLC0415
+        from llmserve.local_cluster import ClusterSpec, ClusterStartError, LocalCluster  # noqa: PLC0415
 
     if args.tls_cert_file and not args.tls_ca_file:
         raise ValueError("up: --tls-cert-file needs --tls-ca-file, the CA that signed it: `up` checks the "
@@ -423,7 +423,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     # SIGHUP too: a closed terminal no longer reaches the services, which run in sessions of their own.
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGHUP, _stop)
-    with cluster:
+    try:
+        cluster.start()  # stops whatever it started when one service fails
+    except ClusterStartError as exc:
+        # A service that refused its flags (or died starting) says why in its log's tail: no traceback of `up`'s.
+        print(f"llmserve up: error: {exc}", file=sys.stderr)
+        return 1
+    try:
         # From here on Ctrl-C (SIGINT, the terminal's: the services run in sessions of their own and do
         # not get it) stops the cluster in order, however soon it comes. An Event, not a flag tested
         # before signal.pause(): a signal between the test and the pause would be missed.
@@ -436,6 +442,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         while not stop.wait(0.5):
             pass
         print("stopping (the worker drains first; Ctrl-C again kills)...", flush=True)
+    finally:
+        cluster.stop()
     return 0
 
 

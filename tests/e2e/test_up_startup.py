@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
+from shared.redis_server import free_port
 from shared.startup_timer import StartupReport, parse_summary
 from tests.e2e.up_process import up
 
@@ -47,3 +50,16 @@ def test_up_and_its_services_log_where_the_start_up_went(tiny_llama_dir: Path, t
     assert_consistent(serving, [p.name for p in scheduler.phases if p.name != "other"] + ["first lease"])
     # A service's own clock starts after `up` spawned it: its total fits in what `up` saw of it.
     assert worker.total_s <= cluster.seconds("worker") + 2 * ROUNDING_S, (worker, cluster)
+
+
+def test_a_service_refusing_its_flags_ends_up_with_its_message(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # The scheduler refuses the pair (its configuration's check): `up` says so, without a traceback of its own.
+    cmd = [sys.executable, "-m", "llmserve", "up", "--model", str(tiny_llama_dir), "--port", str(free_port()),
+           "--log-dir", str(tmp_path), "--num-threads", "1", "--num-scheduler-steps", "4", "--async-scheduling"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, output
+    assert "llmserve up: error: the scheduler exited with code 2 during start-up" in output, output
+    assert "num_scheduler_steps > 1 and async_scheduling are exclusive" in output, output
+    assert "Traceback" not in output, output
