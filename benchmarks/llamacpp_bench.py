@@ -10,7 +10,7 @@ One run, in this order, written to `benchmarks/results/llamacpp.json`:
    (64 requests, same seed as benchmarks/serving.py), driven through the HTTP front by the OpenAI
    client that also drives llama-server, and through gRPC `Generate` as in serving.py; then single
    stream (one request at a time, 128 output tokens) through both; both again through gRPC with
-   multi-step scheduling (--num-scheduler-steps 8);
+   multi-step scheduling (--num-scheduler-steps 8), single stream through the HTTP front too;
 3. llama-server on the F32 GGUF at each slot count (`-np`), each slot with room for the longest
    prompt and output, as many threads as this process may use; single stream on one slot;
 4. llama-server on the wheel's original Q4_1 GGUF (what a llama.cpp user would run) at the best
@@ -96,10 +96,15 @@ def _llmserve_runs(model: str, requests: list[BenchRequest], single: list[BenchR
         streams.append(_checked(label, *run_llmserve(cluster.address, single, max_concurrency=1, label=label)))
     # Multi-step scheduling (README, Architecture): decode batches run MULTI_STEPS steps per worker call.
     flag = f"--num-scheduler-steps {MULTI_STEPS}"
-    with bench_cluster(model, "float32", scheduler_args=flag.split()) as cluster:
+    with bench_cluster(model, "float32", scheduler_args=flag.split(), http=True) as cluster:
+        assert cluster.http_url is not None
+        http = OpenAITarget.vllm_style(cluster.http_url)
         run_llmserve(cluster.address, warm, label="warm-up")
+        run_openai(http, warm, label="warm-up")
         label = f"llmserve (gRPC, {flag})"
         runs.append(_checked(label, *run_llmserve(cluster.address, requests, label=label)))
+        label = f"llmserve (OpenAI HTTP front, {flag}), single stream"
+        streams.append(_checked(label, *run_openai(http, single, max_concurrency=1, label=label)))
         label = f"llmserve (gRPC, {flag}), single stream"
         streams.append(_checked(label, *run_llmserve(cluster.address, single, max_concurrency=1, label=label)))
     return runs, streams
