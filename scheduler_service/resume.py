@@ -11,7 +11,9 @@
                     as the old owner did (with N in flight under async scheduling), and when the plan
                     is the one the worker ran (same sequences, token counts, tables and block
                     operations) lands its result too. If the worker never ran N, N's block operations
-                    are replayed.
+                    are replayed. Under multi-step scheduling the state is "the steps of one call counted
+                    as run": each lands in turn, and the worker's next call, when it ran one, is planned
+                    step by step as the old owner did (each with the one before in flight) and landed.
     4. resume       Resume(views): the worker checks each running sequence's tokens and blocks against
                     its cache and keeps the ones that match, as the views have them (the block manager
                     marks those tables held: the next steps send them as deltas); the others are

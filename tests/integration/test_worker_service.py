@@ -100,6 +100,36 @@ def test_bad_plans_are_invalid_argument_and_the_worker_stays_up(worker: worker_p
     assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_cached_sequences == 0
 
 
+def test_a_step_batch_runs_its_plans_in_order_as_single_steps_would(worker: worker_pb2_grpc.WorkerStub) -> None:
+    """ExecuteSteps: each decode reads the token the plan before sampled; the tokens are those of one plan a
+    call, and an empty batch or a stale epoch is refused before anything runs."""
+    def prefill(epoch: int) -> worker_pb2.StepResult:
+        worker.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=10)
+        return worker.ExecuteStep(worker_pb2.StepPlan(epoch=epoch, step_id=1, new_sequences=[
+            _new_seq(1, list(range(40, 50)), [3])]), timeout=30)
+
+    def decode(epoch: int, step_id: int, num_tokens: int) -> worker_pb2.StepPlan:
+        return worker_pb2.StepPlan(epoch=epoch, step_id=step_id, cached_sequences=[
+            worker_pb2.SequenceDelta(seq_id=1, num_new_tokens=1, num_tokens=num_tokens)])
+
+    first = prefill(24)
+    one_a_call = [first.sampled[0].token_id]
+    one_a_call += [worker.ExecuteStep(decode(24, 2 + i, 11 + i), timeout=30).sampled[0].token_id for i in range(3)]
+    again = prefill(25)
+    batch = worker.ExecuteSteps(worker_pb2.StepBatch(steps=[decode(25, 2 + i, 11 + i) for i in range(3)]), timeout=30)
+    assert [r.step_id for r in batch.results] == [2, 3, 4]
+    assert [again.sampled[0].token_id] + [r.sampled[0].token_id for r in batch.results] == one_a_call
+    with pytest.raises(grpc.RpcError) as info:
+        worker.ExecuteSteps(worker_pb2.StepBatch(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no plan" in info.value.details()
+    # A stale plan anywhere in the batch refuses it whole: the sequence's next decode is still the 5th token.
+    with pytest.raises(grpc.RpcError) as info:
+        worker.ExecuteSteps(worker_pb2.StepBatch(steps=[decode(25, 5, 14), decode(22, 6, 15)]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert worker.ExecuteStep(decode(25, 5, 14), timeout=30).sampled[0].seq_id == 1
+    worker.ExecuteStep(worker_pb2.StepPlan(epoch=25, step_id=6, finished_seq_ids=[1]), timeout=10)
+
+
 def test_prompt_logprobs_over_two_prefill_chunks_match_transformers(
     worker: worker_pb2_grpc.WorkerStub, tiny_llama_dir: Path
 ) -> None:
