@@ -35,11 +35,11 @@ class SchedulerServiceConfig(SchedulingFlags):
       CPU machine of docs/benchmarks.md the overlapped scheduling work slows the worker's step as much
       as it saves (docs/benchmarks-history.md); it pays where the worker's host has idle cores (a GPU).
     num_scheduler_steps: the most steps one call to a worker carries (multi-step scheduling, vLLM's
-      --num-scheduler-steps): a batch of decodes only, with nothing waiting, runs that many steps back to
-      back on the worker, each decoding the token the one before sampled, for one round trip, one Redis
-      commit and one postprocessing; clients get the tokens in bursts, a sequence that stops mid-call
-      computes the rest of the call for nothing, and a request arriving meanwhile waits for the call's end.
-      Not with async scheduling.
+      --num-scheduler-steps): a batch of decodes only, with no waiting request that could start, runs that
+      many steps back to back on the worker, each decoding the token the one before sampled, for one round
+      trip, one Redis commit and one postprocessing (scheduler_service/multi_step.py); clients get the
+      tokens in bursts, a sequence that stops mid-call computes the rest of the call for nothing, and a
+      request arriving meanwhile waits for the call's end. Not with async scheduling.
     liveness_timeout_s: grpc.health.v1 "liveness" turns NOT_SERVING when an engine loop holding requests
       has completed no step for this long; keep it well above step_timeout_s, which handles a hung worker
       first (a restart of the scheduler does not mend a worker).

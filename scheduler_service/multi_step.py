@@ -29,13 +29,18 @@ class PlannedCall:
 
 def is_steady_decode(scheduler: Scheduler, out: SchedulerOutput) -> bool:
     """Whether the call holding step `out` may take the step after it: only a batch of decodes with nothing
-    else to do. Prefills end the call (their first tokens would wait for all of it), as do waiting or swapped
-    requests (their admission would), a preemption (the cache is under pressure) and beam search (its next
-    beams come from each result)."""
+    else to do. Prefills end the call (their first tokens would wait for all of it), as do swapped requests
+    and waiting ones that could start (their admission would wait), a preemption (the cache is under
+    pressure) and beam search (its next beams come from each result). Requests waiting behind a full batch
+    (max_num_seqs running sequences) wait for a sequence to finish, which only a landed step tells."""
     if not out.scheduled or out.preempted or out.swap_failed or out.ignored:
         return False
-    if scheduler.waiting or scheduler.swapped or any(item.is_prefill for item in out.scheduled):
+    if scheduler.swapped or any(item.is_prefill for item in out.scheduled):
         return False
+    if scheduler.waiting:
+        running = sum(len(g.unfinished_seqs()) for g in scheduler.running)
+        if running < scheduler.scheduler_config.max_num_seqs:
+            return False
     return not any(g.sampling_params.use_beam_search for g in scheduler.running)
 
 

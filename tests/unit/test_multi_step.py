@@ -97,3 +97,28 @@ def test_one_step_a_call_plans_as_before() -> None:
     _prefilled(sched, make_group("a", 1, 4))
     call = _call(sched, 1)
     assert call is not None and len(call.outs) == 1 and call.num_advanced == 0
+
+
+def test_requests_waiting_behind_a_full_batch_do_not_end_the_call() -> None:
+    sched = make_scheduler(num_gpu_blocks=16, max_num_seqs=2, max_model_len=64)
+    _prefilled(sched, make_group("a", 1, 4), make_group("b", 2, 4))
+    sched.add_request(make_group("c", 3, 4))  # max_num_seqs running: c waits for one of them to finish
+    call = _call(sched, 4)
+    assert call is not None and len(call.outs) == 4
+    assert all(plan(out) == [("a", 1), ("b", 1)] for out in call.outs)
+    assert [g.request_id for g in sched.waiting] == ["c"]
+    _land(sched, call)
+    sched.abort_request("b")
+    call = _call(sched, 4)  # room for c: its prompt's step, with a's decode, ends the call
+    assert call is not None and len(call.outs) == 1 and plan(call.outs[0]) == [("a", 1), ("c", 4)]
+
+
+def test_a_request_waiting_for_blocks_ends_the_call_at_its_first_step() -> None:
+    # 4 blocks of 4 tokens: a holds 2 once decoding, b's 12-token prompt needs 3 and waits for blocks, not for
+    # a sequence slot: a step that frees blocks (a landed finish) admits it, so no call runs ahead of it.
+    sched = make_scheduler(num_gpu_blocks=4, max_model_len=16)
+    _prefilled(sched, make_group("a", 1, 5))
+    sched.add_request(make_group("b", 2, 12))
+    call = _call(sched, 4)
+    assert call is not None and len(call.outs) == 1 and plan(call.outs[0]) == [("a", 1)]
+    assert [g.request_id for g in sched.waiting] == ["b"]
