@@ -34,6 +34,7 @@ class SentStep:
     # tokens in flight until they land.
     num_advanced: int = 0
 
-    def results(self, answer: worker_pb2.StepResult | worker_pb2.StepBatchResult) -> list[worker_pb2.StepResult]:
+    @staticmethod
+    def results(answer: worker_pb2.StepResult | worker_pb2.StepBatchResult) -> list[worker_pb2.StepResult]:
         """The call's answer as one result per step."""
         return list(answer.results) if isinstance(answer, worker_pb2.StepBatchResult) else [answer]

@@ -191,6 +191,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             span.set_attributes({
                 "llmserve.step_id": first.step_id, "llmserve.epoch": first.epoch, "llmserve.worker.steps": len(plans),
                 "llmserve.worker.new_sequences": sum(len(p.new_sequences) for p in plans),
+                # The decodes of a multi-step call are the same sequences in each step: counted once.
                 "llmserve.worker.cached_sequences": len(first.cached_sequences),
                 "llmserve.worker.tokens": sum(tokens), "llmserve.worker.sampled": sum(len(o.sampled) for o in outs),
                 "llmserve.worker.swap_in_blocks": sum(len(p.swap_in) for p in plans),

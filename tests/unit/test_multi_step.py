@@ -64,8 +64,7 @@ def test_prefills_and_waiting_requests_end_a_call() -> None:
     assert call is not None and len(call.outs) == 1
     _land(sched, call)
     sched.add_request(make_group("c", 3, 3))
-    sched.waiting[0].sampling_params = SamplingParams(max_tokens=2)
-    # c waits (admitted in the call's first step, a prefill): the call is that step alone.
+    # c is admitted in the call's first step (a prefill beside a's and b's decodes): the call is that step alone.
     call = _call(sched, 4)
     assert call is not None and len(call.outs) == 1
 
