@@ -2,7 +2,7 @@
 
     python -m benchmarks.worker_step [--models tiny default] [--batch-sizes 1 4 16] [--steps 40]
         [--prompt-len 32] [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16]
-        [--decode-gemv-rows N] [--profile]
+        [--decode-gemv-rows N] [--cpu-matmul auto|onednn|panels] [--profile]
         [--output benchmarks/results/worker_step.json]
 
 For each model and batch size B, a ModelRunner prefills B greedy sequences
@@ -46,6 +46,7 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.run_info import run_info  # noqa: E402
 from protos import worker_pb2  # noqa: E402
 from shared.default_model import prepare_default_model  # noqa: E402
+from shared.defaults import CPU_MATMULS  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 from shared.sampling_proto import sampling_to_proto  # noqa: E402
 from worker_service.config import WorkerConfig  # noqa: E402
@@ -159,6 +160,8 @@ def main() -> None:
                         help="weights and KV cache (auto: float32 on a CPU)")
     parser.add_argument("--decode-gemv-rows", type=int, default=WorkerConfig.decode_gemv_rows,
                         help="the worker's few-row decode path limit (0: every step layer by layer)")
+    parser.add_argument("--cpu-matmul", default=WorkerConfig.cpu_matmul, choices=CPU_MATMULS,
+                        help="the worker's float32 CPU projection kernel (auto, onednn, panels)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions per run")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -172,7 +175,7 @@ def main() -> None:
         for name in args.models:
             config = WorkerConfig(model=str(_model_dir(name, Path(tmp))), block_size=BLOCK_SIZE, dtype=args.dtype,
                                   num_gpu_blocks_override=blocks, max_model_len=context,
-                                  decode_gemv_rows=args.decode_gemv_rows)
+                                  decode_gemv_rows=args.decode_gemv_rows, cpu_matmul=args.cpu_matmul)
             runner = model_thread.run(ModelRunner, config)
             for batch in tqdm(args.batch_sizes, desc=f"{name} model", unit="batch size"):
                 row = model_thread.run(measure, runner, batch, args.prompt_len, args.steps, args.logprobs,
@@ -187,6 +190,7 @@ def main() -> None:
                         "tokenizer's vocabulary; default: SmolLM2-135M."),
         "dtype": args.dtype,
         "decode_gemv_rows": args.decode_gemv_rows,
+        "cpu_matmul": args.cpu_matmul,
         "prompt_len": args.prompt_len,
         "phases": PHASES,
         "rows": runs,

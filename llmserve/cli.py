@@ -63,6 +63,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="decode steps of up to this many sequences run every layer in one compiled call with "
                         "GEMV projections over a dense copy of the layer weights (float32 on a CPU; the copy costs "
                         "the weights' size in memory again); 0 = off")
+    g.add_argument("--cpu-matmul", choices=defaults.CPU_MATMULS, default=defaults.CPU_MATMULS[0],
+                   help="kernel of the float32 CPU projections: auto (Numba panel tiles on AVX-512 AMD CPUs, "
+                        "else oneDNN), onednn or panels")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes (GPUs cuda:k..k+N-1, or CPU processes with gloo) that split each layer's heads "
                         "and the KV cache; the worker starts them. --kv-cache-memory, --swap-space and "
@@ -325,6 +328,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, tls=sec.server_tls_from(args),
         tensor_parallel_size=args.tensor_parallel_size, liveness_timeout_s=args.liveness_timeout,
         simulate=args.simulate, decode_gemv_rows=args.decode_gemv_rows,
+        cpu_matmul=args.cpu_matmul,
     )
     registration = None
     if args.redis_url:
@@ -386,7 +390,7 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-utilization",
                 "num-gpu-blocks-override", "swap-space", "seed", "num-threads", "max-model-len", "log-level",
                 "otlp-endpoint", "trace-file", "redis-password-file", "redis-ca-file", "tensor-parallel-size",
-                "liveness-timeout", "simulate", "decode-gemv-rows"]
+                "liveness-timeout", "simulate", "decode-gemv-rows", "cpu-matmul"]
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
                    "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port",
                    "max-num-queued-requests", "max-queued-tokens", "step-timeout", "async-scheduling",

@@ -12,6 +12,8 @@ GPU_MEMORY_UTILIZATION = 0.9
 SWAP_SPACE_GIB = 0.0
 # Worker: decode steps of up to this many sequences as one compiled call over dense weights (CPU, float32).
 DECODE_GEMV_ROWS = 4
+# Worker: the float32 CPU projections' kernel (worker_service/models/linear.py's use_panels), auto first.
+CPU_MATMULS = ("auto", "onednn", "panels")
 # Scheduling.
 MAX_NUM_SEQS = 256
 # Steps one call to a worker may carry (multi-step scheduling), and the most a scheduler accepts: a worker

@@ -39,6 +39,8 @@ class WorkerConfig:
     decode_gemv_rows: decode steps of up to this many sequences run every layer in one compiled call with
         GEMV projections over a dense copy of the layer weights (float32 or bf16 on a CPU, one rank; the copy costs
         the weights' size in memory again); 0 turns it off (worker_service/models/few_row_decode.py).
+    cpu_matmul: the float32 CPU projections' kernel: "auto" (the panel kernel on AVX-512 AMD CPUs, where it
+        was measured faster, else oneDNN), "onednn" or "panels" (worker_service/models/linear.py).
     """
 
     model: str
@@ -60,6 +62,7 @@ class WorkerConfig:
     liveness_timeout_s: float = defaults.LIVENESS_TIMEOUT_S
     simulate: str = ""
     decode_gemv_rows: int = defaults.DECODE_GEMV_ROWS
+    cpu_matmul: str = defaults.CPU_MATMULS[0]
 
     def __post_init__(self) -> None:
         is_gguf = self.model.lower().endswith(".gguf") and os.path.isfile(self.model)
@@ -81,6 +84,8 @@ class WorkerConfig:
             raise ValueError(f"swap_space_gib must be non-negative, got {self.swap_space_gib}.")
         if self.decode_gemv_rows < 0:
             raise ValueError(f"decode_gemv_rows must be non-negative, got {self.decode_gemv_rows}.")
+        if self.cpu_matmul not in defaults.CPU_MATMULS:
+            raise ValueError(f"cpu_matmul must be one of {', '.join(defaults.CPU_MATMULS)}, got {self.cpu_matmul!r}.")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be non-negative, got {self.max_model_len}.")
         if not 0 <= self.metrics_port <= 65535:

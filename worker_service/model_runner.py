@@ -121,7 +121,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         rank = tp.rank if tp is not None else 0
         self.model = build_model(hf_config, config.model, self.dtype, self.device, max_len, rank, tp_size,
-                                 config.decode_gemv_rows)
+                                 config.decode_gemv_rows, config.cpu_matmul)
         # Masked until min_tokens; read once, not on every step.
         self.eos_token_ids = eos_token_ids(hf_config, config.model)
         self.grammars = GrammarMasks(config.model, self.shape.vocab_size, self.eos_token_ids)

@@ -63,10 +63,11 @@ PROMPTS = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(100, 119))]
 FUSED = {"llama", "llama3-rope", "mistral", "qwen2"}
 
 
-def _greedy_batch(model_dir: Path, dtype: str = "auto") -> tuple[ModelRunner, dict[int, list[int]], dict[int, list[float]]]:
+def _greedy_batch(model_dir: Path, dtype: str = "auto", **worker: object
+                  ) -> tuple[ModelRunner, dict[int, list[int]], dict[int, list[float]]]:
     """The three prompts prefilled together, then decoded together: (runner, tokens, logprobs) per prompt."""
     runner = ModelRunner(WorkerConfig(model=str(model_dir), num_gpu_blocks_override=64, max_model_len=256,
-                                      block_size=8, dtype=dtype))
+                                      block_size=8, dtype=dtype, **worker))
     greedy = SamplingParams(temperature=0.0)
     tables = {i: list(range(i * 10, i * 10 + 10)) for i in range(len(PROMPTS))}
     outputs: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
@@ -101,6 +102,19 @@ def test_greedy_batch_matches_transformers(family: str, tmp_path: Path) -> None:
     runner, outputs, logprobs = _greedy_batch(model_dir)
     assert isinstance(runner.model, LlamaModel if family in FUSED else TransformersModel)
     _assert_matches(family, HFReference(str(model_dir)), outputs, logprobs, 1e-4)
+
+
+@pytest.mark.parametrize("cpu_matmul", ["onednn", "panels"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_each_float32_cpu_kernel_matches_transformers(family: str, cpu_matmul: str, tmp_path: Path) -> None:
+    # Decode steps layer by layer too (no few-row call), so every projection runs the chosen kernel.
+    model_dir = _build(tmp_path / family, family)
+    runner, outputs, logprobs = _greedy_batch(model_dir, cpu_matmul=cpu_matmul, decode_gemv_rows=0)
+    assert runner.model.few_rows is None
+    kernels = {runner.model.lm_head.kernel} | {p.kernel for layer in runner.model.layers
+                                                 for p in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    assert kernels == {cpu_matmul}
+    _assert_matches(f"{family} {cpu_matmul}", HFReference(str(model_dir)), outputs, logprobs, 1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

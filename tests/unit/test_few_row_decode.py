@@ -185,3 +185,8 @@ def test_gemv_over_bf16_weights_matches_a_float64_reference(rows: int) -> None:
     gemv(x.numpy(), weight.view(torch.int16).numpy(), bias.numpy(), out)
     expected = x.double() @ weight.double().T + bias.double()
     torch.testing.assert_close(torch.from_numpy(out).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_cpu_matmul_is_a_clear_configuration_error(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="cpu_matmul must be one of auto, onednn, panels, got 'blas'"):
+        WorkerConfig(model=str(model_dir), cpu_matmul="blas")

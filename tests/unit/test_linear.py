@@ -63,3 +63,59 @@ def test_bucket_rows_bounds_the_row_counts_and_the_padding() -> None:
     for rows in range(1, 2049):
         padded = linear_module.bucket_rows(rows)
         assert rows <= padded <= (rows * 1.125 if rows >= 64 else rows + 7)
+
+
+# Panel layouts: whole 48-column panels only, and a narrower last panel of 32 or 16 columns.
+PANEL_SHAPES = [(96, 64), (80, 576), (64, 200), (1536, 576)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 64, 71])
+@pytest.mark.parametrize("shape", PANEL_SHAPES, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panels_float32_match_float64(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(*shape)
+    bias = torch.randn(shape[0]) if with_bias else None
+    projection = Linear(weight, bias, panels=True)
+    assert projection.kernel == "panels" and projection.packed
+    x = torch.randn(rows, shape[1])
+    # One float32 multiply-add chain per element: error ~ sqrt(K) * 2^-24 * |terms|, as for oneDNN above.
+    torch.testing.assert_close(projection(x).double(), _reference(x, weight, bias), rtol=1e-5, atol=3e-4)
+
+
+def test_panels_give_each_row_the_same_result_alone_or_in_a_batch() -> None:
+    torch.manual_seed(0)
+    projection = Linear(torch.randn(1536, 576), torch.randn(1536), panels=True)
+    batch = torch.randn(37, 576)
+    together = projection(batch)
+    # Bit for bit: a row's sums do not depend on which row tile (8, 4 or 1) or thread computed them.
+    for row in (0, 5, 32, 36):
+        assert torch.equal(projection(batch[row:row + 1]), together[row:row + 1])
+    assert torch.equal(projection(batch[3:15]), together[3:15])
+
+
+def test_panels_take_an_empty_input() -> None:
+    assert Linear(torch.randn(32, 8), panels=True)(torch.empty(0, 8)).shape == (0, 32)
+
+
+def test_a_weight_panels_cannot_lay_out_goes_to_onednn_or_dense() -> None:
+    weight, x = torch.randn(333, 64), torch.randn(5, 64)  # 333 is not whole 16-column vectors
+    projection = Linear(weight, panels=True)
+    assert projection.kernel != "panels"
+    torch.testing.assert_close(projection(x).double(), _reference(x, weight, None), rtol=1e-5, atol=3e-4)
+    assert Linear(torch.randn(32, 8).bfloat16(), panels=True).kernel != "panels"
+
+
+def test_use_panels_follows_the_choice_dtype_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert linear_module.use_panels("panels", torch.float32, cpu)
+    assert not linear_module.use_panels("onednn", torch.float32, cpu)
+    assert not linear_module.use_panels("panels", torch.bfloat16, cpu)
+    assert not linear_module.use_panels("panels", torch.float32, torch.device("cuda"))
+    for name, avx512, expected in [("znver4", True, True), ("znver3", False, False), ("sapphirerapids", True, False)]:
+        monkeypatch.setattr(linear_module.llvmlite.binding, "get_host_cpu_name", lambda n=name: n)
+        monkeypatch.setattr(linear_module.llvmlite.binding, "get_host_cpu_features",
+                            lambda a=avx512: {"avx512f": a})
+        assert linear_module.use_panels("auto", torch.float32, cpu) == expected, name
+    with pytest.raises(ValueError, match="cpu_matmul must be one of auto, onednn, panels, got 'mkl'"):
+        linear_module.use_panels("mkl", torch.float32, cpu)

@@ -25,13 +25,13 @@ class CausalLM(Protocol):
 
 
 def build_model(config: PretrainedConfig, path: str, dtype: torch.dtype, device: torch.device, max_positions: int,
-                rank: int = 0, tp_size: int = 1, decode_gemv_rows: int = 0) -> CausalLM:
+                rank: int = 0, tp_size: int = 1, decode_gemv_rows: int = 0, cpu_matmul: str = "auto") -> CausalLM:
     """The fused model where it covers ``config``, else transformers' modules (with the reason logged)."""
     from worker_service.models.llama_loader import fused_llama_supports, load_llama
 
     why_not = fused_llama_supports(config)
     if why_not is None:
-        model = load_llama(config, path, dtype, device, max_positions, rank, tp_size, decode_gemv_rows)
+        model = load_llama(config, path, dtype, device, max_positions, rank, tp_size, decode_gemv_rows, cpu_matmul)
         log.info("loaded %s (%s) on %s: fused Llama-family layers", path, dtype, device)
         if model.few_rows is not None:
             log.info("decode steps of up to %d sequences run as one compiled call over a dense copy of the weights "

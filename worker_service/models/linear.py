@@ -23,16 +23,28 @@ shapes: 458 MB -> 4.8 GB). Inputs are therefore padded to a bounded set of row c
 reading the weights, not the rows, sets a projection's time. RSS over that loop then stays bounded
 (458 -> 702 MB, unchanged on the second and third pass).
 
-Where oneDNN cannot take the weight (CUDA, float16 without AVX512-FP16, a torch built
-without it) the projection keeps the dense weight and calls F.linear.
+On AVX-512 AMD CPUs a float32 weight is laid out in column panels instead and multiplied by a
+Numba register-tile kernel (models/_numba_panels.py): faster than oneDNN there at every row count
+measured (16 to 512), no row buckets, and each row's result independent of the rows beside it.
+``--cpu-matmul`` chooses (``auto``: panels where they were measured faster; ``onednn``; ``panels``).
+
+Where neither takes the weight (CUDA, float16 without AVX512-FP16, a torch built without oneDNN)
+the projection keeps the dense weight and calls F.linear.
 """
 
 from __future__ import annotations
 
 import logging
 
+import llvmlite.binding
+import numba
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from shared.defaults import CPU_MATMULS
+from worker_service.models._numba_panels import pack_panels, panel_matmul, panel_widths
+from worker_service.models.fused_ops import full_team
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +100,22 @@ def slow_dtype_warning(dtype: torch.dtype, device: torch.device) -> str | None:
             f"(oneDNN needs {needs}), so the model runs several times slower than in float32; use {way_out}")
 
 
+def use_panels(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether float32 projections run the panel kernel under ``--cpu-matmul choice``.
+
+    ``auto`` takes it on AMD CPUs with AVX-512 (LLVM names them znver4 and later), where it was measured
+    faster than oneDNN (docs/benchmarks-history.md); Intel's AVX-512 CPUs keep oneDNN until measured.
+    """
+    if choice not in CPU_MATMULS:
+        raise ValueError(f"cpu_matmul must be one of {', '.join(CPU_MATMULS)}, got {choice!r}")
+    if choice == "onednn" or dtype != torch.float32 or device.type != "cpu":
+        return False
+    if choice == "panels":
+        return True
+    features = llvmlite.binding.get_host_cpu_features()
+    return bool(features.get("avx512f")) and llvmlite.binding.get_host_cpu_name().startswith("znver")
+
+
 def bucket_rows(rows: int) -> int:
     """The row count a packed projection runs ``rows`` as: exact up to 16, then multiples of 8, 16 and 64.
 
@@ -100,23 +128,43 @@ def bucket_rows(rows: int) -> int:
 
 
 class Linear:
-    """``x [T, in] -> [T, out]``; the weight is not kept dense when oneDNN holds a packed copy."""
+    """``x [T, in] -> [T, out]``; the weight is not kept dense when panels or oneDNN hold a laid-out copy.
 
-    __slots__ = ("out_features", "in_features", "bias", "_dense", "_packed")
+    ``panels``: lay a float32 CPU weight out for the panel kernel (see ``use_panels``); a weight whose
+    row count is not a multiple of 16 goes to oneDNN instead.
+    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    __slots__ = ("out_features", "in_features", "bias", "_dense", "_packed", "_panels", "_panel_bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, panels: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self._packed = _pack(weight)
-        self._dense = weight if self._packed is None else None
+        self._panels = self._panel_bias = None
+        if panels and weight.dtype == torch.float32 and weight.device.type == "cpu" and panel_widths(weight.shape[0]):
+            self._panels = pack_panels(weight.detach().contiguous().numpy())
+            self._panel_bias = (np.empty(0, np.float32) if bias is None
+                                else bias.detach().to(torch.float32).contiguous().numpy())
+        self._packed = None if self._panels is not None else _pack(weight)
+        self._dense = weight if self._packed is None and self._panels is None else None
 
     @property
     def packed(self) -> bool:
-        return self._packed is not None
+        """Whether the weight is held laid out for a CPU kernel (panels or oneDNN) rather than dense."""
+        return self._packed is not None or self._panels is not None
+
+    @property
+    def kernel(self) -> str:
+        """Which kernel multiplies: ``panels``, ``onednn`` or ``dense`` (F.linear)."""
+        return "panels" if self._panels is not None else "onednn" if self._packed is not None else "dense"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"projection of {self.in_features} features got input of shape {tuple(x.shape)}")
+        if self._panels is not None:
+            out = x.new_empty(x.shape[0], self.out_features)
+            full_team()
+            panel_matmul(out.numpy(), x.contiguous().numpy(), self._panels, self._panel_bias, numba.get_num_threads())
+            return out
         if self._packed is None:
             return F.linear(x, self._dense, self.bias)
         rows = x.shape[0]

@@ -24,7 +24,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from worker_service.model_loader import model_shape
 from worker_service.models.checkpoint_tensors import CheckpointTensors
 from worker_service.models.few_row_decode import ELEMENT_VIEWS, FewRowDecode
-from worker_service.models.linear import Linear
+from worker_service.models.linear import Linear, use_panels
 from worker_service.models.llama import LlamaDims, LlamaLayer, LlamaModel
 from worker_service.models.rotary import DYNAMIC_ROPE_TYPES, build_rotary_table, rope_type
 from worker_service.sharding import local_shape, rank_share
@@ -72,7 +72,7 @@ def _sliding_window(config: PretrainedConfig, index: int) -> int | None:
 
 
 def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int, q_rows: slice, kv_rows: slice,
-                mlp_rows: slice, few_rows: FewRowDecode | None) -> LlamaLayer:
+                mlp_rows: slice, few_rows: FewRowDecode | None, panels: bool) -> LlamaLayer:
     prefix = f"model.layers.{index}."
 
     def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, dense_bias: torch.Tensor | None = None
@@ -80,7 +80,7 @@ def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int
         # The few-row path's dense stack holds the weight; oneDNN packs its own copy from the stack's row.
         if few_rows is not None:
             weight = few_rows.hold(name, index, weight, bias if dense_bias is None else dense_bias)
-        return Linear(weight, bias)
+        return Linear(weight, bias, panels)
 
     def get(name: str) -> torch.Tensor | None:
         return tensors.get(prefix + name)
@@ -107,11 +107,12 @@ def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int
 
 
 def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: torch.device,
-               max_positions: int, rank: int = 0, tp_size: int = 1, decode_gemv_rows: int = 0) -> LlamaModel:
+               max_positions: int, rank: int = 0, tp_size: int = 1, decode_gemv_rows: int = 0,
+               cpu_matmul: str = "auto") -> LlamaModel:
     """Reads ``path``'s weights into rank ``rank``'s share of the fused layout (of ``tp_size`` ranks).
 
     ``decode_gemv_rows``: decode steps of up to this many sequences run models/few_row_decode.py
-    (float32 or bf16 on a CPU, one rank; 0: never).
+    (float32 or bf16 on a CPU, one rank; 0: never). ``cpu_matmul``: the projections' kernel (models/linear.py).
     """
     tensors = CheckpointTensors(path, dtype, device)
     shape = model_shape(config)
@@ -123,11 +124,13 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     few_rows = None
     if decode_gemv_rows > 0 and dtype in ELEMENT_VIEWS and device.type == "cpu" and tp_size == 1:
         few_rows = FewRowDecode(shape.num_layers, decode_gemv_rows)
-    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows, few_rows) for i in range(shape.num_layers)]
+    panels = use_panels(cpu_matmul, dtype, device)
+    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows, few_rows, panels)
+              for i in range(shape.num_layers)]
     embed = tensors.require("model.embed_tokens.weight")
     tied = getattr(config, "tie_word_embeddings", False)
     head_weight = embed if tied else tensors.require("lm_head.weight")
-    lm_head = Linear(head_weight)
+    lm_head = Linear(head_weight, None, panels)
     rotary = build_rotary_table(ROTARY_MODULES[config.model_type], config, max_positions, dtype, device)
     norm = tensors.require("model.norm.weight")
     if few_rows is not None:

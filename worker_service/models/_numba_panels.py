@@ -1,0 +1,107 @@
+"""A float32 projection ``x @ W^T (+ b)`` over weights laid out in column panels, as Numba register tiles.
+
+The weight ``[N, K]`` is stored once, at load, as panels of ``PANEL`` (48) output columns, each
+``[K, 48]`` contiguous (a last panel of 16 or 32 columns where N is not a multiple of 48). A thread
+takes a run of panels; for each it walks the rows of ``x`` in tiles of 8 (then 4, then 1) and keeps
+``rows x 3`` vectors of 16 sums in registers (``gemm_tile``), each step one broadcast element of
+``x`` against the panel's three vectors at that ``k``. A panel (110 KiB at K = 576) is read from
+memory once and then from L2 for every tile of rows after the first.
+
+Every output element is one chain of multiply-adds in order of ``k``, started from the bias (or
+zero): the same chain whichever tile computes its row, however many rows the call has and however
+many threads run it. A sequence's projections therefore do not depend on what it is batched
+with, which oneDNN's kernels (blocked along ``k`` by row count) do not promise.
+
+Why it exists: on a 2-core AMD EPYC Zen 4 (AVX-512, one 512-bit FMA a cycle), the default model's
+projections of one step, every layer's weights read from memory (docs/benchmarks-history.md), took
+86-90 ms at 64 rows against oneDNN's packed 90-94 ms, 25-27 against 32 ms at 16 rows and 676-704
+against 747-769 ms at 512 (a prefill), with no row padding (oneDNN's primitives need row buckets,
+models/linear.py). A tile of 8 x 3 vectors is 24 accumulators of the 32 registers AVX-512 has; on
+AVX2's 16 it would spill, so models/linear.py takes this path only on AVX-512 CPUs.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from llmserve.kernels.cpu._numba_llvm import gemm_tile
+from llmserve.kernels.numba_cache import versioned_cache
+
+# Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
+versioned_cache()
+
+PANEL = 48  # output columns per panel: three vectors of 16 float32
+LANES = 16
+
+
+def panel_widths(out_features: int) -> bool:
+    """Whether a weight of ``out_features`` rows can be laid out in panels (whole 16-column vectors)."""
+    return out_features > 0 and out_features % LANES == 0
+
+
+def pack_panels(weight: np.ndarray) -> np.ndarray:
+    """``weight [N, K]`` (float32) as the flat panel layout ``panel_matmul`` reads (a copy)."""
+    n, k = weight.shape
+    if not panel_widths(n):
+        raise ValueError(f"panel layout needs a multiple of {LANES} output features, got {n}")
+    full = n // PANEL
+    flat = np.empty(n * k, dtype=np.float32)
+    head = full * PANEL
+    # Panel p holds columns p*48 .. p*48+47 as [K, 48]: row k is weight[p*48:(p+1)*48, k].
+    flat[:head * k] = weight[:head].reshape(full, PANEL, k).transpose(0, 2, 1).ravel()
+    flat[head * k:] = weight[head:].T.ravel()  # the narrower last panel, [K, N - head]
+    return flat
+
+
+@numba.njit(inline="always")
+def _tiles(of: np.ndarray, out_at: int, n: int, xf: np.ndarray, k: int, rows: int, wf: np.ndarray, at: int,
+           vectors: int) -> None:
+    """out[:, col:col + 16 * vectors] += x @ panel for every row: tiles of 8 rows, then 4, then 1."""
+    width = vectors * LANES
+    r = 0
+    while r + 8 <= rows:
+        gemm_tile(of, out_at + r * n, n, xf, r * k, k, 1, 1, wf, at, width, k, 8, vectors, 16)
+        r += 8
+    if r + 4 <= rows:
+        gemm_tile(of, out_at + r * n, n, xf, r * k, k, 1, 1, wf, at, width, k, 4, vectors, 16)
+        r += 4
+    while r < rows:
+        gemm_tile(of, out_at + r * n, n, xf, r * k, k, 1, 1, wf, at, width, k, 1, vectors, 16)
+        r += 1
+
+
+@numba.njit(inline="always")
+def _strip(of: np.ndarray, out_at: int, n: int, xf: np.ndarray, k: int, rows: int, wf: np.ndarray, at: int,
+           width: int) -> None:
+    """One panel's columns (``width`` 48, 32 or 16): the tile's vector count must be a compile-time literal."""
+    if width == 48:
+        _tiles(of, out_at, n, xf, k, rows, wf, at, 3)
+    elif width == 32:
+        _tiles(of, out_at, n, xf, k, rows, wf, at, 2)
+    else:
+        _tiles(of, out_at, n, xf, k, rows, wf, at, 1)
+
+
+_F32_2D = numba.float32[:, ::1]
+_F32_1D = numba.float32[::1]
+
+
+@numba.njit(numba.void(_F32_2D, _F32_2D, _F32_1D, _F32_1D, numba.int64), parallel=True, fastmath={"contract"},
+            cache=True, nogil=True)
+def panel_matmul(out: np.ndarray, x: np.ndarray, panels: np.ndarray, bias: np.ndarray, threads: int) -> None:
+    """``out [M, N] = x [M, K] @ W^T (+ bias)`` with ``W`` in ``pack_panels``' layout; ``bias`` empty for none."""
+    rows, k = x.shape
+    n = out.shape[1]
+    units = (n + PANEL - 1) // PANEL
+    has_bias = bias.shape[0] > 0
+    xf = x.ravel()
+    of = out.ravel()
+    for t in numba.prange(threads):
+        for u in range(units * t // threads, units * (t + 1) // threads):
+            col = u * PANEL
+            width = min(PANEL, n - col)
+            for r in range(rows):
+                for j in range(width):
+                    of[r * n + col + j] = bias[col + j] if has_bias else np.float32(0.0)
+            _strip(of, col, n, xf, k, rows, panels, col * k, width)
