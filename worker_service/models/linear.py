@@ -141,7 +141,7 @@ class Linear:
         self.bias = bias
         self._panels = self._panel_bias = None
         if panels and weight.dtype == torch.float32 and weight.device.type == "cpu" and panel_widths(weight.shape[0]):
-            self._panels = pack_panels(weight.detach().contiguous().numpy())
+            self._panels = pack_panels(weight.detach())
             self._panel_bias = (np.empty(0, np.float32) if bias is None
                                 else bias.detach().to(torch.float32).contiguous().numpy())
         self._packed = None if self._panels is not None else _pack(weight)
