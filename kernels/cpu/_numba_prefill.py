@@ -25,13 +25,13 @@ heads), 2.42 ms per layer that way and 1.75 ms this way, with the same results t
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 import numba
 import numpy as np
 
 from llmserve.kernels.cpu._numba_blocks import as_float32, finite_slots
 from llmserve.kernels.cpu._numba_exp import exp_f32
 from llmserve.kernels.cpu._numba_llvm import fetch_add, gemm_tile
+from llmserve.kernels.cpu.host_cpu import has_avx512
 from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
@@ -51,7 +51,7 @@ _ROW_STEP = 8
 # AVX2's 16 registers of 8 float32 they spill to the stack at every step, and 4 x 16 columns run faster:
 # 8 prompts of 256 tokens, SmolLM2's heads, 2 cores of a Zen 1: 24 ms per layer with the wide tiles, 16 without.
 # (A global: Numba compiles it in as a constant, and its cache is kept per host CPU.)
-_WIDE_TILES = bool(llvm.get_host_cpu_features().get("avx512f", False))
+_WIDE_TILES = has_avx512()
 
 # How far (in log space) a score may exceed its row's reference maximum before the
 # accumulators are rescaled (see _softmax_block): weights stay below e^8 ~ 3000.

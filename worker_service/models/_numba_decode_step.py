@@ -22,6 +22,7 @@ import numpy as np
 from llmserve.kernels.cpu._numba_bf16 import widen
 from llmserve.kernels.cpu._numba_decode import decode_attention
 from llmserve.kernels.cpu._numba_llvm import prefetch
+from llmserve.kernels.cpu.host_cpu import is_amd_avx512
 from llmserve.kernels.cpu.numba_cache_ops import write_token
 from llmserve.kernels.numba_cache import versioned_cache
 from worker_service.models._numba_ops import add_rms_norm_serial, rms_norm_serial, rotary_serial, silu_and_mul_serial
@@ -51,8 +52,10 @@ _DECODE_LAYERS = [
 ]
 # Weight rows asked for ahead of the one being read. The hardware prefetcher alone kept the default model's
 # layer GEMVs (one row, weights out of cache) at 18-22 GB/s in float32 and 12-15 GB/s in bf16 on the Xeon of
-# docs/benchmarks-history.md; two rows ahead, 25-27 and 21-22 GB/s (four and eight ahead: no better).
-_ROWS_AHEAD = 2
+# docs/benchmarks-history.md; two rows ahead, 25-27 and 21-22 GB/s (four and eight ahead: no better). On a
+# Zen 4 the same prefetches cost more than they bring: 22-24 GB/s against 31-38 without (same history), so
+# AMD's AVX-512 cores leave it to the hardware. (A global: compiled in as a constant, cached per host CPU.)
+_ROWS_AHEAD = 0 if is_amd_avx512() else 2
 _LINE_BYTES = 64
 
 
@@ -71,7 +74,7 @@ def gemv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -
     outputs = weight.shape[0]
     per_line = _LINE_BYTES // weight.itemsize
     for o in numba.prange(outputs):
-        if o + _ROWS_AHEAD < outputs:
+        if _ROWS_AHEAD and o + _ROWS_AHEAD < outputs:
             ahead = weight[o + _ROWS_AHEAD]
             for i in range(0, width, per_line):
                 prefetch(ahead, i)

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import logging
 
-import llvmlite.binding
 import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmserve.kernels.cpu.host_cpu import is_amd_avx512
 from shared.defaults import CPU_MATMULS
 from worker_service.models._numba_panels import pack_panels, panel_matmul, panel_widths
 from worker_service.models.fused_ops import full_team
@@ -112,8 +112,7 @@ def use_panels(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if choice == "panels":
         return True
-    features = llvmlite.binding.get_host_cpu_features()
-    return bool(features.get("avx512f")) and llvmlite.binding.get_host_cpu_name().startswith("znver")
+    return is_amd_avx512()
 
 
 def bucket_rows(rows: int) -> int:
