@@ -24,8 +24,8 @@ reading the weights, not the rows, sets a projection's time. RSS over that loop 
 (458 -> 702 MB, unchanged on the second and third pass).
 
 On AVX-512 AMD CPUs a float32 weight is laid out in column panels instead and multiplied by a
-Numba register-tile kernel (models/_numba_panels.py): faster than oneDNN there at every row count
-measured (16 to 512), no row buckets, and each row's result independent of the rows beside it.
+Numba register-tile kernel (models/_numba_panels.py): on a Zen 4 faster than oneDNN at 16 and 512
+rows, even at 64-100, no row buckets, and each row's result independent of the rows beside it.
 ``--cpu-matmul`` chooses (``auto``: panels where they were measured faster; ``onednn``; ``panels``).
 
 Where neither takes the weight (CUDA, float16 without AVX512-FP16, a torch built without oneDNN)
