@@ -30,8 +30,8 @@ def _numba_ok(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-def full_team() -> None:
-    """Numba's threads for the next parallel kernel: the worker's count (torch's), all of them.
+def full_team() -> int:
+    """Numba's threads for the next parallel kernel: the worker's count (torch's), all of them (returned).
 
     Numba's count is per calling thread and the decode-attention kernel lowers it for small
     calls (llmserve.kernels.cpu.numba_attention.kernel_threads); reading it costs ~1 us, setting it ~6 us.
@@ -39,6 +39,7 @@ def full_team() -> None:
     want = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
+    return want
 
 
 def _variant(serial: object, parallel: object, elements: int) -> object:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -161,8 +160,7 @@ class Linear:
             raise ValueError(f"projection of {self.in_features} features got input of shape {tuple(x.shape)}")
         if self._panels is not None:
             out = x.new_empty(x.shape[0], self.out_features)
-            full_team()
-            panel_matmul(out.numpy(), x.contiguous().numpy(), self._panels, self._panel_bias, numba.get_num_threads())
+            panel_matmul(out.numpy(), x.contiguous().numpy(), self._panels, self._panel_bias, full_team())
             return out
         if self._packed is None:
             return F.linear(x, self._dense, self.bias)
