@@ -20,7 +20,6 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 
 from llmserve.kernels import KernelBackend
 
@@ -127,5 +126,9 @@ def paged_attention_forward(
 
 def register() -> str:
     """Registers the paged attention function with transformers; returns its name."""
+    # Imported here: transformers' model code (modeling_utils) costs a worker ~1.5 s of start-up, and only the
+    # transformers-module models need it (the fused ones build their layers from the checkpoint's tensors).
+    from transformers import AttentionInterface  # noqa: PLC0415
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     return ATTN_IMPLEMENTATION

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
 
 from shared.checkpoint import pretrained_source
 
@@ -36,6 +35,8 @@ class CheckpointTensors:
                 handle = safe_open(str(file), framework="pt")
                 self._handles.update(dict.fromkeys(handle.keys(), handle))
         else:
+            from transformers import AutoModelForCausalLM  # noqa: PLC0415 - model code, only on this path
+
             source, kwargs = pretrained_source(path)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
             self._state = dict(model.state_dict())

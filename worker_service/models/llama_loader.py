@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from worker_service.model_loader import model_shape
 from worker_service.models.checkpoint_tensors import CheckpointTensors
@@ -29,16 +26,13 @@ from worker_service.models.llama import LlamaDims, LlamaLayer, LlamaModel
 from worker_service.models.rotary import DYNAMIC_ROPE_TYPES, build_rotary_table, rope_type
 from worker_service.sharding import local_shape, rank_share
 
-ROTARY_MODULES: dict[str, type] = {
-    "llama": LlamaRotaryEmbedding,
-    "mistral": MistralRotaryEmbedding,
-    "qwen2": Qwen2RotaryEmbedding,
-}
+# The model types whose transformers modules the fused LlamaModel computes (their rotary modules are one code).
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def fused_llama_supports(config: PretrainedConfig) -> str | None:
     """None if the fused model computes what transformers' modules do for ``config``; else why not."""
-    if config.model_type not in ROTARY_MODULES:
+    if config.model_type not in FUSED_MODEL_TYPES:
         return f"model type {config.model_type!r} is not in the Llama family"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} (the fused MLP is SiLU-and-mul)"
@@ -131,7 +125,7 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     tied = getattr(config, "tie_word_embeddings", False)
     head_weight = embed if tied else tensors.require("lm_head.weight")
     lm_head = Linear(head_weight, None, panels)
-    rotary = build_rotary_table(ROTARY_MODULES[config.model_type], config, max_positions, dtype, device)
+    rotary = build_rotary_table(config, max_positions, dtype, device)
     norm = tensors.require("model.norm.weight")
     if few_rows is not None:
         few_rows.finish(dims, embed, rotary, [layer.input_norm for layer in layers],
