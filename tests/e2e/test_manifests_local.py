@@ -30,6 +30,8 @@ MAX_NEW = 24
 # Three one-thread workers, two replicas, Redis and the test's clients: a core for each worker and
 # room for the rest, so that the third worker's throughput is not taken from the other two.
 MIN_CPUS_FOR_GAIN = 6
+# Idle cores (of the whole machine, while one worker serves) that the second worker's gain needs.
+MIN_IDLE_CORES_FOR_GAIN = 0.25
 # Test knobs on top of the manifests: a tiny model's limits, a small KV cache, one thread per worker
 # (two cores run all five processes), and small batches so that one worker's capacity is reached.
 OVERRIDES = {
@@ -132,11 +134,23 @@ class ScaleOut:
     rate_after: float
     peak_after: int
     failures: list[str]
+    idle_cores_before: float  # cores the machine left idle (/proc/stat) while one worker served
 
     def report(self, before: str, after: str) -> str:
         return (f"under load: {before} {self.rate_before:.1f} output tokens/s, at most {self.peak_before} "
                 f"sequences running; {after} {self.rate_after:.1f} tokens/s "
-                f"({self.rate_after / self.rate_before:.2f}x), at most {self.peak_after} running")
+                f"({self.rate_after / self.rate_before:.2f}x), at most {self.peak_after} running; "
+                f"{self.idle_cores_before:.2f} cores idle before")
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all the machine's cores, from /proc/stat (idle counts iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def _cores() -> int:
+    return sum(1 for line in Path("/proc/stat").read_text().splitlines() if line[:3] == "cpu" and line[3:4].isdigit())
 
 
 def add_worker_under_load(cluster: ManifestCluster, ordinal: int, num_clients: int = 16,
@@ -184,9 +198,11 @@ def add_worker_under_load(cluster: ManifestCluster, ordinal: int, num_clients: i
         sampler = pool.submit(sample_running)
         try:
             time.sleep(3.0)  # warm-up: every worker busy
-            a0 = time.monotonic()
+            a0, (idle0, total0) = time.monotonic(), _cpu_times()
             time.sleep(length_s)
             rate_before, peak_before = window(a0, a0 + length_s)
+            idle1, total1 = _cpu_times()
+            idle_cores = (idle1 - idle0) / max(1, total1 - total0) * _cores()
             name = f"worker-{ordinal}"
             cluster.start_worker(ordinal)
             added = cluster.pods[name]
@@ -201,14 +217,15 @@ def add_worker_under_load(cluster: ManifestCluster, ordinal: int, num_clients: i
             stop.set()
             for f in [*loops, sampler]:
                 f.result()
-    return ScaleOut(rate_before, peak_before, rate_after, peak_after, failures)
+    return ScaleOut(rate_before, peak_before, rate_after, peak_after, failures, idle_cores)
 
 
 def test_a_second_worker_added_under_load_raises_throughput(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """Scale-out where the new worker has a core of its own: 2 replicas on one worker, then a second.
 
     One one-thread worker uses at most one of the two cores, so the second worker's share of the
-    machine is new compute: output tokens/s must rise, with no failed request.
+    machine is new compute: output tokens/s must rise (where the machine had idle time to give it),
+    with no failed request.
     """
     per_loop = int(OVERRIDES["scheduler"]["LLMSERVE_MAX_NUM_SEQS"])
     cluster = start(tiny_llama_dir, tmp_path, num_workers=1)
@@ -221,8 +238,10 @@ def test_a_second_worker_added_under_load_raises_throughput(tiny_llama_dir: Path
     assert result.peak_before <= per_loop < result.peak_after, (result.peak_before, result.peak_after)
     # One core is all a one-thread worker uses: with two usable cores the second worker's share is new compute
     # (1.57-1.59x on an otherwise idle 2-core machine, 1.21x with other jobs running; 1.14-1.41x idle on a
-    # 2-core Zen 5 whose speed drifts between minutes: the bound asks only that it rise).
-    if usable_cpus() >= 2:
+    # 2-core Zen 5 whose speed drifts between minutes: the bound asks only that it rise). Only where the
+    # machine had compute to spare: one worker left 0.46 of the two cores idle on an idle 2-core Zen 3
+    # (1.31x); beside a whole second test suite none was, and the rate stayed at 1.00x.
+    if usable_cpus() >= 2 and result.idle_cores_before >= MIN_IDLE_CORES_FOR_GAIN:
         assert result.rate_after > result.rate_before, result
     else:
         assert result.rate_after > 0.8 * result.rate_before, result
