@@ -2,7 +2,7 @@
 
     python -m benchmarks.worker_step [--models tiny default] [--batch-sizes 1 4 16] [--steps 40]
         [--prompt-len 32] [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16]
-        [--decode-gemv-rows N] [--cpu-matmul auto|onednn|panels] [--profile]
+        [--decode-gemv-rows N] [--cpu-matmul auto|onednn|panels] [--device cpu|cuda] [--profile]
         [--output benchmarks/results/worker_step.json]
 
 For each model and batch size B, a ModelRunner prefills B greedy sequences
@@ -20,6 +20,8 @@ step. On the tiny model (hidden 128, 2 layers, the default tokenizer's 49k
 vocabulary) nearly all of it is host overhead. `tokens_digest` hashes every
 sampled token and logprob: runs before and after a change must agree.
 --profile prints cProfile's top functions over the decode steps of each run.
+--device cuda runs the worker on the GPU (its Numba-CUDA kernels): a step's wall time then
+includes waiting for the device, since the sampled tokens come back to the host in every step.
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ def main() -> None:
                         help="the worker's few-row decode path limit (0: every step layer by layer)")
     parser.add_argument("--cpu-matmul", default=WorkerConfig.cpu_matmul, choices=CPU_MATMULS,
                         help="the worker's float32 CPU projection kernel (auto, onednn, panels)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the worker runs (default cpu)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions per run")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -175,7 +178,8 @@ def main() -> None:
         for name in args.models:
             config = WorkerConfig(model=str(_model_dir(name, Path(tmp))), block_size=BLOCK_SIZE, dtype=args.dtype,
                                   num_gpu_blocks_override=blocks, max_model_len=context,
-                                  decode_gemv_rows=args.decode_gemv_rows, cpu_matmul=args.cpu_matmul)
+                                  decode_gemv_rows=args.decode_gemv_rows, cpu_matmul=args.cpu_matmul,
+                                  device=args.device)
             runner = model_thread.run(ModelRunner, config)
             for batch in tqdm(args.batch_sizes, desc=f"{name} model", unit="batch size"):
                 row = model_thread.run(measure, runner, batch, args.prompt_len, args.steps, args.logprobs,
@@ -189,6 +193,7 @@ def main() -> None:
                         "no gRPC); medians over the steps. tiny: 2-layer hidden-128 Llama with the default "
                         "tokenizer's vocabulary; default: SmolLM2-135M."),
         "dtype": args.dtype,
+        "device": args.device,
         "decode_gemv_rows": args.decode_gemv_rows,
         "cpu_matmul": args.cpu_matmul,
         "prompt_len": args.prompt_len,
