@@ -2,7 +2,7 @@
 
     python -m benchmarks.worker_step [--models tiny default] [--batch-sizes 1 4 16] [--steps 40]
         [--prompt-len 32] [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16]
-        [--decode-gemv-rows N] [--cpu-matmul auto|onednn|panels] [--device cpu|cuda] [--profile]
+        [--decode-gemv-rows N] [--cpu-matmul auto|onednn|panels] [--device DEVICE] [--profile]
         [--output benchmarks/results/worker_step.json]
 
 For each model and batch size B, a ModelRunner prefills B greedy sequences
@@ -20,7 +20,7 @@ step. On the tiny model (hidden 128, 2 layers, the default tokenizer's 49k
 vocabulary) nearly all of it is host overhead. `tokens_digest` hashes every
 sampled token and logprob: runs before and after a change must agree.
 --profile prints cProfile's top functions over the decode steps of each run.
---device cuda runs the worker on the GPU (its Numba-CUDA kernels): a step's wall time then
+--device cuda (or cuda:N) runs the worker on a GPU (its Numba-CUDA kernels): a step's wall time then
 includes waiting for the device, since the sampled tokens come back to the host in every step.
 """
 
@@ -164,7 +164,8 @@ def main() -> None:
                         help="the worker's few-row decode path limit (0: every step layer by layer)")
     parser.add_argument("--cpu-matmul", default=WorkerConfig.cpu_matmul, choices=CPU_MATMULS,
                         help="the worker's float32 CPU projection kernel (auto, onednn, panels)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the worker runs (default cpu)")
+    parser.add_argument("--device", default=WorkerConfig.device,
+                        help="torch device of the worker's model, as `llmserve worker --device` (cpu, cuda, cuda:1)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions per run")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
