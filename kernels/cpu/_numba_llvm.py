@@ -14,7 +14,8 @@
   unrolls by two or four, so a loop of 16 float32s (one block's slots) never entered its 32- or 64-wide
   body and ran 4-lane remainder code.
 - :func:`gemm_tile`: a register tile of a small matrix product (``rows x vectors`` vectors of
-  accumulators, one broadcast element against loaded vectors per step), the prefill kernel's block products.
+  accumulators, one broadcast element against loaded vectors per step), the prefill kernel's block products;
+  :func:`gemm_tile_from` starts its sums from a bias row instead of from the output (the panel projections).
 - :func:`row_sums`: the sums of 8 or 16 consecutive rows at a time as one transpose-and-add tree of
   vector shuffles (the decode kernel's last reduction over a block's slots).
 
@@ -146,41 +147,36 @@ def fma_sum_lanes(typingctx: object, acc: types.Type, acc_at: types.Type, a: typ
     return signature, codegen
 
 
-@intrinsic
-def gemm_tile(typingctx: object, out: types.Type, out_at: types.Type, out_ld: types.Type, a: types.Type,
-              a_at: types.Type, a_ld: types.Type, a_group: types.Type, a_group_ld: types.Type, b: types.Type,
-              b_at: types.Type, b_ld: types.Type, depth: types.Type, rows: types.Type, vectors: types.Type,
-              lanes: types.Type) -> tuple:
-    """``out[out_at + m * out_ld + j] += sum_{k < depth} a[a(m, k)] * b[b_at + k * b_ld + j]``.
-
-    For ``m < rows`` and ``j < vectors * lanes`` (literals): a register tile of ``rows x vectors`` vectors
-    of ``lanes`` float32, each ``a`` element broadcast against ``vectors`` loaded vectors of ``b`` per step.
-    ``a(m, k) = a_at + m * a_ld + (k // a_group) * a_group_ld + k % a_group``: ``a``'s rows run along ``k`` in
-    groups of ``a_group`` (a literal power of two; 1 with ``a_group_ld`` 1 for a plain row), as a key
-    block's dims do (x of them per cache row). Summed in order of ``k`` from ``out``'s value, one rounding
-    per multiply-add. Positions are flat element offsets into C-contiguous float32 arrays; the caller keeps
-    them in bounds.
-    """
+def _gemm_tile_shape(out: types.Type, a: types.Type, a_group: types.Type, b: types.Type, rows: types.Type,
+                     vectors: types.Type, lanes: types.Type, start: types.Type | None = None) -> tuple | None:
+    """(rows, vectors, lanes, log2 of a_group) of a tile whose argument types gemm_tile takes, else None."""
     if not isinstance(a_group, types.IntegerLiteral) or a_group.literal_value & (a_group.literal_value - 1):
         return None
     literals = (rows, vectors, lanes)
     if not all(isinstance(t, types.IntegerLiteral) for t in literals):
         return None
-    if not all(isinstance(t, types.Array) and t.dtype == types.float32 and t.layout == "C" for t in (out, a, b)):
+    arrays = (out, a, b) if start is None else (out, a, b, start)
+    if not all(isinstance(t, types.Array) and t.dtype == types.float32 and t.layout == "C" for t in arrays):
         return None
-    num_rows, num_vectors, width = (t.literal_value for t in literals)
-    group_shift = a_group.literal_value.bit_length() - 1
-    i64 = types.int64
-    signature = types.void(out, i64, i64, a, i64, i64, a_group, i64, b, i64, i64, i64, rows, vectors, lanes)
+    return (*(t.literal_value for t in literals), a_group.literal_value.bit_length() - 1)
+
+
+def _gemm_tile_codegen(shape: tuple, with_start: bool):  # -> the intrinsic's codegen
+    """The tile's code; ``with_start``: its sums start from one ``start`` row (two more arguments after
+    ``out_ld``) instead of from ``out``."""
+    num_rows, num_vectors, width, group_shift = shape
+    skip = 2 if with_start else 0
 
     def codegen(context: object, builder: ir.IRBuilder, sig: object, args: list) -> ir.Value:
-        out_array, out_index, out_stride, a_array, a_index, a_stride, _, a_group_stride = args[:8]
-        b_array, b_index, b_stride, steps = args[8:12]
+        out_array, out_index, out_stride = args[:3]
+        a_array, a_index, a_stride, _, a_group_stride = args[3 + skip:8 + skip]
+        b_array, b_index, b_stride, steps = args[8 + skip:12 + skip]
+        a_type, b_type = sig.args[3 + skip], sig.args[8 + skip]
         int64 = ir.IntType(64)
         vector = ir.VectorType(ir.FloatType(), width)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
                                              f"llvm.fma.v{width}f32")
-        a_data = cgutils.create_struct_proxy(sig.args[3])(context, builder, value=a_array).data
+        a_data = cgutils.create_struct_proxy(a_type)(context, builder, value=a_array).data
 
         def out_pointer(m: int, v: int) -> ir.Value:
             index = builder.add(out_index, builder.add(builder.mul(ir.Constant(ir.IntType(64), m), out_stride),
@@ -189,15 +185,21 @@ def gemm_tile(typingctx: object, out: types.Type, out_at: types.Type, out_ld: ty
 
         # Stack slots that LLVM promotes to registers: the tile never goes through memory inside the loop.
         tile = [[cgutils.alloca_once(builder, vector) for _ in range(num_vectors)] for _ in range(num_rows)]
+        if with_start:
+            # One row of start values for every row of the tile (a bias): nothing of out is read.
+            firsts = [builder.load(_lanes_at(context, builder, sig.args[3], args[3],
+                                             builder.add(args[4], ir.Constant(int64, v * width)), vector), align=4)
+                      for v in range(num_vectors)]
         for m in range(num_rows):
             for v in range(num_vectors):
-                builder.store(builder.load(out_pointer(m, v), align=4), tile[m][v])
+                first = firsts[v] if with_start else builder.load(out_pointer(m, v), align=4)
+                builder.store(first, tile[m][v])
         with cgutils.for_range(builder, steps) as loop:
             b_row = builder.add(b_index, builder.mul(loop.index, b_stride))
             a_column = builder.add(
                 builder.mul(builder.lshr(loop.index, ir.Constant(int64, group_shift)), a_group_stride),
                 builder.and_(loop.index, ir.Constant(int64, (1 << group_shift) - 1)))
-            loaded = [builder.load(_lanes_at(context, builder, sig.args[8], b_array,
+            loaded = [builder.load(_lanes_at(context, builder, b_type, b_array,
                                              builder.add(b_row, ir.Constant(ir.IntType(64), v * width)), vector),
                                    align=4) for v in range(num_vectors)]
             for m in range(num_rows):
@@ -214,7 +216,51 @@ def gemm_tile(typingctx: object, out: types.Type, out_at: types.Type, out_ld: ty
                 builder.store(builder.load(tile[m][v]), out_pointer(m, v), align=4)
         return context.get_dummy_value()
 
-    return signature, codegen
+    return codegen
+
+
+@intrinsic
+def gemm_tile(typingctx: object, out: types.Type, out_at: types.Type, out_ld: types.Type, a: types.Type,
+              a_at: types.Type, a_ld: types.Type, a_group: types.Type, a_group_ld: types.Type, b: types.Type,
+              b_at: types.Type, b_ld: types.Type, depth: types.Type, rows: types.Type, vectors: types.Type,
+              lanes: types.Type) -> tuple:
+    """``out[out_at + m * out_ld + j] += sum_{k < depth} a[a(m, k)] * b[b_at + k * b_ld + j]``.
+
+    For ``m < rows`` and ``j < vectors * lanes`` (literals): a register tile of ``rows x vectors`` vectors
+    of ``lanes`` float32, each ``a`` element broadcast against ``vectors`` loaded vectors of ``b`` per step.
+    ``a(m, k) = a_at + m * a_ld + (k // a_group) * a_group_ld + k % a_group``: ``a``'s rows run along ``k`` in
+    groups of ``a_group`` (a literal power of two; 1 with ``a_group_ld`` 1 for a plain row), as a key
+    block's dims do (x of them per cache row). Summed in order of ``k`` from ``out``'s value, one rounding
+    per multiply-add. Positions are flat element offsets into C-contiguous float32 arrays; the caller keeps
+    them in bounds.
+    """
+    shape = _gemm_tile_shape(out, a, a_group, b, rows, vectors, lanes)
+    if shape is None:
+        return None
+    i64 = types.int64
+    signature = types.void(out, i64, i64, a, i64, i64, a_group, i64, b, i64, i64, i64, rows, vectors, lanes)
+    return signature, _gemm_tile_codegen(shape, with_start=False)
+
+
+@intrinsic
+def gemm_tile_from(typingctx: object, out: types.Type, out_at: types.Type, out_ld: types.Type, start: types.Type,
+                   start_at: types.Type, a: types.Type, a_at: types.Type, a_ld: types.Type, a_group: types.Type,
+                   a_group_ld: types.Type, b: types.Type, b_at: types.Type, b_ld: types.Type, depth: types.Type,
+                   rows: types.Type, vectors: types.Type, lanes: types.Type) -> tuple:
+    """``out[out_at + m * out_ld + j] = start[start_at + j] + sum_{k < depth} a[a(m, k)] * b[b_at + k * b_ld + j]``.
+
+    ``gemm_tile`` with every row's sums started from one row of ``start`` (a bias, or zeros) rather than from
+    ``out``, which is only written: a projection needs no pass that fills ``out`` with its bias first (on a
+    2-core Zen 4 that pass and the tiles' reloading of it cost a layer's projections 9-10 % at 64 to 2048
+    rows). The same chain of roundings as ``gemm_tile`` over an ``out`` holding that row.
+    """
+    shape = _gemm_tile_shape(out, a, a_group, b, rows, vectors, lanes, start)
+    if shape is None:
+        return None
+    i64 = types.int64
+    signature = types.void(out, i64, i64, start, i64, a, i64, i64, a_group, i64, b, i64, i64, i64, rows, vectors,
+                           lanes)
+    return signature, _gemm_tile_codegen(shape, with_start=True)
 
 
 def _halves_mask(width: int, partials: int, upper: bool) -> ir.Constant:

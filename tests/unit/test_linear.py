@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from worker_service.models import linear as linear_module
+from worker_service.models._numba_panels import pack_panels, panel_matmul
 from worker_service.models.linear import Linear
 
 
@@ -92,6 +93,18 @@ def test_panels_give_each_row_the_same_result_alone_or_in_a_batch() -> None:
     for row in (0, 5, 32, 36):
         assert torch.equal(projection(batch[row:row + 1]), together[row:row + 1])
     assert torch.equal(projection(batch[3:15]), together[3:15])
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_matmul_writes_out_without_reading_it(with_bias: bool) -> None:
+    """The sums start from the bias (or zero) in registers: whatever ``out`` held before is not added."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(80, 64), torch.randn(13, 64)  # a 48-column panel and a 32-column one
+    bias = torch.randn(80) if with_bias else None
+    out = torch.full((13, 80), float("nan"))
+    panel_bias = bias.numpy() if bias is not None else torch.empty(0).numpy()
+    panel_matmul(out.numpy(), x.numpy(), pack_panels(weight), panel_bias, 2)
+    torch.testing.assert_close(out.double(), _reference(x, weight, bias), rtol=1e-5, atol=3e-4)
 
 
 def test_panels_take_an_empty_input() -> None:
