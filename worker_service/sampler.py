@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from shared.sampling_params import SamplingParams
+from worker_service._numba_log_normalizer import first_max_log_normalizer
 from worker_service._numba_race import race_candidates, race_tokens
 from worker_service.grammar_masks import TokenMasks
 from worker_service.logits_processing import (
@@ -43,6 +44,7 @@ from worker_service.logits_processing import (
     token_counts,
     top_k_top_p_cut,
 )
+from worker_service.models.fused_ops import full_team
 from worker_service.seeded_noise import row_keys, seeded_exponentials
 from worker_service.token_bitmask import apply_token_bitmask
 
@@ -78,7 +80,8 @@ def sample(
     row's stop_token_ids while the row has fewer than min_tokens outputs.
     grammar_masks: the tokens the structured outputs of some rows allow.
     """
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    raw = logits
+    first_max, log_normalizer = _first_max_log_normalizer(raw)
     positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
     constrained = _constrain(logits, params, seqs, positions, eos_token_ids)
     if grammar_masks is not None:
@@ -89,14 +92,35 @@ def sample(
         # Every row samples: no argmax, and no copy of the rows (12.5 MB for 64 rows of a 49k vocabulary).
         chosen = _sample_random(logits, params, positions)
     else:
-        chosen = _argmax(logits)
+        # Unconstrained rows' argmax is the raw rows' first maximum, found with their normaliser.
+        chosen = first_max.clone() if logits is raw and first_max is not None else _argmax(logits)
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             chosen[rows] = _sample_random(
                 logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows]
             )
-    token_logprobs = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    return SamplerOutput(chosen.tolist(), token_logprobs.tolist(), _top_logprobs(raw_logprobs, params))
+    token_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - log_normalizer
+    return SamplerOutput(chosen.tolist(), token_logprobs.tolist(), _top_logprobs(raw, log_normalizer, params))
+
+
+def _first_max_log_normalizer(logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Each row's first maximum (None where it is not computed on the way) and its logsumexp.
+
+    A raw log-probability is ``logits - logsumexp``: nothing vocabulary-wide is written for it. On a CPU one
+    compiled pass per row (_numba_log_normalizer.py), torch's ops for the rows it leaves (a NaN, an infinity);
+    elsewhere torch's ``logsumexp``.
+    """
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[0] == 0:
+        return None, torch.logsumexp(logits, dim=-1)
+    rows = logits.contiguous()
+    first = torch.empty(rows.shape[0], dtype=torch.int64)
+    normalizer = torch.empty(rows.shape[0], dtype=torch.float32)
+    first_max_log_normalizer(rows.numpy(), first.numpy(), normalizer.numpy(), full_team())
+    left = (first < 0).nonzero().flatten()
+    if len(left):
+        first[left] = _argmax(rows[left])
+        normalizer[left] = torch.logsumexp(rows[left], dim=-1)
+    return first, normalizer
 
 
 def _constrain(
@@ -271,13 +295,18 @@ def _argmax(values: torch.Tensor) -> torch.Tensor:
     return values.max(dim=-1).indices
 
 
-def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
-    """One batched top-k over the rows that asked (logprobs, or a beam's candidates), each cut to its own k."""
-    vocab = logprobs.shape[-1]
+def _top_logprobs(logits: torch.Tensor, log_normalizer: torch.Tensor,
+                  params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
+    """One batched top-k over the rows that asked (logprobs, or a beam's candidates), each cut to its own k.
+
+    The raw logits' top-k less each row's normaliser: the log-probabilities' top-k, as log_softmax keeps the order.
+    """
+    vocab = logits.shape[-1]
     wanted = [min(p.num_top_logprobs, vocab) for p in params]
     k = max(wanted, default=0)
     if k == 0:
         return [[] for _ in params]
-    values, indices = logprobs.topk(k, dim=-1)
+    values, indices = logits.topk(k, dim=-1)
+    values = values - log_normalizer.unsqueeze(1)
     values, indices = values.tolist(), indices.tolist()
     return [list(zip(indices[i][:w], values[i][:w])) for i, w in enumerate(wanted)]

@@ -552,3 +552,25 @@ def test_the_grammar_wins_where_other_constraints_leave_it_no_token() -> None:
     out = sample(LOGITS.unsqueeze(0).repeat(3, 1), [eos_only, disjoint, compatible], at([0, 0, 0]), eos_token_ids=[2],
                  grammar_masks=masks)
     assert out.token_ids == [2, 7, 4]
+
+
+def test_raw_logprobs_and_greedy_tokens_against_float64_over_a_full_vocabulary() -> None:
+    """The compiled per-row maximum and logsumexp (CPU): logprobs within 1e-5 of float64's log_softmax, the
+    first of tied maxima taken, and rows with a NaN or an infinity left to torch's semantics."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 49152) * 4
+    logits[1, 7] = logits[1, 40000] = logits[1].max() + 1.0  # a tie: the first index wins
+    logits[2, 123] = float("nan")  # torch: a NaN is the maximum, every logprob NaN
+    logits[3, 5] = float("-inf")  # a masked-out token: the row is still a distribution
+    params = [SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)] * 6
+    out = sample(logits, params, [History([1, 2], num_prompt_tokens=1)] * 6)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for row in (0, 1, 3, 4, 5):
+        token = int(logits[row].argmax())
+        assert out.token_ids[row] == token
+        assert out.logprobs[row] == pytest.approx(float(reference[row, token]), abs=1e-5)
+        top = reference[row].topk(3)
+        assert [t for t, _ in out.top_logprobs[row]] == top.indices.tolist()
+        assert [v for _, v in out.top_logprobs[row]] == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert out.token_ids[1] == 7
+    assert out.token_ids[2] == 123 and out.logprobs[2] != out.logprobs[2]
