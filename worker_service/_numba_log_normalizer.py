@@ -21,19 +21,10 @@ import numpy as np
 from llmserve.kernels.cpu._numba_decode import max_of
 from llmserve.kernels.cpu._numba_exp import exp_f32
 from llmserve.kernels.numba_cache import versioned_cache
+from worker_service._numba_nucleus import sum_f64
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()
-
-
-# Reassociated so that it runs in vector lanes; no 'nnan' / 'ninf', so a NaN or an infinity still shows in the
-# result (the finiteness check relies on it). Its own function: the exponentials keep their callers' flags.
-@numba.njit(numba.float64(numba.float32[::1]), fastmath={"reassoc", "contract"}, cache=True, nogil=True)
-def _sum_f64(values: np.ndarray) -> np.float64:
-    total = np.float64(0.0)
-    for i in range(values.shape[0]):
-        total += np.float64(values[i])
-    return total
 
 
 @numba.njit(numba.void(numba.float32[:, ::1], numba.int64[::1], numba.float32[::1], numba.int64), parallel=True,
@@ -49,14 +40,14 @@ def first_max_log_normalizer(logits: np.ndarray, first: np.ndarray, log_normaliz
         scratch = np.empty(vocab, dtype=np.float32)
         for r in range(rows * t // threads, rows * (t + 1) // threads):
             row = logits[r]
-            if not np.isfinite(_sum_f64(row)):
+            if not np.isfinite(sum_f64(row)):
                 first[r] = -1
                 log_normalizer[r] = np.float32(np.nan)
                 continue
             largest = max_of(row, 0, vocab)
             for i in range(vocab):
                 scratch[i] = exp_f32(row[i] - largest)
-            log_normalizer[r] = largest + np.float32(np.log(_sum_f64(scratch)))
+            log_normalizer[r] = largest + np.float32(np.log(sum_f64(scratch)))
             i = 0
             while row[i] != largest:
                 i += 1

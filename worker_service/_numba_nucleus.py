@@ -59,7 +59,8 @@ def _bin(distance: np.float32) -> int:
 # Its own function, so that its flags stay its own: reassociated, the sum runs in vector lanes (a float32 sum in
 # order over 49k tokens was off by ~1e-5, enough to move a nucleus' boundary), in float64 it stays exact enough.
 # The exponentials are taken apart, under the callers' flags: reassociation would undo exp_f32's range reduction.
-@numba.njit(numba.float64(numba.float32[::1]), fastmath=True, cache=True, nogil=True)
+# No 'nnan' / 'ninf': a NaN or an infinity among the values shows in the sum (_numba_log_normalizer's check).
+@numba.njit(numba.float64(numba.float32[::1]), fastmath={"reassoc", "contract"}, cache=True, nogil=True)
 def sum_f64(values: np.ndarray) -> np.float64:
     total = np.float64(0.0)
     for i in range(values.shape[0]):
