@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from benchmarks.run_info import run_info
 from benchmarks.dataset import WorkloadSpec, random_requests
+from benchmarks.fma_peak import fma_peak_gflops
 from benchmarks.llmserve_driver import run_llmserve
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from scheduler_service.core.config import CacheConfig, SchedulerConfig
@@ -118,6 +119,8 @@ def main() -> None:
         "phases": PHASES,
         "rows": measure_service(model, args.batch_sizes, vocab_size),
         "scheduler_scaling": measure_scheduler(args.scheduler_sizes),
+        # The float32 rate no step's linear layers can beat here: the report's lower bound on a step.
+        "fma_peak_gflops": fma_peak_gflops(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))

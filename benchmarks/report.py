@@ -108,6 +108,17 @@ HF_RATIO_TARGET = 5.0
 STEP_64_TARGET_MS = 100.0
 
 
+def _step_bound(batch: int, peak_gflops: float | None) -> str:
+    """What the step's linear layers alone take at this machine's float32 FMA peak (``benchmarks/fma_peak.py``)."""
+    if not peak_gflops:
+        return ""
+    flops = 2 * DEFAULT_MODEL_PARAMS * batch
+    return (f" Its linear layers alone ({flops / 1e9:.1f} GFLOP for {batch} tokens, the LM head included) take at "
+            f"least {flops / (peak_gflops * 1e6):.1f} ms at this machine's float32 multiply-add peak "
+            f"({peak_gflops:.0f} GFLOP/s on registers, no memory traffic, measured in the same run), before "
+            "attention's cache reads, sampling and every other op.")
+
+
 def _verdict(met: bool) -> str:
     return "met" if met else "not met"
 
@@ -145,7 +156,8 @@ def targets_section(r: dict[str, Any], o: dict[str, Any] | None, gemm_gflops: fl
             lines.append(
                 f"- **Steady 64-sequence decode step at most {STEP_64_TARGET_MS:.0f} ms: "
                 f"{_verdict(row['step_ms'] <= STEP_64_TARGET_MS)}, {row['step_ms']:.1f} ms** through the services "
-                f"({row['phases_ms']['worker']:.1f} ms of it in the worker; see the per-step table below).")
+                f"({row['phases_ms']['worker']:.1f} ms of it in the worker; see the per-step table below)."
+                + _step_bound(row["batch"], o.get("fma_peak_gflops")))
             lines.append(
                 f"- **Per-step overhead of the service split under 5 % of the step at 64 running sequences: "
                 f"{_verdict(row['overhead_pct'] < 5)}, {row['overhead_pct']:.1f} %** ({row['step_ms'] - row['phases_ms']['worker']:.1f} ms of "

@@ -43,3 +43,13 @@ def test_the_floor_uses_the_rate_the_serving_run_measured() -> None:
     serving = {**_serving(16.0, 6.0), "gemm_gflops": _RATE}
     assert f"runs at {_RATE:.0f} GFLOP/s" in targets_section(serving, None)
     assert "met, 62% of the floor" in targets_section(serving, None)
+
+
+def test_the_step_is_put_against_the_machines_multiply_add_peak() -> None:
+    # 64 tokens x 2 x 134.5M parameters = 17.2 GFLOP: 86.1 ms at 200 GFLOP/s.
+    overhead = {**_overhead(130.0), "fma_peak_gflops": 200.0}
+    text = targets_section(_serving(16.0, 6.0), overhead, gemm_gflops=_RATE)
+    assert "(17.2 GFLOP for 64 tokens, the LM head included) take at least 86.1 ms" in text
+    assert "(200 GFLOP/s on registers" in text
+    # Results written before the peak was recorded: no bound is claimed.
+    assert "multiply-add peak" not in targets_section(_serving(16.0, 6.0), _overhead(130.0), gemm_gflops=_RATE)
