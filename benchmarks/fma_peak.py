@@ -2,7 +2,7 @@
 
     python -m benchmarks.fma_peak
 
-Each of ``os.cpu_count()`` threads runs a loop of independent vector FMAs on
+Each of the cores this process may use runs, on a thread of its own, a loop of independent vector FMAs on
 registers (no memory traffic), compiled for the host CPU through llvmlite. The
 report divides a step's linear-layer FLOPs by this rate: a lower bound on the
 step's time that holds for any engine in float32 on this machine.
@@ -10,20 +10,33 @@ step's time that holds for any engine in float32 on this machine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import ctypes
-import os
+import struct
 import threading
 import time
 
 import llvmlite.binding as llvm
 
+from shared.omp import usable_cpus
+
 # Independent accumulators: enough to cover an FMA's latency (4 cycles) on two pipes, few enough to stay
 # in the 16 vector registers of AVX2 with the two operands.
 _ACCUMULATORS = 12
 _ITERATIONS = 20_000_000
+# Each step: accumulator * _B + _C (float32 values; the sums stay finite over any count timed here).
+_B = float(struct.unpack("f", struct.pack("f", 1 + 2 ** -23))[0])
+_C = float(struct.unpack("f", struct.pack("f", 1e-7))[0])
+
+
+def _constant(value: float) -> str:
+    """An LLVM IR float constant: a float32 value written as the double of the same value, in hex."""
+    return "0x" + struct.pack(">d", value).hex().upper()
 
 
 def _ir(lanes: int) -> str:
+    """``fma_loop(count, out)``: ``count`` (at least 1) steps of ``a_i = fma(a_i, b, c)`` on _ACCUMULATORS vectors,
+    ``a_i`` starting with ``i`` in lane 0 and zeros elsewhere; ``out`` gets their sum, added in order of ``i``."""
     vector = f"<{lanes} x float>"
     body, phis = [], []
     for i in range(_ACCUMULATORS):
@@ -37,9 +50,9 @@ def _ir(lanes: int) -> str:
         f"declare {vector} @llvm.fma.v{lanes}f32({vector}, {vector}, {vector})",
         f"define void @fma_loop(i64 %count, {vector}* %out) {{",
         "entry:",
-        f"  %b0 = insertelement {vector} undef, float 0x3FF0000020000000, i32 0",
+        f"  %b0 = insertelement {vector} undef, float {_constant(_B)}, i32 0",
         f"  %b = shufflevector {vector} %b0, {vector} undef, <{lanes} x i32> zeroinitializer",
-        f"  %c0 = insertelement {vector} undef, float 0x3E7AD7F2A0000000, i32 0",
+        f"  %c0 = insertelement {vector} undef, float {_constant(_C)}, i32 0",
         f"  %c = shufflevector {vector} %c0, {vector} undef, <{lanes} x i32> zeroinitializer",
         *inits,
         "  br label %loop",
@@ -59,8 +72,9 @@ def _ir(lanes: int) -> str:
     ])
 
 
-def _compiled() -> tuple[llvm.ExecutionEngine, int, int]:
-    """(engine, address of fma_loop, its vector width in floats) for the host CPU."""
+def _compiled() -> tuple[llvm.ExecutionEngine, Callable[[int, int], None], int]:
+    """(engine, fma_loop as a ctypes function of (count, address of out), its vector width in floats) for the
+    host CPU. The function lives as long as the engine."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     features = llvm.get_host_cpu_features()
@@ -71,14 +85,16 @@ def _compiled() -> tuple[llvm.ExecutionEngine, int, int]:
     module.verify()
     engine = llvm.create_mcjit_compiler(module, machine)
     engine.finalize_object()
-    return engine, engine.get_function_address("fma_loop"), lanes
+    # ctypes lets go of the GIL in the call: the threads below run at once.
+    loop = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p)(engine.get_function_address("fma_loop"))
+    return engine, loop, lanes
 
 
 def fma_peak_gflops(threads: int | None = None, repeats: int = 5) -> float:
-    """float32 GFLOP/s of independent vector FMAs on ``threads`` threads (all CPUs by default), best of ``repeats``."""
-    threads = threads or os.cpu_count() or 1
-    engine, address, lanes = _compiled()
-    loop = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p)(address)  # ctypes lets go of the GIL in the call
+    """float32 GFLOP/s of independent vector FMAs on ``threads`` threads (one per usable core by default), best of
+    ``repeats``."""
+    threads = threads or usable_cpus()
+    engine, loop, lanes = _compiled()
     outs = [(ctypes.c_float * lanes)() for _ in range(threads)]
     best = 0.0
     for _ in range(repeats):
@@ -95,5 +111,5 @@ def fma_peak_gflops(threads: int | None = None, repeats: int = 5) -> float:
 
 
 if __name__ == "__main__":
-    print(f"float32 FMA peak: {fma_peak_gflops():.1f} GFLOP/s on {os.cpu_count()} threads "
+    print(f"float32 FMA peak: {fma_peak_gflops():.1f} GFLOP/s on {usable_cpus()} threads "
           f"({fma_peak_gflops(threads=1):.1f} on one)")
