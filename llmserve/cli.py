@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from llmserve import security_flags as sec
 from shared import defaults
+from shared.startup_heap import pause_collection
 from shared.startup_timer import StartupReport, StartupTimer
 
 ENV_PREFIX = "LLMSERVE_"
@@ -311,6 +312,7 @@ def _ready_notice(args: argparse.Namespace, event: str) -> Callable[[StartupRepo
 def _cmd_worker(args: argparse.Namespace) -> int:
     from shared.omp import prefer_short_spins  # noqa: PLC0415
 
+    pause_collection()  # until the worker has loaded (shared/startup_heap.py)
     prefer_short_spins()
     timer = _startup_timer(args)
     with timer.phase("imports"):
@@ -350,6 +352,7 @@ def _advertised_host(bind_host: str) -> str:
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
+    pause_collection()  # until the replica has loaded (shared/startup_heap.py)
     timer = _startup_timer(args)
     with timer.phase("imports"):
         import asyncio  # noqa: PLC0415

@@ -2,7 +2,8 @@
 
 Start-up, each phase timed for the `scheduler ready in ...` line (shared/startup_timer.py):
 
-    imports (the CLI's) ─▶ redis ─▶ tokenizer ─▶ waiting for a worker ─▶ server ─▶ ready ─▶ first lease (serving)
+    imports (the CLI's) ─▶ redis ─▶ tokenizer ─▶ heap ─▶ waiting for a worker ─▶ server ─▶ ready ─▶ first lease
+    (serving); heap: the start-up heap frozen (shared/startup_heap.py), in `llmserve scheduler` only
 
 The replica is ready (health SERVING) once a routable worker is registered; it serves a first request
 without delay once one of its engine loops owns its worker, the `first lease` (none while every
@@ -39,6 +40,7 @@ from shared.auth import BearerTokenInterceptor
 from shared.health_probes import HealthReporter, watch_health
 from shared.metrics import MetricsServer, SchedulerMetrics
 from shared.registry_changes import RegistryChanges
+from shared.startup_heap import settle_startup_heap
 from shared.startup_timer import StartupReport, StartupTimer
 from shared.tls import bind, describe, open_channel
 from shared.tokenizer_loading import load_tokenizer
@@ -93,6 +95,9 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
     try:
         with timer.phase("tokenizer"):
             tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
+        # Loaded: before a wait for workers that may take long (shared/startup_heap.py).
+        if (settled := settle_startup_heap("scheduler")) is not None:
+            timer.add("heap", settled)
         registry = WorkerRegistry(store.client)
         with timer.phase(WAITING_FOR_A_WORKER):
             entries = await wait_for_workers(registry, config.worker_connect_timeout_s, changes)

@@ -2,7 +2,9 @@
 
 Start-up, each phase timed for the `worker ready in ...` line (shared/startup_timer.py):
 
-    imports (the CLI's) ─▶ kernels ─▶ model (runner: weights, KV cache) ─▶ server ─▶ registration ─▶ ready
+    imports (the CLI's) ─▶ kernels ─▶ model (runner: weights, KV cache) ─▶ server ─▶ heap ─▶ registration ─▶ ready
+
+heap: the start-up heap frozen (shared/startup_heap.py), in `llmserve worker` only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from shared import grpc_server, redis_client
 from shared.health_probes import HealthReporter, watch_health
 from shared.metrics import MetricsServer, WorkerMetrics
+from shared.startup_heap import settle_startup_heap
 from shared.startup_timer import StartupReport, StartupTimer
 from shared.tls import bind, describe
 from shared.tracing import TracingConfig, make_tracer
@@ -92,6 +95,8 @@ async def serve(config: WorkerConfig, host: str, port: int, ready: asyncio.Event
         config.model, host, bound, runner.cache.sizing.num_gpu_blocks, config.block_size, servicer.instance_id,
     )
     timer.add("server", timer.elapsed() - server_started)
+    if (settled := settle_startup_heap("worker")) is not None:
+        timer.add("heap", settled)
     if ready is not None:
         ready.set()
     heartbeats = redis = None

@@ -42,10 +42,11 @@ def test_up_and_its_services_log_where_the_start_up_went(tiny_llama_dir: Path, t
     assert [p.parallel for p in cluster.phases[1:4]] == [True, True, True], "Redis and the services start together"
 
     worker = parse_summary(line_with((tmp_path / "worker.log").read_text(), "worker ready in"))
-    assert_consistent(worker, ["imports", "kernels", "model", "server", "registration"])
+    # heap: the start-up heap collected once and frozen, as `llmserve worker` / `scheduler` do (shared/startup_heap.py).
+    assert_consistent(worker, ["imports", "kernels", "model", "server", "heap", "registration"])
     scheduler_log = (tmp_path / "scheduler.log").read_text()
     scheduler = parse_summary(line_with(scheduler_log, "scheduler ready in"))
-    assert_consistent(scheduler, ["imports", "redis", "tokenizer", "waiting for a worker", "server"])
+    assert_consistent(scheduler, ["imports", "redis", "tokenizer", "heap", "waiting for a worker", "server"])
     serving = parse_summary(line_with(scheduler_log, "scheduler serving in").split(": worker ")[0])
     assert_consistent(serving, [p.name for p in scheduler.phases if p.name != "other"] + ["first lease"])
     # A service's own clock starts after `up` spawned it: its total fits in what `up` saw of it.
