@@ -9,10 +9,10 @@
   it never faults). The hardware prefetcher alone kept the decode GEMV's weight reads at 11-18 GB/s
   here, 22-27 GB/s with the rows two ahead asked for.
 - :func:`fma_sum_lanes`: ``acc[i:i+n] += sum_c a[...] * b[...]`` over ``count`` steps, as n-lane vector
-  multiply-adds with the running sum in registers. Written as loops, the sum lived in memory (Numba's
-  arrays may alias), and each step waited ~9 cycles on the previous one's store; and LLVM's vectorizer
-  unrolls by two or four, so a loop of 16 float32s (one block's slots) never entered its 32- or 64-wide
-  body and ran 4-lane remainder code.
+  multiply-adds with the running sum in registers, for one sum or several that share each loaded ``b``.
+  Written as loops, the sum lived in memory (Numba's arrays may alias), and each step waited ~9 cycles
+  on the previous one's store; and LLVM's vectorizer unrolls by two or four, so a loop of 16 float32s
+  (one block's slots) never entered its 32- or 64-wide body and ran 4-lane remainder code.
 - :func:`gemm_tile`: a register tile of a small matrix product (``rows x vectors`` vectors of
   accumulators, one broadcast element against loaded vectors per step), the prefill kernel's block products;
   :func:`gemm_tile_from` starts its sums from a bias row instead of from the output (the panel projections).
@@ -96,52 +96,67 @@ def _lanes_at(context: object, builder: ir.IRBuilder, array_type: types.Array, a
 
 
 @intrinsic
-def fma_sum_lanes(typingctx: object, acc: types.Type, acc_at: types.Type, a: types.Type, a_at: types.Type,
-                  a_step: types.Type, b: types.Type, b_at: types.Type, b_offsets: types.Type, count: types.Type,
-                  lanes: types.Type, a_lanes: types.Type) -> tuple:
-    """``acc[acc_at + i] += sum_{c < count} a[a_at + c * a_step + i % a_lanes] * b[b_offsets[c] + b_at + i]``, ``i < lanes``.
+def fma_sum_lanes(typingctx: object, acc: types.Type, acc_at: types.Type, acc_head: types.Type, a: types.Type,
+                  a_at: types.Type, a_head: types.Type, a_step: types.Type, b: types.Type, b_at: types.Type,
+                  b_offsets: types.Type, count: types.Type, lanes: types.Type, a_lanes: types.Type,
+                  heads: types.Type) -> tuple:
+    """For each ``h < heads``: ``acc[acc_at + h * acc_head + i] += sum_{c < count} a[a_at + h * a_head + c * a_step
+    + i % a_lanes] * b[b_offsets[c] + b_at + i]``, ``i < lanes``.
 
     Summed in order of ``c``, one rounding per multiply-add (as ``count`` calls of ``fma_lanes``);
     ``b_offsets`` (int64) places each step's ``b`` lanes anywhere, e.g. in a different cache block;
     ``a``'s ``a_lanes`` (a literal dividing ``lanes``) repeat across the lanes: one block's softmax weights
-    against several rows of its value block. Positions are flat element offsets into C-contiguous float32
+    against several rows of its value block. The ``heads`` (a literal) sums share each loaded ``b`` vector:
+    GQA query heads against their kv head's block, each with its own running sum in registers, each sum
+    the same chain of roundings as alone. Positions are flat element offsets into C-contiguous float32
     arrays; the caller keeps them in bounds.
     """
-    if not (isinstance(lanes, types.IntegerLiteral) and isinstance(a_lanes, types.IntegerLiteral)):
+    literals = (lanes, a_lanes, heads)
+    if not all(isinstance(t, types.IntegerLiteral) for t in literals):
         return None
-    if lanes.literal_value % a_lanes.literal_value:
+    if lanes.literal_value % a_lanes.literal_value or heads.literal_value < 1:
         return None
     if not all(isinstance(t, types.Array) and t.dtype == types.float32 and t.layout == "C" for t in (acc, a, b)):
         return None
     if not (isinstance(b_offsets, types.Array) and b_offsets.dtype == types.int64 and b_offsets.ndim == 1):
         return None
-    width, repeat = lanes.literal_value, a_lanes.literal_value
-    signature = types.void(acc, types.int64, a, types.int64, types.int64, b, types.int64, b_offsets, types.int64,
-                           lanes, a_lanes)
+    width, repeat, num_heads = (t.literal_value for t in literals)
+    signature = types.void(acc, types.int64, types.int64, a, types.int64, types.int64, types.int64, b, types.int64,
+                           b_offsets, types.int64, lanes, a_lanes, heads)
 
     def codegen(context: object, builder: ir.IRBuilder, sig: object, args: list) -> ir.Value:
-        acc_array, acc_index, a_array, a_index, a_stride, b_array, b_index, offsets, steps, _, _ = args
+        acc_array, acc_index, acc_stride, a_array, a_index, a_head_stride, a_stride = args[:7]
+        b_array, b_index, offsets, steps = args[7:11]
         vector = ir.VectorType(ir.FloatType(), width)
         a_vector = ir.VectorType(ir.FloatType(), repeat)
         tile = ir.Constant(ir.VectorType(ir.IntType(32), width), [i % repeat for i in range(width)])
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
                                              f"llvm.fma.v{width}f32")
-        acc_pointer = _lanes_at(context, builder, sig.args[0], acc_array, acc_index, vector)
-        # A stack slot that LLVM promotes to registers: the running sum never goes through memory.
-        total = cgutils.alloca_once(builder, vector)
-        builder.store(builder.load(acc_pointer, align=4), total)
-        offsets_data = cgutils.create_struct_proxy(sig.args[7])(context, builder, value=offsets).data
+        acc_pointers, totals, a_firsts = [], [], []
+        for h in range(num_heads):
+            head = ir.Constant(ir.IntType(64), h)
+            pointer = _lanes_at(context, builder, sig.args[0], acc_array,
+                                builder.add(acc_index, builder.mul(head, acc_stride)), vector)
+            # A stack slot that LLVM promotes to registers: the running sum never goes through memory.
+            total = cgutils.alloca_once(builder, vector)
+            builder.store(builder.load(pointer, align=4), total)
+            acc_pointers.append(pointer)
+            totals.append(total)
+            a_firsts.append(builder.add(a_index, builder.mul(head, a_head_stride)))
+        offsets_data = cgutils.create_struct_proxy(sig.args[9])(context, builder, value=offsets).data
         with cgutils.for_range(builder, steps) as loop:
-            a_pointer = _lanes_at(context, builder, sig.args[2], a_array,
-                                  builder.add(a_index, builder.mul(loop.index, a_stride)), a_vector)
             offset = builder.load(builder.gep(offsets_data, [loop.index]))
-            b_pointer = _lanes_at(context, builder, sig.args[5], b_array, builder.add(b_index, offset), vector)
-            left = builder.load(a_pointer, align=4)
-            if repeat != width:
-                left = builder.shuffle_vector(left, left, tile)
+            b_pointer = _lanes_at(context, builder, sig.args[7], b_array, builder.add(b_index, offset), vector)
             right = builder.load(b_pointer, align=4)
-            builder.store(builder.call(fma, [left, right, builder.load(total)]), total)
-        builder.store(builder.load(total), acc_pointer, align=4)
+            step = builder.mul(loop.index, a_stride)
+            for first, total in zip(a_firsts, totals):
+                a_pointer = _lanes_at(context, builder, sig.args[3], a_array, builder.add(first, step), a_vector)
+                left = builder.load(a_pointer, align=4)
+                if repeat != width:
+                    left = builder.shuffle_vector(left, left, tile)
+                builder.store(builder.call(fma, [left, right, builder.load(total)]), total)
+        for pointer, total in zip(acc_pointers, totals):
+            builder.store(builder.load(total), pointer, align=4)
         return context.get_dummy_value()
 
     return signature, codegen

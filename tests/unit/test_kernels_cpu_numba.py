@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tests.hypothesis_profiles import examples
 
-from llmserve.kernels.cpu import _numba_decode, _numba_prefill
+from llmserve.kernels.cpu import _numba_blocks, _numba_decode, _numba_prefill
 from llmserve.kernels.cpu import attention as cpu_attention
 from llmserve.kernels.cpu import numba_attention
 from llmserve.kernels.cpu.numpy_views import numpy_view
@@ -262,6 +262,55 @@ def test_decode_results_do_not_depend_on_how_items_split_the_heads(dtype: torch.
     expected = ref_paged_attention(query, cache.key_cache, cache.value_cache, cache.block_tables, context_lens,
                                    0.125, slopes, window or None)
     assert rel_error(outputs[0], expected) < TOLERANCE[dtype]
+
+
+@numba.njit(cache=False)
+def _tile_of_heads(acc: np.ndarray, a: np.ndarray, b: np.ndarray, offsets: np.ndarray, width: int, heads: int,
+                   count: int, n: int, acc_head: int, a_head: int) -> None:
+    # weighted_sums takes its pattern width as a literal, as the decode kernel passes it.
+    if width == 4:
+        _numba_blocks.weighted_sums(acc, 3, acc_head, a, 5, a_head, width, 4, b, 7, offsets, count, n, heads)
+    elif width == 8:
+        _numba_blocks.weighted_sums(acc, 3, acc_head, a, 5, a_head, width, 8, b, 7, offsets, count, n, heads)
+    else:
+        _numba_blocks.weighted_sums(acc, 3, acc_head, a, 5, a_head, width, 16, b, 7, offsets, count, n, heads)
+
+
+@numba.njit(cache=False)
+def _one_head_at_a_time(acc: np.ndarray, a: np.ndarray, b: np.ndarray, offsets: np.ndarray, width: int, heads: int,
+                        count: int, n: int, acc_head: int, a_head: int) -> None:
+    for h in range(heads):
+        _numba_blocks.weighted_sum(acc, 3 + h * acc_head, a, 5 + h * a_head, width, width, b, 7, offsets, count, n)
+
+
+@pytest.mark.parametrize("width", [4, 8, 16])
+@pytest.mark.parametrize("heads", [2, 3, 4])
+def test_a_tile_of_heads_sums_exactly_as_one_head_at_a_time(width: int, heads: int) -> None:
+    # The decode kernel's GQA tiles (AVX-512) load each key / value row once for several query heads; every
+    # head's sums must stay the same chain of multiply-adds as alone, bit for bit, on any CPU.
+    rng = np.random.default_rng(width * 10 + heads)
+    count, n, acc_head, a_head = 5, 128, 200, 90
+    b = rng.standard_normal(4096).astype(np.float32)
+    a = rng.standard_normal(5 + heads * a_head + count * width).astype(np.float32)
+    offsets = rng.permutation(np.arange(0, 3840, 128))[:count].astype(np.int64)  # rows anywhere, as blocks lie
+    start = rng.standard_normal(3 + heads * acc_head + n).astype(np.float32)
+    tiled, alone = start.copy(), start.copy()
+    _tile_of_heads(tiled, a, b, offsets, width, heads, count, n, acc_head, a_head)
+    _one_head_at_a_time(alone, a, b, offsets, width, heads, count, n, acc_head, a_head)
+    assert not np.array_equal(alone, start)
+    assert np.array_equal(tiled, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 4), (12, 2), (16, 2), (7, 1)])
+def test_decode_gqa_groups_match_the_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
+    # Groups of 2, 6 (two tiles of 3), 8 (two of 4) and 7 (no tile: one head at a time) with 16-slot blocks, the
+    # shapes the kernel tiles on AVX-512; contexts of one block, of several with a partly used last block, and of
+    # two spans.
+    cfg = (dtype, num_heads, num_kv_heads, 64, 16)
+    for alibi, window in [(False, None), (True, 40)]:
+        error = kernel_cases.run_paged(numba_attention.paged_attention, cfg, [16, 45, 600, 1], alibi, window, 7)
+        assert error < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("group, window", [(1, 0), (3, 0), (3, 50)])
