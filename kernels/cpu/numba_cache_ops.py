@@ -36,13 +36,18 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # for 64 tokens of the default model, 30 layers, ~100 us a layer on one thread. Measured inside the worker's
 # step (64 sequences, each kernel's own time, two alternating rounds on a 2-core Zen 4): 2.95-3.09 ms a step
 # on one thread, 1.81-1.83 ms on two. At 16 sequences two threads saved only 0.2 ms (0.75-0.83 -> 0.58-0.60).
-_PARALLEL_MIN_TOKENS = 32
+PARALLEL_MIN_TOKENS = 32
 
 
-def _signatures() -> list[object]:
+def _signatures(compiled_step: bool = False) -> list[object]:
+    """Bits of one integer type into caches of that type (what reshape_and_cache passes); with ``compiled_step`` also
+    float32 keys and values into float32 or bf16 caches (the compiled decode step's, worker_service/models)."""
+    pairs = [(element, element) for element in (numba.int16, numba.int32, numba.int64)]
+    if compiled_step:
+        pairs += [(numba.float32, numba.float32), (numba.float32, numba.int16)]
     # key/value may be strided views (slices of a fused QKV output): any layout.
-    return [numba.void(element[:, :, :], element[:, :, :], element[:, :, :, :, ::1], element[:, :, :, ::1],
-                       numba.int64[::1]) for element in (numba.int16, numba.int32, numba.int64)]
+    return [numba.void(kv[:, :, :], kv[:, :, :], cache[:, :, :, :, ::1], cache[:, :, :, ::1], numba.int64[::1])
+            for kv, cache in pairs]
 
 
 @numba.njit(inline="always")
@@ -70,8 +75,8 @@ def _write_serial(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, val
         write_token(key, value, key_cache, value_cache, slots, t)
 
 
-@numba.njit(_signatures(), parallel=True, cache=True, nogil=True)
-def _write_parallel(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
+@numba.njit(_signatures(compiled_step=True), parallel=True, cache=True, nogil=True)
+def write_parallel(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
                     slots: np.ndarray) -> None:
     # Slots are distinct (a reshape_and_cache precondition), so tokens never write the same element.
     for t in numba.prange(key.shape[0]):
@@ -120,6 +125,6 @@ def reshape_and_cache(
     if slots.shape[0] == 0:
         return
     bits = _BITS[key_cache.element_size()]
-    kernel = _write_parallel if key.shape[0] >= _PARALLEL_MIN_TOKENS else _write_serial
+    kernel = write_parallel if key.shape[0] >= PARALLEL_MIN_TOKENS else _write_serial
     kernel(key.view(bits).numpy(), value.view(bits).numpy(), numpy_view(key_cache, bits), numpy_view(value_cache, bits),
            slots)

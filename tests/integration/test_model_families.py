@@ -107,10 +107,13 @@ def test_greedy_batch_matches_transformers(family: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("cpu_matmul", ["onednn", "panels"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_each_float32_cpu_kernel_matches_transformers(family: str, cpu_matmul: str, tmp_path: Path) -> None:
-    # Decode steps layer by layer too (no few-row call), so every projection runs the chosen kernel.
+    # No GEMV form of the compiled decode call, so every projection runs the chosen kernel (with panels, decode steps
+    # run the compiled call's panel form: the same kernel).
     model_dir = _build(tmp_path / family, family)
     runner, outputs, logprobs = _greedy_batch(model_dir, cpu_matmul=cpu_matmul, decode_gemv_rows=0)
-    assert runner.model.few_rows is None
+    compiled = runner.model.compiled
+    assert (compiled is not None and compiled.panels) == (cpu_matmul == "panels")
+    assert compiled is None or not compiled.max_rows
     kernels = {runner.model.lm_head.kernel} | {p.kernel for layer in runner.model.layers
                                                  for p in (layer.qkv, layer.o, layer.gate_up, layer.down)}
     assert kernels == {cpu_matmul}
@@ -123,8 +126,8 @@ def test_half_precision_matches_transformers_in_the_same_dtype(family: str, dtyp
                                                                tmp_path: Path) -> None:
     model_dir = _build(tmp_path / family, family)
     runner, outputs, logprobs = _greedy_batch(model_dir, str(dtype).removeprefix("torch."))
-    # bf16 decode steps of the three prompts run the few-row compiled call; fp16 ones run layer by layer.
-    assert (runner.model.few_rows is not None) == (dtype == torch.bfloat16)
+    # bf16 decode steps of the three prompts run the compiled call's GEMV form; fp16 ones run layer by layer.
+    assert (runner.model.compiled is not None) == (dtype == torch.bfloat16)
     _assert_matches(f"{family} {dtype}", HFReference(str(model_dir), dtype), outputs, logprobs,
                     HALF_TOLERANCE[dtype])
 

@@ -33,10 +33,14 @@ def build_model(config: PretrainedConfig, path: str, dtype: torch.dtype, device:
     if why_not is None:
         model = load_llama(config, path, dtype, device, max_positions, rank, tp_size, decode_gemv_rows, cpu_matmul)
         log.info("loaded %s (%s) on %s: fused Llama-family layers", path, dtype, device)
-        if model.few_rows is not None:
+        compiled = model.compiled
+        if compiled is not None and compiled.max_rows:
             log.info("decode steps of up to %d sequences run as one compiled call over a dense copy of the weights "
-                     "(%.0f MiB more; --decode-gemv-rows 0 turns it off)", model.few_rows.max_rows,
-                     model.few_rows.extra_bytes() / 2**20)
+                     "(%.0f MiB more; --decode-gemv-rows 0 turns it off)", compiled.max_rows,
+                     compiled.extra_bytes() / 2**20)
+        if compiled is not None and compiled.panels:
+            log.info("decode steps of %s sequences run as one compiled call over the panel weights",
+                     f"more than {compiled.max_rows}" if compiled.max_rows else "any number of")
         return model
     from worker_service.models.transformers_model import TransformersModel
 

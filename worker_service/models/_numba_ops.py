@@ -31,6 +31,12 @@ versioned_cache()
 
 _F32_2D = numba.float32[:, ::1]
 _F32_1D = numba.float32[::1]
+# Elements per call above which a Numba kernel runs over rows on several threads. Below it, waking
+# the thread team costs more than the pass (an RMSNorm of [64, 576] floats is ~10 us on one thread).
+# With the worker's threads spinning briefly between parallel regions (shared/omp.py), SiLU-and-mul
+# of a 64-sequence decode step ([64, 1536], ~100 us on one thread) gains from two: 2**16 against 2**18
+# took the default model's step from 83.4 to 81.4 ms (three runs each, benchmarks/worker_step.py).
+PARALLEL_MIN_ELEMENTS = 1 << 16
 # No fastmath: contraction into FMAs would round differently from transformers' separate ops.
 _JIT = dict(cache=True, nogil=True)
 

@@ -44,14 +44,17 @@ def panel_widths(out_features: int) -> bool:
     return out_features > 0 and out_features % LANES == 0
 
 
-def pack_panels(weight: torch.Tensor) -> np.ndarray:
-    """``weight [N, K]`` (float32, CPU) as the flat panel layout ``panel_matmul`` reads (a copy)."""
+def pack_panels(weight: torch.Tensor, into: np.ndarray | None = None) -> np.ndarray:
+    """``weight [N, K]`` (float32, CPU) as the flat panel layout ``panel_matmul`` reads (a copy), written into
+    ``into`` (``N * K`` float32) when given: a row of a stack over the layers (models/compiled_decode.py)."""
     n, k = weight.shape
     if not panel_widths(n):
         raise ValueError(f"panel layout needs a multiple of {LANES} output features, got {n}")
+    if into is not None and (into.shape != (n * k,) or into.dtype != np.float32):
+        raise ValueError(f"panels of a [{n}, {k}] weight need {n * k} float32, got {into.shape} {into.dtype}")
     full = n // PANEL
     head = full * PANEL
-    flat = torch.empty(n * k, dtype=torch.float32)
+    flat = torch.empty(n * k, dtype=torch.float32) if into is None else torch.from_numpy(into)
     # Panel p holds columns p*48 .. p*48+47 as [K, 48]: row k is weight[p*48:(p+1)*48, k]. One copy,
     # by torch's threads: at load, 0.05 s for the default model's LM head against 0.07 in numpy.
     flat[:head * k].view(full, k, PANEL).copy_(weight[:head].reshape(full, PANEL, k).transpose(1, 2))

@@ -114,6 +114,11 @@ def use_panels(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
     return is_amd_avx512()
 
 
+def can_use_panels(weight: torch.Tensor) -> bool:
+    """Whether the panel kernel takes ``weight`` when panels are chosen (float32, CPU, whole 16-column vectors)."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and panel_widths(weight.shape[0])
+
+
 def bucket_rows(rows: int) -> int:
     """The row count a packed projection runs ``rows`` as: exact up to 16, then multiples of 8, 16 and 64.
 
@@ -129,17 +134,19 @@ class Linear:
     """``x [T, in] -> [T, out]``; the weight is not kept dense when panels or oneDNN hold a laid-out copy.
 
     ``panels``: lay a float32 CPU weight out for the panel kernel (see ``use_panels``); a weight whose
-    row count is not a multiple of 16 goes to oneDNN instead.
+    row count is not a multiple of 16 goes to oneDNN instead. ``panels_into``: where the panels go (a row of
+    a stack, ``pack_panels``), else an array of their own.
     """
 
     __slots__ = ("out_features", "in_features", "bias", "_dense", "_packed", "_panels", "_panel_bias")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, panels: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, panels: bool = False,
+                 panels_into: np.ndarray | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self._panels = self._panel_bias = None
-        if panels and weight.dtype == torch.float32 and weight.device.type == "cpu" and panel_widths(weight.shape[0]):
-            self._panels = pack_panels(weight.detach())
+        if panels and can_use_panels(weight):
+            self._panels = pack_panels(weight.detach(), panels_into)
             self._panel_bias = (np.empty(0, np.float32) if bias is None
                                 else bias.detach().to(torch.float32).contiguous().numpy())
         self._packed = None if self._panels is not None else _pack(weight)

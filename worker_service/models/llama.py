@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from worker_service.attention import AttentionMetadata, attend
-from worker_service.models.few_row_decode import FewRowDecode
+from worker_service.models.compiled_decode import CompiledDecode
 from worker_service.models.fused_ops import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from worker_service.models.linear import Linear
 from worker_service.models.rotary import RotaryTable
@@ -79,16 +79,16 @@ class LlamaModel:
     norm: torch.Tensor
     lm_head: Linear  # [vocab, hidden]; the embedding's weights when they are tied
     rotary: RotaryTable
-    # Decode steps of a few sequences in one compiled call over dense weights (None: every step layer by layer).
-    few_rows: FewRowDecode | None = None
+    # Decode steps as one compiled call through every layer (None: every step layer by layer).
+    compiled: CompiledDecode | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for the step's flat batch."""
         dims = self.dims
         heads = (dims.num_heads, dims.num_kv_heads, dims.num_kv_heads)
         tokens = input_ids.shape[0]
-        if self.few_rows is not None and self.few_rows.covers(tokens, attn):
-            return self.few_rows(input_ids, positions, attn)
+        if self.compiled is not None and self.compiled.covers(tokens, attn):
+            return self.compiled(input_ids, positions, attn)
         eps = dims.rms_norm_eps
         residual = F.embedding(input_ids, self.embed)
         x = rms_norm(residual, self.layers[0].input_norm, eps)
@@ -106,9 +106,8 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of the given hidden rows."""
-        if self.few_rows is not None and 0 < hidden.shape[0] <= self.few_rows.max_rows:
-            return self.few_rows.logits(hidden)
-        return self.lm_head(hidden).float()
+        logits = None if self.compiled is None else self.compiled.logits(hidden)
+        return self.lm_head(hidden).float() if logits is None else logits
 
     def _row_parallel(self, x: torch.Tensor, projection: Linear, bias: torch.Tensor | None) -> torch.Tensor:
         y = projection(x)

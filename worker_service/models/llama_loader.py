@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from worker_service.model_loader import model_shape
 from worker_service.models.checkpoint_tensors import CheckpointTensors
-from worker_service.models.few_row_decode import ELEMENT_VIEWS, FewRowDecode
+from worker_service.models.compiled_decode import ELEMENT_VIEWS, CompiledDecode
 from worker_service.models.linear import Linear, use_panels
 from worker_service.models.llama import LlamaDims, LlamaLayer, LlamaModel
 from worker_service.models.rotary import DYNAMIC_ROPE_TYPES, build_rotary_table, rope_type
@@ -66,15 +66,17 @@ def _sliding_window(config: PretrainedConfig, index: int) -> int | None:
 
 
 def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int, q_rows: slice, kv_rows: slice,
-                mlp_rows: slice, few_rows: FewRowDecode | None, panels: bool) -> LlamaLayer:
+                mlp_rows: slice, compiled: CompiledDecode | None, panels: bool) -> LlamaLayer:
     prefix = f"model.layers.{index}."
 
     def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, dense_bias: torch.Tensor | None = None
                ) -> Linear:
-        # The few-row path's dense stack holds the weight; oneDNN packs its own copy from the stack's row.
-        if few_rows is not None:
-            weight = few_rows.hold(name, index, weight, bias if dense_bias is None else dense_bias)
-        return Linear(weight, bias, panels)
+        if compiled is None:
+            return Linear(weight, bias, panels)
+        # The GEMV form's dense stack holds the weight (oneDNN packs its own copy from the stack's row); the
+        # panels go into a row of the panel form's stack.
+        weight = compiled.hold(name, index, weight, bias if dense_bias is None else dense_bias)
+        return Linear(weight, bias, panels, compiled.panels_into(name, index, weight) if panels else None)
 
     def get(name: str) -> torch.Tensor | None:
         return tensors.get(prefix + name)
@@ -105,8 +107,9 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
                cpu_matmul: str = "auto") -> LlamaModel:
     """Reads ``path``'s weights into rank ``rank``'s share of the fused layout (of ``tp_size`` ranks).
 
-    ``decode_gemv_rows``: decode steps of up to this many sequences run models/few_row_decode.py
-    (float32 or bf16 on a CPU, one rank; 0: never). ``cpu_matmul``: the projections' kernel (models/linear.py).
+    ``decode_gemv_rows``: decode steps of up to this many sequences run models/compiled_decode.py's GEMV form
+    (float32 or bf16 on a CPU, one rank; 0: never). ``cpu_matmul``: the projections' kernel (models/linear.py);
+    with panels, decode steps of more sequences run compiled_decode.py's panel form (one rank).
     """
     tensors = CheckpointTensors(path, dtype, device)
     shape = model_shape(config)
@@ -115,11 +118,11 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     q_rows = rank_share(shape.num_heads * shape.head_size, rank, tp_size)
     kv_rows = rank_share(shape.num_kv_heads * shape.head_size, rank, tp_size)
     mlp_rows = rank_share(config.intermediate_size, rank, tp_size)
-    few_rows = None
-    if decode_gemv_rows > 0 and dtype in ELEMENT_VIEWS and device.type == "cpu" and tp_size == 1:
-        few_rows = FewRowDecode(shape.num_layers, decode_gemv_rows)
     panels = use_panels(cpu_matmul, dtype, device)
-    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows, few_rows, panels)
+    compiled = None
+    if dtype in ELEMENT_VIEWS and device.type == "cpu" and tp_size == 1 and (decode_gemv_rows > 0 or panels):
+        compiled = CompiledDecode(shape.num_layers, decode_gemv_rows, panels)
+    layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows, compiled, panels)
               for i in range(shape.num_layers)]
     embed = tensors.require("model.embed_tokens.weight")
     tied = getattr(config, "tie_word_embeddings", False)
@@ -127,8 +130,6 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     lm_head = Linear(head_weight, None, panels)
     rotary = build_rotary_table(config, max_positions, dtype, device)
     norm = tensors.require("model.norm.weight")
-    if few_rows is not None:
-        few_rows.finish(dims, embed, rotary, [layer.input_norm for layer in layers],
-                        [layer.post_norm for layer in layers], norm, [layer.sliding_window for layer in layers],
-                        head_weight)
-    return LlamaModel(dims, embed, layers, norm, lm_head, rotary, few_rows)
+    if compiled is not None:
+        compiled.finish(dims, embed, rotary, layers, norm, head_weight)
+    return LlamaModel(dims, embed, layers, norm, lm_head, rotary, compiled)

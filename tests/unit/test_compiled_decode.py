@@ -1,12 +1,13 @@
-"""Decode steps of a few sequences in one compiled call (models/few_row_decode.py) against the layer-by-layer path.
+"""Decode steps in one compiled call (models/compiled_decode.py) against the layer-by-layer path.
 
-Two runners on the same checkpoint, one with the few-row path and one without, run the
-same plans: every step's sampled tokens and top logprobs must agree to float32 rounding
-(the GEMV sums in another order than oneDNN), and the KV caches they wrote must too.
-The checkpoint has every bias the family allows and a sliding window shorter than the
-sequences, so each argument of the compiled call is exercised. In bf16 the path keeps
-float32 activations where the layer-by-layer path rounds them, so there it is held to
-transformers' bf16 outputs under the half-precision rule instead.
+Two runners on the same checkpoint, one with the compiled call and one without, run the
+same plans. The GEMV form (a few rows) must agree to float32 rounding (the GEMV sums in
+another order than oneDNN) in every step's sampled tokens, top logprobs and the KV caches
+written; the panel form (more rows) runs the layer-by-layer path's kernels and must agree
+bit for bit. The checkpoint has every bias the family allows and a sliding window shorter
+than the sequences, so each argument of the compiled calls is exercised. In bf16 the GEMV
+form keeps float32 activations where the layer-by-layer path rounds them, so there it is
+held to transformers' bf16 outputs under the half-precision rule instead.
 """
 
 from __future__ import annotations
@@ -24,48 +25,58 @@ from worker_service.attention import AttentionMetadata
 from worker_service.config import WorkerConfig
 from worker_service.model_runner import ModelRunner
 from worker_service.models._numba_decode_step import gemv
-from worker_service.models.few_row_decode import FewRowDecode
+from worker_service.models.compiled_decode import CompiledDecode
 from worker_service.plan import NewSequenceData, SequenceDeltaData, StepPlanData
 
 PROMPTS = [list(range(3, 40)), [7, 8, 9, 10, 11], list(range(100, 119)), list(range(200, 230))]
 STEPS = 24
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _mistral(path: Path, intermediate_size: int, biases: bool) -> Path:
+    """A 2-layer Mistral with a sliding window shorter than the sequences; ``biases``: on every projection."""
     config = AutoConfig.for_model(
         "mistral", architectures=["MistralForCausalLM"], vocab_size=512, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=intermediate_size, max_position_embeddings=256,
         initializer_range=0.2, sliding_window=24, tie_word_embeddings=False,
     )  # fmt: skip
-    # Mistral's config has no bias switches; the loader reads whichever biases the checkpoint holds.
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    path = tmp_path_factory.mktemp("few-rows")
     state = model.state_dict()
+    # Mistral's config has no bias switches; the loader reads whichever biases the checkpoint holds.
     for name, tensor in list(state.items()):
-        if name.endswith("_proj.weight"):
+        if biases and name.endswith("_proj.weight"):
             state[name.removesuffix("weight") + "bias"] = torch.randn(tensor.shape[0]) * 0.1
     model.save_pretrained(path, state_dict=state)
     return path
 
 
-def _runner(model_dir: Path, rows: int, dtype: str = "auto") -> ModelRunner:
-    return ModelRunner(WorkerConfig(model=str(model_dir), num_gpu_blocks_override=64, max_model_len=256,
-                                    block_size=8, decode_gemv_rows=rows, dtype=dtype))
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _mistral(tmp_path_factory.mktemp("few-rows"), 128, biases=True)
+
+
+def _runner(model_dir: Path, rows: int, dtype: str = "auto", cpu_matmul: str = "onednn", blocks: int = 64,
+            layer_by_layer: bool = False) -> ModelRunner:
+    """oneDNN projections unless asked: the panel form (panels only) then never runs. ``layer_by_layer``: no
+    compiled call at all, whatever the projections."""
+    runner = ModelRunner(WorkerConfig(model=str(model_dir), num_gpu_blocks_override=blocks, max_model_len=256,
+                                      block_size=8, decode_gemv_rows=rows, dtype=dtype, cpu_matmul=cpu_matmul))
+    if layer_by_layer:
+        runner.model.compiled = None
+    return runner
 
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of every call of the compiled path, in order."""
     rows: list[int] = []
-    original = FewRowDecode.__call__
+    original = CompiledDecode.__call__
 
-    def counted(self: FewRowDecode, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+    def counted(self: CompiledDecode, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
         rows.append(input_ids.shape[0])
         return original(self, input_ids, *args)
 
-    monkeypatch.setattr(FewRowDecode, "__call__", counted)
+    monkeypatch.setattr(CompiledDecode, "__call__", counted)
     return rows
 
 
@@ -88,7 +99,7 @@ def _run(runner: ModelRunner, prompts: list[list[int]]) -> list[list[tuple[int, 
 def test_few_row_steps_match_the_layer_by_layer_path(model_dir: Path, batch: int, calls: list[int]) -> None:
     prompts = PROMPTS[:batch]
     fast, reference = _runner(model_dir, 4), _runner(model_dir, 0)
-    assert reference.model.few_rows is None
+    assert reference.model.compiled is None
     got, want = _run(fast, prompts), _run(reference, prompts)
     # Every decode step (all but the prefill) took the compiled call, with all its sequences.
     assert calls == [batch] * (STEPS - 1)
@@ -106,7 +117,7 @@ def test_few_row_steps_match_the_layer_by_layer_path(model_dir: Path, batch: int
 
 def test_more_sequences_than_the_limit_run_layer_by_layer(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = _runner(model_dir, 2)
-    monkeypatch.setattr(FewRowDecode, "__call__", lambda *args: pytest.fail("three rows took the two-row path"))
+    monkeypatch.setattr(CompiledDecode, "__call__", lambda *args: pytest.fail("three rows took the two-row path"))
     assert len(_run(runner, PROMPTS[:3])) == STEPS
 
 
@@ -122,7 +133,7 @@ def test_a_block_id_out_of_range_is_refused_before_any_kernel_runs(model_dir: Pa
         decode_block_tables=torch.tensor([[64]], dtype=torch.int32), decode_context_lens=torch.tensor([4]),
         decode_max_context_len=4, wait_for_layer=lambda layer: None,
     )  # fmt: skip
-    assert model.few_rows.covers(1, attn)
+    assert model.compiled.covers(1, attn)
     with pytest.raises(ValueError, match="block"):
         model.forward(torch.tensor([5]), torch.tensor([3]), attn)
     for key, old in zip(cache.key_caches, before, strict=True):
@@ -133,7 +144,7 @@ def test_the_memory_it_holds_is_the_dense_weights_and_the_untied_head(model_dir:
     model = _runner(model_dir, 4).model
     hidden, layers, vocab, kv, inter = 64, 2, 512, 2 * 16, 128  # head size 16, 2 KV heads
     per_layer = (hidden + 2 * kv) * (hidden + 1) + hidden * (hidden + 1) + 2 * inter * (hidden + 1) + hidden * (inter + 1)
-    assert model.few_rows.extra_bytes() == 4 * (layers * per_layer + vocab * hidden)
+    assert model.compiled.extra_bytes() == 4 * (layers * per_layer + vocab * hidden)
 
 
 def test_a_negative_row_limit_is_a_clear_configuration_error(model_dir: Path) -> None:
@@ -190,3 +201,51 @@ def test_gemv_over_bf16_weights_matches_a_float64_reference(rows: int) -> None:
 def test_an_unknown_cpu_matmul_is_a_clear_configuration_error(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="cpu_matmul must be one of auto, onednn, panels, got 'blas'"):
         WorkerConfig(model=str(model_dir), cpu_matmul="blas")
+
+
+@pytest.fixture(scope="module")
+def wide_mlp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2048-feature MLP: SiLU-and-mul of 32+ rows runs on every thread, as it does in the layer-by-layer path
+    (models/fused_ops.py's threshold)."""
+    return _mistral(tmp_path_factory.mktemp("wide-mlp"), 2048, biases=False)
+
+
+# Sequences whose decodes cross the parallel cache write's 32 rows (llmserve.kernels.cpu.numba_cache_ops).
+MANY_PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 7)] for i in range(40)]
+
+
+@pytest.mark.parametrize(("checkpoint", "prompts", "gemv_rows"), [
+    ("model_dir", PROMPTS[:1], 0), ("model_dir", PROMPTS, 0), ("model_dir", PROMPTS, 2),
+    ("wide_mlp_dir", MANY_PROMPTS, 4),
+], ids=["1-row", "4-rows", "4-rows-above-gemv-2", "40-rows-wide-mlp"])
+def test_panel_steps_equal_the_layer_by_layer_path_bit_for_bit(
+    request: pytest.FixtureRequest, checkpoint: str, prompts: list[list[int]], gemv_rows: int, calls: list[int],
+) -> None:
+    """Steps of more rows than the GEMV form takes run the panel form: the layer-by-layer path's kernels, so the same
+    tokens, the same logprobs and the same cache contents to the bit."""
+    model_dir = request.getfixturevalue(checkpoint)
+    fast = _runner(model_dir, gemv_rows, cpu_matmul="panels", blocks=400)
+    reference = _runner(model_dir, gemv_rows, cpu_matmul="panels", blocks=400, layer_by_layer=True)
+    assert fast.model.compiled.panels
+    got, want = _run(fast, prompts), _run(reference, prompts)
+    assert calls == [len(prompts)] * (STEPS - 1)
+    assert got == want
+    for mine, theirs in zip([*fast.cache.key_caches, *fast.cache.value_caches],
+                            [*reference.cache.key_caches, *reference.cache.value_caches], strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_the_panel_form_reads_the_layers_own_panels(model_dir: Path) -> None:
+    """No second copy: each layer's projection multiplies a row of the stack the compiled call reads."""
+    model = _runner(model_dir, 0, cpu_matmul="panels").model
+    assert model.compiled.panels and model.compiled.extra_bytes() == 0
+    stacks = model.compiled._panel_arrays[::2]  # qkv, o, gate_up, down; a bias stack after each
+    for index, layer in enumerate(model.layers):
+        for stack, projection in zip(stacks, (layer.qkv, layer.o, layer.gate_up, layer.down), strict=True):
+            assert projection.kernel == "panels"
+            assert np.shares_memory(stack[index], projection._panels)
+
+
+def test_onednn_projections_leave_larger_steps_layer_by_layer(model_dir: Path) -> None:
+    model = _runner(model_dir, 2, cpu_matmul="onednn").model
+    assert not model.compiled.panels
