@@ -62,12 +62,12 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     g.add_argument("--decode-gemv-rows", type=int, default=defaults.DECODE_GEMV_ROWS,
                    help="decode steps of up to this many sequences run every layer in one compiled call with "
-                        "GEMV projections over a dense copy of the layer weights (float32 or bf16 on a CPU; the copy costs "
-                        "the weights' size in memory again); 0 = off")
+                        "GEMV projections over a dense copy of the layer weights (float32 or bf16 on a CPU, projections "
+                        "not in panels; the copy costs the weights' size in memory again); 0 = off")
     g.add_argument("--cpu-matmul", choices=defaults.CPU_MATMULS, default=defaults.CPU_MATMULS[0],
                    help="kernel of the float32 CPU projections: auto (Numba panel tiles on AVX-512 AMD CPUs, "
-                        "else oneDNN), onednn or panels (with panels, larger decode steps also run every layer in "
-                        "one compiled call)")
+                        "else oneDNN), onednn or panels (with panels, every decode step runs every layer in one "
+                        "compiled call over them)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes (GPUs cuda:k..k+N-1, or CPU processes with gloo) that split each layer's heads "
                         "and the KV cache; the worker starts them. --kv-cache-memory, --swap-space and "

@@ -37,11 +37,12 @@ class WorkerConfig:
         per rank (as vLLM's per-GPU budgets): N ranks hold N shards of the same number of blocks.
     simulate: a simulation profile (worker_service/simulation.py): no model, modelled step times.
     decode_gemv_rows: decode steps of up to this many sequences run every layer in one compiled call with
-        GEMV projections over a dense copy of the layer weights (float32 or bf16 on a CPU, one rank; the copy costs
-        the weights' size in memory again); 0 turns it off (worker_service/models/compiled_decode.py).
+        GEMV projections over a dense copy of the layer weights (float32 or bf16 on a CPU, one rank, projections
+        not in panels; the copy costs the weights' size in memory again); 0 turns it off
+        (worker_service/models/compiled_decode.py).
     cpu_matmul: the float32 CPU projections' kernel: "auto" (the panel kernel on AVX-512 AMD CPUs, where it
         was measured faster, else oneDNN), "onednn" or "panels" (worker_service/models/linear.py). With panels,
-        decode steps of more sequences also run every layer in one compiled call, over the same panels.
+        every decode step runs every layer in one compiled call over the same panels (no dense copy).
     """
 
     model: str

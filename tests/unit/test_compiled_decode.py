@@ -214,21 +214,22 @@ def wide_mlp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 MANY_PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 7)] for i in range(40)]
 
 
-@pytest.mark.parametrize(("checkpoint", "prompts", "gemv_rows"), [
-    ("model_dir", PROMPTS[:1], 0), ("model_dir", PROMPTS, 0), ("model_dir", PROMPTS, 2),
-    ("wide_mlp_dir", MANY_PROMPTS, 4),
-], ids=["1-row", "4-rows", "4-rows-above-gemv-2", "40-rows-wide-mlp"])
+# 1 to 4 rows: the panel kernel's row tiles of 1, 2, 3 and 4; 40 rows: tiles of 8.
+@pytest.mark.parametrize(("checkpoint", "rows"), [
+    ("model_dir", 1), ("model_dir", 2), ("model_dir", 3), ("model_dir", 4), ("wide_mlp_dir", 40),
+], ids=["1-row", "2-rows", "3-rows", "4-rows", "40-rows-wide-mlp"])
 def test_panel_steps_equal_the_layer_by_layer_path_bit_for_bit(
-    request: pytest.FixtureRequest, checkpoint: str, prompts: list[list[int]], gemv_rows: int, calls: list[int],
+    request: pytest.FixtureRequest, checkpoint: str, rows: int, calls: list[int],
 ) -> None:
-    """Steps of more rows than the GEMV form takes run the panel form: the layer-by-layer path's kernels, so the same
-    tokens, the same logprobs and the same cache contents to the bit."""
+    """With panels every decode step runs the panel form (--decode-gemv-rows holds no dense copy then): the
+    layer-by-layer path's kernels, so the same tokens, the same logprobs and the same cache contents to the bit."""
     model_dir = request.getfixturevalue(checkpoint)
-    fast = _runner(model_dir, gemv_rows, cpu_matmul="panels", blocks=400)
-    reference = _runner(model_dir, gemv_rows, cpu_matmul="panels", blocks=400, layer_by_layer=True)
-    assert fast.model.compiled.panels
+    prompts = PROMPTS[:rows] if rows <= len(PROMPTS) else MANY_PROMPTS[:rows]
+    fast = _runner(model_dir, 4, cpu_matmul="panels", blocks=400)
+    reference = _runner(model_dir, 4, cpu_matmul="panels", blocks=400, layer_by_layer=True)
+    assert fast.model.compiled.panels and fast.model.compiled.max_rows == 0
     got, want = _run(fast, prompts), _run(reference, prompts)
-    assert calls == [len(prompts)] * (STEPS - 1)
+    assert calls == [rows] * (STEPS - 1)
     assert got == want
     for mine, theirs in zip([*fast.cache.key_caches, *fast.cache.value_caches],
                             [*reference.cache.key_caches, *reference.cache.value_caches], strict=True):
@@ -237,7 +238,7 @@ def test_panel_steps_equal_the_layer_by_layer_path_bit_for_bit(
 
 def test_the_panel_form_reads_the_layers_own_panels(model_dir: Path) -> None:
     """No second copy: each layer's projection multiplies a row of the stack the compiled call reads."""
-    model = _runner(model_dir, 0, cpu_matmul="panels").model
+    model = _runner(model_dir, 4, cpu_matmul="panels").model
     assert model.compiled.panels and model.compiled.extra_bytes() == 0
     stacks = model.compiled._panel_arrays[::2]  # qkv, o, gate_up, down; a bias stack after each
     for index, layer in enumerate(model.layers):

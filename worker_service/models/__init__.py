@@ -39,8 +39,7 @@ def build_model(config: PretrainedConfig, path: str, dtype: torch.dtype, device:
                      "(%.0f MiB more; --decode-gemv-rows 0 turns it off)", compiled.max_rows,
                      compiled.extra_bytes() / 2**20)
         if compiled is not None and compiled.panels:
-            log.info("decode steps of %s sequences run as one compiled call over the panel weights",
-                     f"more than {compiled.max_rows}" if compiled.max_rows else "any number of")
+            log.info("decode steps run as one compiled call over the panel weights")
         return model
     from worker_service.models.transformers_model import TransformersModel
 

@@ -2,7 +2,7 @@
 
 The weight ``[N, K]`` is stored once, at load, as panels of ``PANEL`` (48) output columns, each
 ``[K, 48]`` contiguous (a last panel of 16 or 32 columns where N is not a multiple of 48). A thread
-takes a run of panels; for each it walks the rows of ``x`` in tiles of 8 (then 4, then 1) and keeps
+takes a run of panels; for each it walks the rows of ``x`` in tiles of 8 (then 4, then 3, 2 or 1) and keeps
 ``rows x 3`` vectors of 16 sums in registers (``gemm_tile_from``), each step one broadcast element of
 ``x`` against the panel's three vectors at that ``k``; the sums start from the bias (or zero) in registers,
 so ``out`` is only written. A panel (110 KiB at K = 576) is read from
@@ -65,7 +65,7 @@ def pack_panels(weight: torch.Tensor, into: np.ndarray | None = None) -> np.ndar
 @numba.njit(inline="always")
 def _tiles(of: np.ndarray, out_at: int, n: int, start: np.ndarray, start_at: int, xf: np.ndarray, k: int, rows: int,
            wf: np.ndarray, at: int, vectors: int) -> None:
-    """out[:, col:col + 16 * vectors] = start + x @ panel for every row: tiles of 8 rows, then 4, then 1."""
+    """out[:, col:col + 16 * vectors] = start + x @ panel for every row: tiles of 8 rows, then 4, then 3, 2 or 1."""
     width = vectors * LANES
     r = 0
     while r + 8 <= rows:
@@ -74,9 +74,13 @@ def _tiles(of: np.ndarray, out_at: int, n: int, start: np.ndarray, start_at: int
     if r + 4 <= rows:
         gemm_tile_from(of, out_at + r * n, n, start, start_at, xf, r * k, k, 1, 1, wf, at, width, k, 4, vectors, 16)
         r += 4
-    while r < rows:
+    # At most three rows left: one more pass over the panel (each pass reads it from L1/L2 again).
+    if r + 3 == rows:
+        gemm_tile_from(of, out_at + r * n, n, start, start_at, xf, r * k, k, 1, 1, wf, at, width, k, 3, vectors, 16)
+    elif r + 2 == rows:
+        gemm_tile_from(of, out_at + r * n, n, start, start_at, xf, r * k, k, 1, 1, wf, at, width, k, 2, vectors, 16)
+    elif r < rows:
         gemm_tile_from(of, out_at + r * n, n, start, start_at, xf, r * k, k, 1, 1, wf, at, width, k, 1, vectors, 16)
-        r += 1
 
 
 @numba.njit(inline="always")

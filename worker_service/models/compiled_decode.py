@@ -5,20 +5,21 @@ and torch dispatches, tensor views. At one sequence that host work costs as much
 projections; at 16 to 64 sequences it is still 5-15 % of a step. Here a decode-only step runs
 models/_numba_decode_step.py's layer loop in one call, in one of two forms:
 
-- up to ``--decode-gemv-rows`` (4) rows, float32 or bf16: GEMV projections over a dense copy of the
-  weights. A step of a few rows reads every weight once; a GEMV does that at the memory's
-  bandwidth, where oneDNN's packed projections read them slower at one row. On the 2-core AMD
-  EPYC (Zen 1, AVX2) of docs/benchmarks-history.md, a one-sequence step of the default model took
-  61 ms layer by layer, of which ~40 ms were projections that a GEMV reads in ~28 ms and ~11 ms
-  host work between the kernels. The logits of a few rows are a GEMV too, over the LM head's
-  dense weight (the embedding's tensor when the two are tied).
-- more rows, float32 with the projections in panels (models/linear.py's ``use_panels``): the panel
-  kernel over the very weights the layer-by-layer path multiplies (each layer's panels are a row of
-  one stack per projection, so nothing more is held), with the same kernels between: the same
-  results bit for bit, without the Python between them.
-
-The price of the GEMV form is memory: the layer weights (and an untied LM head) are held twice,
-dense there and packed for oneDNN or in panels. ``--decode-gemv-rows 0`` turns that form off and frees it.
+- the panel form, where the float32 projections are in panels (models/linear.py's ``use_panels``):
+  the panel kernel over the very weights the layer-by-layer path multiplies (each layer's panels
+  are a row of one stack per projection, so nothing more is held), with the same kernels between:
+  the same results bit for bit, without the Python between them. It serves every decode step.
+- the GEMV form otherwise (bf16, or float32 through oneDNN), for up to ``--decode-gemv-rows`` (4)
+  rows: GEMV projections over a dense copy of the weights. A step of a few rows reads every weight
+  once; a GEMV does that at the memory's bandwidth, where oneDNN's packed projections read them
+  slower at one row. On the 2-core AMD EPYC (Zen 1, AVX2) of docs/benchmarks-history.md, a
+  one-sequence step of the default model took 61 ms layer by layer, of which ~40 ms were
+  projections that a GEMV reads in ~28 ms and ~11 ms host work between the kernels. The logits of
+  a few rows are a GEMV too, over the LM head's dense weight (the embedding's tensor when the two
+  are tied). Its price is memory: the layer weights (and an untied LM head) are held twice, dense
+  there and packed for oneDNN; ``--decode-gemv-rows 0`` turns it off and frees the copy. Where both
+  could run, the panel form was the faster from one row up (2-core Zen 4, one process alternating:
+  docs/benchmarks-history.md), so the loader holds no dense copy with panels.
 
 A bf16 model's weights, embedding and caches are read as bf16 (half the bytes per token) and
 widened in registers; its activations stay float32 between the ops, where transformers and the
@@ -71,7 +72,8 @@ class CompiledDecode:
     """What the compiled calls read, and the choice between them for a step.
 
     ``max_rows``: the GEMV form's row limit (0: no dense copy is held); ``panels``: the model lays its float32
-    projections out in panels, which the panel form then takes as stacks over the layers.
+    projections out in panels, which the panel form then takes as stacks over the layers (steps of more than
+    ``max_rows`` rows run it).
     """
 
     def __init__(self, num_layers: int, max_rows: int, panels: bool) -> None:
@@ -112,7 +114,9 @@ class CompiledDecode:
         if self._panel_stacks is None or not can_use_panels(weight):
             return None
         size = weight.numel()
-        stack = self._panel_stacks.setdefault(name, np.empty((self.num_layers, size), dtype=np.float32))
+        if name not in self._panel_stacks:
+            self._panel_stacks[name] = np.empty((self.num_layers, size), dtype=np.float32)
+        stack = self._panel_stacks[name]
         if stack.shape[1] != size:
             raise ValueError(f"layer {layer}'s {name} projection is {tuple(weight.shape)}, unlike the layers before it")
         self._panel_layers[name].add(layer)

@@ -108,8 +108,8 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     """Reads ``path``'s weights into rank ``rank``'s share of the fused layout (of ``tp_size`` ranks).
 
     ``decode_gemv_rows``: decode steps of up to this many sequences run models/compiled_decode.py's GEMV form
-    (float32 or bf16 on a CPU, one rank; 0: never). ``cpu_matmul``: the projections' kernel (models/linear.py);
-    with panels, decode steps of more sequences run compiled_decode.py's panel form (one rank).
+    (float32 or bf16 on a CPU, one rank, projections not in panels; 0: never). ``cpu_matmul``: the projections'
+    kernel (models/linear.py); with panels, every decode step runs compiled_decode.py's panel form (one rank).
     """
     tensors = CheckpointTensors(path, dtype, device)
     shape = model_shape(config)
@@ -119,9 +119,12 @@ def load_llama(config: PretrainedConfig, path: str, dtype: torch.dtype, device: 
     kv_rows = rank_share(shape.num_kv_heads * shape.head_size, rank, tp_size)
     mlp_rows = rank_share(config.intermediate_size, rank, tp_size)
     panels = use_panels(cpu_matmul, dtype, device)
+    # With panels the panel form serves every decode step: it was faster than the GEMV form from one row up
+    # (models/compiled_decode.py), so the GEMV form's dense copy is not held.
+    gemv_rows = 0 if panels else decode_gemv_rows
     compiled = None
-    if dtype in ELEMENT_VIEWS and device.type == "cpu" and tp_size == 1 and (decode_gemv_rows > 0 or panels):
-        compiled = CompiledDecode(shape.num_layers, decode_gemv_rows, panels)
+    if dtype in ELEMENT_VIEWS and device.type == "cpu" and tp_size == 1 and (gemv_rows > 0 or panels):
+        compiled = CompiledDecode(shape.num_layers, gemv_rows, panels)
     layers = [_load_layer(tensors, config, i, q_rows, kv_rows, mlp_rows, compiled, panels)
               for i in range(shape.num_layers)]
     embed = tensors.require("model.embed_tokens.weight")
