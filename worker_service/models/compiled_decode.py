@@ -2,7 +2,8 @@
 
 The layer-by-layer path (models/llama.py) makes ~20 Python-level calls per layer: oneDNN, Numba
 and torch dispatches, tensor views. At one sequence that host work costs as much as a layer's
-projections; at 16 to 64 sequences it is still 5-15 % of a step. Here a decode-only step runs
+projections; at 8 to 64 sequences it was still 6-18 % of a step (2-core Zen 4,
+docs/benchmarks-history.md). Here a decode-only step runs
 models/_numba_decode_step.py's layer loop in one call, in one of two forms:
 
 - the panel form, where the float32 projections are in panels (models/linear.py's ``use_panels``):
