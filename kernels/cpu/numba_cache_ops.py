@@ -77,7 +77,7 @@ def _write_serial(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, val
 
 @numba.njit(_signatures(compiled_step=True), parallel=True, cache=True, nogil=True)
 def write_parallel(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
-                    slots: np.ndarray) -> None:
+                   slots: np.ndarray) -> None:
     # Slots are distinct (a reshape_and_cache precondition), so tokens never write the same element.
     for t in numba.prange(key.shape[0]):
         write_token(key, value, key_cache, value_cache, slots, t)

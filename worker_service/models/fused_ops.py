@@ -20,7 +20,6 @@ from worker_service.models import _numba_ops as nb
 from worker_service.models._numba_ops import PARALLEL_MIN_ELEMENTS
 
 
-
 def _numba_ok(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 

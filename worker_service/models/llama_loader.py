@@ -76,7 +76,7 @@ def _load_layer(tensors: CheckpointTensors, config: PretrainedConfig, index: int
         # The GEMV form's dense stack holds the weight (oneDNN packs its own copy from the stack's row); the
         # panels go into a row of the panel form's stack.
         weight = compiled.hold(name, index, weight, bias if dense_bias is None else dense_bias)
-        return Linear(weight, bias, panels, compiled.panels_into(name, index, weight) if panels else None)
+        return Linear(weight, bias, panels, compiled.panels_into(name, index, weight))
 
     def get(name: str) -> torch.Tensor | None:
         return tensors.get(prefix + name)
