@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV cache (auto: float32 on a CPU)")
     parser.add_argument("--decode-gemv-rows", type=int, default=WorkerConfig.decode_gemv_rows,
-                        help="the worker's few-row decode path limit (0: every step layer by layer)")
+                        help="the worker's GEMV decode form's row limit (0: none; unused where projections are in panels)")
     parser.add_argument("--cpu-matmul", default=WorkerConfig.cpu_matmul, choices=CPU_MATMULS,
                         help="the worker's float32 CPU projection kernel (auto, onednn, panels)")
     parser.add_argument("--device", default=WorkerConfig.device,

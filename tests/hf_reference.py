@@ -19,7 +19,7 @@ from benchmarks.hf_baselines import left_padded
 NEAR_TIE = 1e-4
 # Half precision against transformers in the same dtype: each side rounds activations to the dtype in
 # its own places (transformers after every op; our attention accumulates in float32 over the cache, and
-# the few-row decode path keeps float32 activations between the ops; fused and separate projections
+# the compiled decode step's GEMV form keeps float32 activations between the ops; fused and separate projections
 # accumulate in different orders), so a logit of magnitude L differs by a few L * eps / 2. The test
 # models' logits stay under ~16, and a logprob is a difference of two such numbers: 32 eps covers it
 # (bf16: eps 2^-7, tolerance 0.25 nats; measured at most 0.084. fp16: eps 2^-10, 0.031; measured 0.008).

@@ -53,8 +53,8 @@ def _signatures(compiled_step: bool = False) -> list[object]:
 @numba.njit(inline="always")
 def write_token(key: np.ndarray, value: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
                  slots: np.ndarray, t: int) -> None:
-    # Bits of the caches' own type are copied; float32 keys/values into a bf16 cache (the few-row decode
-    # path's) are rounded to bf16.
+    # Bits of the caches' own type are copied; float32 keys/values into a bf16 cache (the compiled decode
+    # step's GEMV form) are rounded to bf16.
     slot = slots[t]
     if slot < 0:  # padding
         return

@@ -74,7 +74,7 @@ def _write_float32_tokens(key: np.ndarray, value: np.ndarray, key_cache: np.ndar
 
 
 def test_float32_tokens_into_a_bf16_cache_are_rounded_as_torch_rounds() -> None:
-    """The few-row decode path writes float32 keys/values into bf16 caches: each element rounded to the nearest
+    """The compiled decode step's GEMV form writes float32 keys/values into bf16 caches: each element rounded to the nearest
     bf16, ties to even, as ``.to(torch.bfloat16)`` rounds (overflow to infinity, NaN kept NaN)."""
     torch.manual_seed(0)
     key, value = torch.randn(12, 3, 32) * 100, torch.randn(12, 3, 32)

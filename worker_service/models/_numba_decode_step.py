@@ -39,7 +39,7 @@ from worker_service.models._numba_panels import panel_matmul
 versioned_cache()
 
 # Explicit signatures: importing this module compiles both functions, or loads them from Numba's cache
-# (cache=True), at the worker's start rather than in its first few-row step. Weights, the embedding and the
+# (cache=True), at the worker's start rather than in its first compiled step. Weights, the embedding and the
 # caches are float32, or bf16 viewed as int16 (widened as they are read; activations stay float32).
 _F32_1D, _F32_2D = numba.float32[::1], numba.float32[:, ::1]
 _I64_1D = numba.int64[::1]
