@@ -3,8 +3,9 @@
 - :func:`float_from_bits` / :func:`bits_from_float`: reinterpret an int32 as the float32 with the
   same bits and back (a register move; ``np.int32(...).view(np.float32)`` is not supported on scalars).
 - :func:`fetch_add`: an atomic ``counter[0] += 1`` that returns the old value, the
-  shared work queue of a ``prange`` whose items differ widely in cost (Numba's own
-  ``parallel_chunksize`` still hands each thread a fixed, contiguous share).
+  shared work queue of a ``prange`` whose items differ widely in cost or whose threads may lose
+  their core for a while (Numba's own ``parallel_chunksize`` still hands each thread a fixed,
+  contiguous share).
 - :func:`prefetch`: ask for the cache line of ``array``'s flat element ``index`` ahead of its use (a hint;
   it never faults). The hardware prefetcher alone kept the decode GEMV's weight reads at 11-18 GB/s
   here, 22-27 GB/s with the rows two ahead asked for.
