@@ -41,6 +41,8 @@ _WORKER_ARGS = {"dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_
                 "num_gpu_blocks_override", "max_model_len", "seed", "num_threads"}
 _SCHEDULER_ARGS = {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "max_model_len"}
+# Arguments whose False is a choice (their default depends on the worker): the services take --no-NAME.
+_NEGATABLE = {"enable_chunked_prefill"}
 
 
 @dataclass
@@ -115,7 +117,10 @@ def _engine_configs(model: str, args: dict[str, object]) -> tuple[WorkerConfig, 
 def _flags(args: dict[str, object], names: set[str]) -> list[str]:
     flags: list[str] = []
     for name, value in args.items():
-        if name not in names or value is None or value is False:
+        if name not in names or value is None or (value is False and name not in _NEGATABLE):
+            continue
+        if value is False:  # off where the default may be on (the service's --no-NAME)
+            flags.append(f"--no-{name.replace('_', '-')}")
             continue
         flags.append(f"--{name.replace('_', '-')}")
         if value is not True:

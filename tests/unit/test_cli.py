@@ -58,6 +58,22 @@ def test_up_forwards_each_flag_to_its_service() -> None:
     assert "--max-model-len" in worker and "--max-model-len" in scheduler
 
 
+def test_chunked_prefill_is_on_off_or_left_to_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the scheduler decides by the worker's device; either choice reaches the service from `up` and the env."""
+    parse = build_parser().parse_args
+    scheduler = ["scheduler", "--redis-url", "redis://r:6379/0"]
+    assert parse(scheduler).enable_chunked_prefill is None
+    assert parse([*scheduler, "--enable-chunked-prefill"]).enable_chunked_prefill is True
+    assert parse([*scheduler, "--no-enable-chunked-prefill"]).enable_chunked_prefill is False
+    scheduler_flags = {choice: _passthrough(parse(["up", *flag]), _SCHEDULER_PASS) for choice, flag in
+                       ((None, []), (True, ["--enable-chunked-prefill"]), (False, ["--no-enable-chunked-prefill"]))}
+    assert not any("chunked" in f for f in scheduler_flags[None])
+    assert "--enable-chunked-prefill" in scheduler_flags[True]
+    assert "--no-enable-chunked-prefill" in scheduler_flags[False]
+    monkeypatch.setenv("LLMSERVE_ENABLE_CHUNKED_PREFILL", "false")
+    assert build_parser().parse_args(scheduler).enable_chunked_prefill is False
+
+
 def test_bench_hands_its_arguments_to_the_serving_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main(["bench", "--help"])

@@ -324,18 +324,6 @@ def test_workers_get_their_device(overlay: str, monkeypatch: pytest.MonkeyPatch)
         assert container(find(objs, "Deployment", name), name)["image"].startswith("llmserve/scheduler:")
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_cpu_workers_get_prompts_in_small_chunks(overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU worker takes seconds over a 2048-token step: the cpu overlay's schedulers chunk prompts into a
-    256-token budget so that running streams keep flowing; the gpu overlay keeps the defaults."""
-    objs = rendered(overlay)
-    args = parse_as_llmserve(objs, container(find(objs, "Deployment", "scheduler"), "scheduler"), monkeypatch)
-    if overlay == "cpu":
-        assert args.enable_chunked_prefill is True and args.max_num_batched_tokens == 256
-    else:
-        assert args.enable_chunked_prefill is False and args.max_num_batched_tokens is None
-
-
 def _selected(policy: Obj, labels: dict[str, str]) -> bool:
     selector = policy["spec"]["podSelector"]
     if not selector.get("matchLabels", {}).items() <= labels.items():
