@@ -3,9 +3,9 @@
 The weight ``[N, K]`` is stored once, at load, as panels of ``PANEL`` (48) output columns, each
 ``[K, 48]`` contiguous (a last panel of 16 or 32 columns where N is not a multiple of 48). The threads
 take panels one at a time from a shared counter; for each a thread walks the rows of ``x`` in tiles of 8
-(then 4, then 3, 2 or 1) and keeps ``rows x 3`` vectors of 16 sums in registers (``gemm_tile_from``), each step one broadcast element of
-``x`` against the panel's three vectors at that ``k``; the sums start from the bias (or zero) in registers,
-so ``out`` is only written. A panel (110 KiB at K = 576) is read from
+(then 4, then 3, 2 or 1) and keeps ``rows x 3`` vectors of 16 sums in registers (``gemm_tile_from``), each
+step one broadcast element of ``x`` against the panel's three vectors at that ``k``; the sums start from the
+bias (or zero) in registers, so ``out`` is only written. A panel (110 KiB at K = 576) is read from
 memory once and then from L2 for every tile of rows after the first.
 
 Every output element is one chain of multiply-adds in order of ``k``, started from the bias (or
@@ -114,7 +114,7 @@ def panel_matmul(out: np.ndarray, x: np.ndarray, panels: np.ndarray, bias: np.nd
     # Panels from a shared counter, not fixed shares: on cores shared with the scheduler, Redis and the
     # clients, a thread that loses its core for a while leaves its panels to the other instead of holding
     # the whole region at the barrier. 64 rows, default model, a process busy 1 ms in every 13 beside it:
-    # 113-114 ms a step with fixed shares, 107 with the counter; 95-98 ms either way on idle cores.
+    # 113-114 ms a step with fixed shares, 107 with the counter; on idle cores the same within the spread.
     next_unit = np.zeros(1, dtype=np.int64)
     for _ in numba.prange(threads):
         while True:
