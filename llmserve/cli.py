@@ -83,8 +83,8 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: 256 for a CPU worker with chunked prefill, 512 for "
-                        "another; max(max_model_len, 2048) without chunked prefill)")
+                   help=f"token budget of one step (default: {defaults.CPU_STEP_BUDGET} for a CPU worker with "
+                        "chunked prefill, 512 for another; max(max_model_len, 2048) without chunked prefill)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts into chunks that share each step's budget with running decodes "
                         "(default: on for CPU workers, off for others)")
@@ -388,15 +388,13 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
         value = getattr(args, name.replace("-", "_"))
         if value is True:
             out.append(f"--{name}")
-        elif value is False and name in _NEGATABLE:
+        elif value is False and name.replace("-", "_") in defaults.PER_WORKER_FLAGS:
             out.append(f"--no-{name}")
         elif value is not None and value is not False and value != "":
             out += [f"--{name}", str(value)]
     return out
 
 
-# Flags whose off is a choice of its own, not their default (argparse.BooleanOptionalAction): passed as --no-NAME.
-_NEGATABLE = {"enable-chunked-prefill"}
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-utilization",
                 "num-gpu-blocks-override", "swap-space", "seed", "num-threads", "max-model-len", "log-level",
                 "otlp-endpoint", "trace-file", "redis-password-file", "redis-ca-file", "tensor-parallel-size",

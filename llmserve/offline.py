@@ -30,6 +30,7 @@ from llmserve.engine import InProcessEngine
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
 from scheduler_service.scheduling import SchedulingFlags
+from shared import defaults
 from shared.errors import status_for
 from shared.tls import open_channel
 from shared.sampling_params import SamplingParams
@@ -41,8 +42,6 @@ _WORKER_ARGS = {"dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_
                 "num_gpu_blocks_override", "max_model_len", "seed", "num_threads"}
 _SCHEDULER_ARGS = {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "max_model_len"}
-# Arguments whose False is a choice (their default depends on the worker): the services take --no-NAME.
-_NEGATABLE = {"enable_chunked_prefill"}
 
 
 @dataclass
@@ -117,7 +116,7 @@ def _engine_configs(model: str, args: dict[str, object]) -> tuple[WorkerConfig, 
 def _flags(args: dict[str, object], names: set[str]) -> list[str]:
     flags: list[str] = []
     for name, value in args.items():
-        if name not in names or value is None or (value is False and name not in _NEGATABLE):
+        if name not in names or value is None or (value is False and name not in defaults.PER_WORKER_FLAGS):
             continue
         if value is False:  # off where the default may be on (the service's --no-NAME)
             flags.append(f"--no-{name.replace('_', '-')}")

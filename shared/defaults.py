@@ -16,6 +16,10 @@ DECODE_GEMV_ROWS = 4
 CPU_MATMULS = ("auto", "onednn", "panels")
 # Scheduling.
 MAX_NUM_SEQS = 256
+# A CPU worker's step budget, with chunked prefill on by default there (scheduler_service/scheduling.py says why).
+CPU_STEP_BUDGET = 256
+# Boolean flags left unset by default, decided per worker: an explicit off is forwarded as --no-NAME.
+PER_WORKER_FLAGS = frozenset({"enable_chunked_prefill"})
 # Steps one call to a worker may carry (multi-step scheduling), and the most a scheduler accepts: a worker
 # keeps the last steps of its calls for a new owner (worker_service/model_runner.py KEPT_STEPS).
 NUM_SCHEDULER_STEPS = 1

@@ -6,7 +6,8 @@ import pytest
 
 from llmserve.offline import _SCHEDULER_ARGS, _flags
 from protos import worker_pb2
-from scheduler_service.scheduling import CPU_STEP_BUDGET, SchedulingFlags, scheduler_for
+from scheduler_service.scheduling import SchedulingFlags, scheduler_for
+from shared.defaults import CPU_STEP_BUDGET
 
 
 def _worker(device: str, max_model_len: int = 4096) -> worker_pb2.WorkerDescription:
