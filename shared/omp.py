@@ -9,13 +9,16 @@ from __future__ import annotations
 import os
 import sys
 
-# Spins of an idle libgomp thread before it sleeps: ~0.9 ms on the 2-core AMD EPYC of
-# docs/benchmarks.md (a pause instruction per spin). A decode step opens ~120 parallel regions with
-# tens of microseconds of Python between them: threads that sleep in those gaps cost one wake-up per
-# region (one sequence, default model: 22 ms per step sleeping, 15 ms spinning 10000 times, 15.9
-# spinning 3000 times). Between steps the spin ends and the thread sleeps, leaving the cores to the
-# scheduler, Redis and clients.
-WORKER_SPIN_COUNT = 10_000
+# Spins of an idle libgomp thread before it sleeps: ~90 us on the 2-core AMD EPYC of docs/benchmarks.md
+# (a pause instruction per spin). Threads that sleep at once pay a wake-up for every parallel region of
+# a step (one sequence, default model: 22 ms a step sleeping, 15 spinning). A decode step now runs its
+# regions back to back inside one compiled call (models/compiled_decode.py), so a short spin covers the
+# gaps: in-process, 1000 and 10000 spins give the same step at 1 and 64 sequences. Where the scheduler,
+# Redis and the clients share the worker's cores, a long spin holds a core they wait for, between steps
+# and while a thread waits for the other at a region's end: through the services the steady 64-sequence
+# step's median over 16 runs each, alternating, was 121.8 ms spinning 10000 times (~0.9 ms) and 113.8
+# spinning 1000 (docs/benchmarks-history.md).
+WORKER_SPIN_COUNT = 1_000
 
 
 def _already_decided() -> bool:
