@@ -383,16 +383,9 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
 def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
     """Re-creates the command-line flags `up` forwards to one service."""
-    out: list[str] = []
-    for name in names:
-        value = getattr(args, name.replace("-", "_"))
-        if value is True:
-            out.append(f"--{name}")
-        elif value is False and name.replace("-", "_") in defaults.PER_WORKER_FLAGS:
-            out.append(f"--no-{name}")
-        elif value is not None and value is not False and value != "":
-            out += [f"--{name}", str(value)]
-    return out
+    from llmserve.local_cluster import service_flag  # noqa: PLC0415 - `up` imports the cluster lazily too
+
+    return [flag for name in names for flag in service_flag(name, getattr(args, name.replace("-", "_")))]
 
 
 _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-utilization",

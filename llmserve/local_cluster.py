@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 
 from llmserve.ready_pipe import READY, SERVING, PipeClosedError, ReadyPipes
+from shared import defaults
 from shared.processes import terminate
 from shared.redis_server import RedisServer, free_port
 from shared.startup_timer import StartupReport, StartupTimer
@@ -82,6 +83,21 @@ def wait_http_ok(url: str, timeout_s: float, check_alive: Callable[[], None]) ->
             pass
         time.sleep(0.25)
     return False
+
+
+def service_flag(name: str, value: object) -> list[str]:
+    """The command-line flag that sets a service's option `name` (dashes or underscores) to `value`.
+
+    Nothing for an unset value (None, "", or False where off is the default), `--no-NAME` for an explicit off
+    of a flag whose default is decided per worker (shared/defaults.py PER_WORKER_FLAGS), `--NAME` for True,
+    else `--NAME VALUE`.
+    """
+    option = name.replace("_", "-")
+    if value is None or value == "":
+        return []
+    if value is False:
+        return [f"--no-{option}"] if option.replace("-", "_") in defaults.PER_WORKER_FLAGS else []
+    return [f"--{option}"] if value is True else [f"--{option}", str(value)]
 
 
 @dataclass

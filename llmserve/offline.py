@@ -27,10 +27,9 @@ import grpc
 from tqdm import tqdm
 
 from llmserve.engine import InProcessEngine
-from llmserve.local_cluster import ClusterSpec, LocalCluster
+from llmserve.local_cluster import ClusterSpec, LocalCluster, service_flag
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
 from scheduler_service.scheduling import SchedulingFlags
-from shared import defaults
 from shared.errors import status_for
 from shared.tls import open_channel
 from shared.sampling_params import SamplingParams
@@ -114,17 +113,7 @@ def _engine_configs(model: str, args: dict[str, object]) -> tuple[WorkerConfig, 
 
 
 def _flags(args: dict[str, object], names: set[str]) -> list[str]:
-    flags: list[str] = []
-    for name, value in args.items():
-        if name not in names or value is None or (value is False and name not in defaults.PER_WORKER_FLAGS):
-            continue
-        if value is False:  # off where the default may be on (the service's --no-NAME)
-            flags.append(f"--no-{name.replace('_', '-')}")
-            continue
-        flags.append(f"--{name.replace('_', '-')}")
-        if value is not True:
-            flags.append(str(value))
-    return flags
+    return [flag for name, value in args.items() if name in names for flag in service_flag(name, value)]
 
 
 class LLM:
