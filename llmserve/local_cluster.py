@@ -96,7 +96,7 @@ def service_flag(name: str, value: object) -> list[str]:
     if value is None or value == "":
         return []
     if value is False:
-        return [f"--no-{option}"] if option.replace("-", "_") in defaults.PER_WORKER_FLAGS else []
+        return [f"--no-{option}"] if name.replace("-", "_") in defaults.PER_WORKER_FLAGS else []
     return [f"--{option}"] if value is True else [f"--{option}", str(value)]
 
 

@@ -11,8 +11,8 @@ import sys
 
 # Spins of an idle libgomp thread before it sleeps: ~90 us on the 2-core AMD EPYC of docs/benchmarks.md
 # (a pause instruction per spin). Threads that sleep at once pay a wake-up for every parallel region of
-# a step (one sequence, default model: 22 ms a step sleeping, 15 spinning). A decode step now runs its
-# regions back to back in one compiled call (worker_service/models/compiled_decode.py): a short spin covers the
+# a step (one sequence, default model: 22 ms a step sleeping, 15 spinning). A decode step runs its regions
+# back to back in one compiled call (worker_service/models/compiled_decode.py), so a short spin covers the
 # gaps: in-process, 1000 and 10000 spins give the same step at 1 and 64 sequences. Where the scheduler,
 # Redis and the clients share the worker's cores, a long spin holds a core they wait for, between steps
 # and while a thread waits for the other at a region's end: through the services the steady 64-sequence
