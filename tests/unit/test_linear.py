@@ -108,6 +108,23 @@ def test_panel_matmul_writes_out_without_reading_it(with_bias: bool) -> None:
     torch.testing.assert_close(out.double(), _reference(x, weight, bias), rtol=1e-5, atol=3e-4)
 
 
+@pytest.mark.parametrize("out_features", [16, 80, 480, 1552])  # 1, 2, 10 and 33 panels
+def test_panel_matmul_reaches_every_panel_whatever_the_team(out_features: int) -> None:
+    """Threads own runs of panels and help with the others' from their backs: with more threads than panels, or
+    segments of uneven sizes, every output column is written, and by the same chain of multiply-adds."""
+    torch.manual_seed(out_features)
+    weight, x = torch.randn(out_features, 64), torch.randn(5, 64)
+    panels, no_bias = pack_panels(weight), torch.empty(0).numpy()
+    results = []
+    for threads in (1, 2, 3, 4, 7):
+        out = torch.full((5, out_features), float("nan"))
+        panel_matmul(out.numpy(), x.numpy(), panels, no_bias, threads)
+        results.append(out)
+    torch.testing.assert_close(results[0].double(), _reference(x, weight, None), rtol=1e-5, atol=3e-4)
+    for out in results[1:]:
+        assert torch.equal(out, results[0])
+
+
 def test_panels_take_an_empty_input() -> None:
     assert Linear(torch.randn(32, 8), panels=True)(torch.empty(0, 8)).shape == (0, 32)
 
