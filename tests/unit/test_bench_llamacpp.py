@@ -12,7 +12,8 @@ from benchmarks.llamacpp_build import cmake_configure_args
 from benchmarks.llamacpp_server import LlamaServer, LlamaServerDied, LlamaServerSpec, slot_context
 from benchmarks.openai_driver import OpenAITarget, StreamTally, completion_body, sse_data
 from benchmarks.report_llamacpp import ratios_table, unmeasured_q4
-from benchmarks.single_stream import TimestampStreamer
+from benchmarks.metrics import RequestTiming
+from benchmarks.single_stream import TimestampStreamer, interleaved
 
 REQ = BenchRequest(prompt_token_ids=[101, 102, 103], output_len=3)
 
@@ -133,3 +134,21 @@ def test_the_report_says_why_the_q4_rows_are_missing() -> None:
     assert unmeasured_q4({"q4_gguf": "m.Q4_1.gguf"}) == []
     lines = unmeasured_q4({"q4_gguf": "m.Q4_1.gguf", "q4_error": "llama-server exited with signal SIGILL"})
     assert lines[-1] == "llama.cpp on `m.Q4_1.gguf` was not measured on this machine: llama-server exited with signal SIGILL."
+
+
+def test_single_stream_rounds_take_every_backend_in_a_rotated_order() -> None:
+    calls: list[tuple[str, int]] = []
+
+    def backend(name: str):
+        def one(req: BenchRequest) -> RequestTiming:
+            calls.append((name, req.output_len))
+            return RequestTiming(prompt_len=len(req.prompt_token_ids), sent=float(len(calls)))
+        return one
+
+    requests = [BenchRequest(prompt_token_ids=[1], output_len=n) for n in (10, 20, 30, 40)]
+    timings = interleaved({name: backend(name) for name in "abc"}, requests)
+    # Each round sends one request through all three; the first backend of a round moves one place each round.
+    assert calls == [("a", 10), ("b", 10), ("c", 10), ("b", 20), ("c", 20), ("a", 20),
+                     ("c", 30), ("a", 30), ("b", 30), ("a", 40), ("b", 40), ("c", 40)]
+    assert {name: [t.sent for t in runs] for name, runs in timings.items()} == {
+        "a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
