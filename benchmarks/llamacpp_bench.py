@@ -57,9 +57,7 @@ def _checked(label: str, timings: list[RequestTiming], duration: float) -> Summa
     failed = [t.error or "no tokens" for t in timings if t.error or not t.output_len]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} of {len(timings)} requests failed, first: {failed[0]}")
-    summary = summarize(label, timings, duration)
-    print_summary(summary)
-    return summary
+    return _summarized(label, timings, duration)
 
 
 # Steps per worker call of the multi-step rows: in a sitting on the 2-core Zen 5 of docs/benchmarks.md, one
@@ -139,9 +137,16 @@ def _single_streams(model: str, llama: LlamaCpp, ggufs: dict[str, Path], single:
             backends[f"llama.cpp {name}"] = backend
         backends["transformers generate"] = HFGenerate(model)
         timings = interleaved(backends, single)
-    return [(summarize if name == "llama.cpp Q4_1" else _checked)(f"{name}, single stream", runs,
-                                                                   sum(t.e2e for t in runs))
+    return [(_summarized if name == "llama.cpp Q4_1" else _checked)(f"{name}, single stream", runs,
+                                                                     sum(t.e2e for t in runs))
             for name, runs in timings.items()]
+
+
+def _summarized(label: str, timings: list[RequestTiming], duration: float) -> Summary:
+    """The run's summary, failed requests counted in it."""
+    summary = summarize(label, timings, duration)
+    print_summary(summary)
+    return summary
 
 
 
