@@ -42,10 +42,10 @@ from benchmarks.llmserve_driver import run_llmserve
 from benchmarks.metrics import RequestTiming, Summary, summarize
 from benchmarks.openai_driver import OpenAITarget, run_openai
 from benchmarks.run_info import run_info
-from llmserve.local_cluster import LocalCluster
 from benchmarks.serving import bench_cluster, print_summary
 from benchmarks.single_stream import (OUTPUT_LEN, PROMPT_LEN, Backend, HFGenerate, interleaved, single_stream_requests,
                                       warm_up_request)
+from llmserve.local_cluster import LocalCluster
 from shared.default_model import gguf_path, prepare_default_model
 from shared.omp import usable_cpus
 
@@ -147,8 +147,6 @@ def _summarized(label: str, timings: list[RequestTiming], duration: float) -> Su
     summary = summarize(label, timings, duration)
     print_summary(summary)
     return summary
-
-
 
 
 def _tok_s(s: Summary) -> float:
