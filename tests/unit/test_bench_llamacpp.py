@@ -1,7 +1,9 @@
-"""Pure logic of the llama.cpp comparison: stream token counting, server command lines, the report's ratios."""
+"""Pure logic of the llama.cpp comparison: stream token counting, server command lines, the report's ratios, the
+single-stream rounds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,9 @@ import torch
 from benchmarks.dataset import BenchRequest
 from benchmarks.llamacpp_build import cmake_configure_args
 from benchmarks.llamacpp_server import LlamaServer, LlamaServerDied, LlamaServerSpec, slot_context
+from benchmarks.metrics import RequestTiming
 from benchmarks.openai_driver import OpenAITarget, StreamTally, completion_body, sse_data
 from benchmarks.report_llamacpp import ratios_table, unmeasured_q4
-from benchmarks.metrics import RequestTiming
 from benchmarks.single_stream import TimestampStreamer, interleaved
 
 REQ = BenchRequest(prompt_token_ids=[101, 102, 103], output_len=3)
@@ -139,7 +141,7 @@ def test_the_report_says_why_the_q4_rows_are_missing() -> None:
 def test_single_stream_rounds_take_every_backend_in_a_rotated_order() -> None:
     calls: list[tuple[str, int]] = []
 
-    def backend(name: str):
+    def backend(name: str) -> Callable[[BenchRequest], RequestTiming]:
         def one(req: BenchRequest) -> RequestTiming:
             calls.append((name, req.output_len))
             return RequestTiming(prompt_len=len(req.prompt_token_ids), sent=float(len(calls)))
