@@ -9,7 +9,9 @@ with multi-step scheduling (tests/e2e/engine_modes.py).
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
@@ -489,12 +491,22 @@ def test_model_info_and_tokenize(cluster: LocalCluster, tiny_llama_dir: Path) ->
 def test_a_deadline_ends_the_call_and_frees_the_request(cluster: LocalCluster) -> None:
     """A client deadline cancels the call with DEADLINE_EXCEEDED; the request is aborted, its blocks freed."""
     request = make_request(prompt_token_ids=list(range(3000, 3100)), max_tokens=400, temperature=0.0, ignore_eos=True)
+    worker_pid = cluster._procs["worker"].pid  # noqa: SLF001 - the test freezes the worker process
     received = 0
-    with GenerationClient(cluster.address) as client:
-        with pytest.raises(grpc.RpcError) as err:
-            # 400 tokens take the tiny model 1-2 s even on an idle machine: the deadline comes first.
-            for msg in client.stream(request, timeout=0.5):
-                received += sum(len(d.token_ids) for d in msg.outputs)
+    frozen = False
+    try:
+        with GenerationClient(cluster.address) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                for msg in client.stream(request, timeout=3.0):
+                    received += sum(len(d.token_ids) for d in msg.outputs)
+                    if received and not frozen:
+                        # The request is running: with its worker frozen it cannot finish before the deadline,
+                        # however fast the machine (the tiny model writes 400 tokens in well under a second).
+                        os.kill(worker_pid, signal.SIGSTOP)
+                        frozen = True
+    finally:
+        if frozen:
+            os.kill(worker_pid, signal.SIGCONT)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert received < 400
     assert_all_blocks_free(cluster)
