@@ -74,7 +74,7 @@ def _rejected(client: GenerationClient, prompt_len: int) -> grpc.RpcError:
 
 
 def test_full_queue_refuses_at_once_by_count_and_by_tokens(cluster: LocalCluster) -> None:
-    worker_pid = cluster._procs["worker"].pid  # noqa: SLF001 - the test freezes the worker process
+    worker_pid = cluster.pid("worker")  # the test freezes the worker process
     assert _queue(cluster) == (0, 0)
     os.kill(worker_pid, signal.SIGSTOP)
     try:

@@ -491,7 +491,7 @@ def test_model_info_and_tokenize(cluster: LocalCluster, tiny_llama_dir: Path) ->
 def test_a_deadline_ends_the_call_and_frees_the_request(cluster: LocalCluster) -> None:
     """A client deadline cancels the call with DEADLINE_EXCEEDED; the request is aborted, its blocks freed."""
     request = make_request(prompt_token_ids=list(range(3000, 3100)), max_tokens=400, temperature=0.0, ignore_eos=True)
-    worker_pid = cluster._procs["worker"].pid  # noqa: SLF001 - the test freezes the worker process
+    worker_pid = cluster.pid("worker")  # the test freezes the worker process
     received = 0
     frozen = False
     try:

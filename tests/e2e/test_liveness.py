@@ -77,7 +77,7 @@ def test_an_idle_cluster_stays_live(cluster: LocalCluster) -> None:
 
 
 def test_a_frozen_worker_makes_the_scheduler_unlive_but_still_ready(cluster: LocalCluster) -> None:
-    worker_pid = cluster._procs["worker"].pid  # noqa: SLF001 - the test freezes the worker process
+    worker_pid = cluster.pid("worker")  # the test freezes the worker process
     prompts = [list(range(300 + 7 * i, 330 + 7 * i)) for i in range(3)]
     try:
         with GenerationClient(cluster.address) as client:

@@ -43,7 +43,7 @@ def test_a_hung_step_times_out_and_is_recomputed(cluster: LocalCluster, tiny_lla
     prompts = [list(range(200 + 7 * i, 230 + 7 * i)) for i in range(3)]
     rds = redis.Redis.from_url(cluster.redis_url)
     epoch_key = keys.epoch(cluster.worker_address)
-    worker_pid = cluster._procs["worker"].pid  # noqa: SLF001 - the test freezes the worker process
+    worker_pid = cluster.pid("worker")  # the test freezes the worker process
     reqs = [make_request(prompt_token_ids=p, max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0) for p in prompts]
     try:
         with GenerationClient(cluster.address) as client, ThreadPoolExecutor(max_workers=len(reqs)) as pool:
