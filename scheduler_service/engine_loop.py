@@ -248,7 +248,7 @@ class EngineLoop:
                 if pickup.is_empty():
                     break
                 continue
-            step = self._send(pending, stop, clock, started, time.perf_counter())
+            step = await self._send(pending, stop, clock, started, time.perf_counter())
             if step is None and self._inflight is None:
                 if not pending.is_empty():
                     pickup, commit_start, commit_s = await _timed(self._commit(pending))
@@ -295,8 +295,8 @@ class EngineLoop:
         s = self._scheduler
         return not any(g.sampling_params.use_beam_search for g in (*s.running, *s.swapped))
 
-    def _send(self, commit: StepCommit, stop: asyncio.Event, clock: PerfClock | None, started: float,
-              ingested: float) -> SentStep | None:
+    async def _send(self, commit: StepCommit, stop: asyncio.Event, clock: PerfClock | None, started: float,
+                    ingested: float) -> SentStep | None:
         """Plans a call and sends it to the worker; None when there is nothing to send. Under multi-step
         scheduling a steady decode batch takes up to num_scheduler_steps steps in the call (multi_step.py)."""
         profiles: list[StepProfile] = []
@@ -334,6 +334,9 @@ class EngineLoop:
             call = self._stub.ExecuteStep(plans[0], timeout=timeout, metadata=metadata)
         else:
             call = self._stub.ExecuteSteps(worker_pb2.StepBatch(steps=plans), timeout=timeout, metadata=metadata)
+        # The call's task serializes and sends the plans when the loop next runs: let it, before this step's
+        # records and the commit of the step before are built (~0.4 ms at 64 sequences, while the worker waits).
+        await asyncio.sleep(0)
         records = [step_record(plan, out) for plan, out in zip(plans, outs)]
         self._unlanded = SentStep(outs, call, span, clock, profile, started, ingested, sent, records,
                                   planned.num_advanced)
