@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +19,7 @@ from scheduler_service.core.stop_checker import (
     held_back_stop_strings,
     streamable_text_length,
 )
-from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.detokenizer import IncrementalDetokenizer, _backend_decode
 from shared.default_model import gguf_path
 from shared.sampling_params import SamplingParams
 
@@ -129,6 +130,31 @@ def test_spaces_between_special_tokens_leave_a_fast_tokenizer_alone(tokenizer, p
         detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=spaces)
         detok.step(ids)
         assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_a_fast_tokenizer_is_decoded_by_its_backend_only_where_that_is_what_its_decode_does(tokenizer) -> None:
+    # The default model's tokenizer: transformers' decode is the backend's decode and nothing more.
+    assert _backend_decode(tokenizer) is not None
+    ids = encode(tokenizer, TEXTS[0]) + [tokenizer.eos_token_id]
+    for skip in (True, False):
+        assert _backend_decode(tokenizer)(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+    # A tokenizer that cleans up spaces after decoding, or whose class decodes its own way, keeps its decode.
+    cleaning = copy.copy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert _backend_decode(cleaning) is None
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):  # noqa: ANN001, ANN201
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    assert _backend_decode(shouting) is None
+    detok = IncrementalDetokenizer(shouting, [])
+    for token_id in encode(tokenizer, "Hi there"):
+        detok.step([token_id])
+    assert detok.output_text == "HI THERE"
 
 
 def test_truncate_validates_length(tokenizer) -> None:
