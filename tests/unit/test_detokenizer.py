@@ -145,7 +145,7 @@ def test_a_fast_tokenizer_is_decoded_by_its_backend_only_where_that_is_what_its_
     assert _backend_decode(cleaning) is None
 
     class Shouting(type(tokenizer)):
-        def decode(self, token_ids, skip_special_tokens=False, **kwargs):  # noqa: ANN001, ANN201
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False, **kwargs: object) -> str:
             return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
 
     shouting = copy.copy(tokenizer)
