@@ -62,7 +62,7 @@ _RESCALE_MARGIN = np.float32(8.0)
 _SIGNATURES = [
     numba.void(
         numba.float32[:, :, ::1],
-        numba.float32[:, :, ::1],
+        numba.types.Array(numba.float32, 3, "A"),  # the query: a strided view of the fused q/k/v rows is read in place
         cache_type[:, :, :, ::1],
         cache_type[:, :, :, ::1],
         numba.int32[:, ::1],

@@ -18,6 +18,7 @@ Importing this module compiles the kernels or loads them from Numba's cache
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import numba
 import numpy as np
@@ -30,6 +31,8 @@ from llmserve.kernels.cpu._numba_prefill import context_attention as prefill_att
 from llmserve.kernels.cpu._numba_prefill import plan_tiles
 from llmserve.kernels.cpu.numpy_views import numpy_view
 from llmserve.kernels.metadata_memo import arguments_layout, reduce_once
+
+T = TypeVar("T")
 
 # Cache dtypes the Numba kernel reads, and the dtype it sees each one as.
 _KERNEL_VIEW = {torch.float32: torch.float32, torch.bfloat16: torch.int16}
@@ -109,15 +112,9 @@ def paged_attention(
         return (block_tables.to(torch.int32).contiguous().numpy(), context_lens.to(torch.int32).contiguous().numpy(),
                 threads)
 
-    # Every layer of a step calls this with the same metadata and tensors of the same layout: which kernel
-    # takes them and the checks are decided alike for all of them, so for the first layer only (~25 us
-    # per call saved). The layout covers all that `supports` reads but the types.
-    prepared = None
-    tensors = (out, query, key_cache, value_cache, block_tables, context_lens)
-    if all(isinstance(t, torch.Tensor) for t in tensors) and isinstance(alibi_slopes, torch.Tensor | None):
-        layout = (arguments_layout(out, query, key_cache, value_cache, alibi_slopes), num_kv_heads, scale, block_size,
-                  max_context_len, sliding_window)
-        prepared = reduce_once(block_tables, (context_lens,), ("numba decode", layout), validate)
+    prepared = _once_per_step("numba decode", (out, query, key_cache, value_cache), alibi_slopes, block_tables,
+                              (context_lens,), (num_kv_heads, scale, block_size, max_context_len, sliding_window),
+                              validate)
     if prepared is None:
         # The torch kernel validates the arguments itself, with the same checks.
         torch_attention.paged_attention(
@@ -127,10 +124,32 @@ def paged_attention(
         return
     tables, lens, threads = prepared
     _use_threads(threads)
-    # A float32 query is read in place, strided (a view of the step's fused q/k/v rows).
-    q = query.numpy() if query.dtype == torch.float32 and query.stride(-1) == 1 else _float32_query(query)
-    _run(decode_attention, out, q, key_cache, value_cache, (tables, lens), alibi_slopes,
+    _run(decode_attention, out, _query_view(query), key_cache, value_cache, (tables, lens), alibi_slopes,
          (float(scale), sliding_window or 0, threads))  # fmt: skip
+
+
+def _once_per_step(
+    kind: str,
+    tensors: tuple[object, ...],
+    alibi_slopes: object,
+    block_tables: object,
+    metadata: tuple[object, ...],
+    settings: tuple[object, ...],
+    validate: Callable[[], T],
+) -> T | None:
+    """``validate()`` (which kernel takes the call, the checks, the converted metadata), computed once per step.
+
+    Every layer of a step calls a kernel with the same metadata (``block_tables`` and ``metadata``) and tensors
+    laid out alike: what ``validate`` decides holds for all of them, so it runs for the first layer only (~25 us
+    of checks saved per call). The key holds the layout of ``tensors`` and ``alibi_slopes`` (all that
+    ``supports`` reads but the types), the scalar ``settings`` and torch's thread count, which a kernel's thread
+    count follows. None where an argument is not a tensor: the torch kernel then validates the call itself.
+    """
+    if not (all(isinstance(t, torch.Tensor) for t in (*tensors, block_tables, *metadata))
+            and isinstance(alibi_slopes, torch.Tensor | None)):
+        return None
+    layout = (arguments_layout(*tensors, alibi_slopes), *settings, torch.get_num_threads())
+    return reduce_once(block_tables, metadata, (kind, layout), validate)
 
 
 def _run(
@@ -161,8 +180,11 @@ def _run(
         out.copy_(result)
 
 
-def _float32_query(query: torch.Tensor) -> np.ndarray:
-    """The query as float32 and contiguous (the tensor itself where it already is)."""
+def _query_view(query: torch.Tensor) -> np.ndarray:
+    """The query as the kernels read it: a float32 one in place, strided (a view of the step's fused q/k/v rows),
+    any other converted to a contiguous float32 copy."""
+    if query.dtype == torch.float32 and query.stride(-1) == 1:
+        return query.numpy()
     return query.to(torch.float32).contiguous().numpy()
 
 
@@ -181,35 +203,36 @@ def context_attention(
     sliding_window: int | None = None,
 ) -> None:
     """Prefill attention, as :func:`llmserve.kernels.cpu.attention.context_attention`; writes ``out`` in place."""
-    # The kernel's loops take 4 slots of a block per pass (vLLM's block sizes are 8, 16, 32).
-    if not supports(query, key_cache, value_cache) or key_cache.dim() != 5 or key_cache.shape[3] % 4:
+    num_heads, head_size = query.shape[1], query.shape[2]
+    window = sliding_window or 0
+
+    def validate() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
+        # The kernel's loops take 4 slots of a block per pass (vLLM's block sizes are 8, 16, 32).
+        if not supports(query, key_cache, value_cache) or key_cache.dim() != 5 or key_cache.shape[3] % 4:
+            return None
+        # The checks also read back the block ids the kernel will read, which it then trusts.
+        check_context_attention_args(
+            out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, query_start_loc, seq_lens,
+            block_size, alibi_slopes, sliding_window,
+        )  # fmt: skip
+        starts = query_start_loc.to(torch.int32).contiguous().numpy()
+        lengths = seq_lens.to(torch.int32).contiguous().numpy()
+        tiles, size = plan_tiles(starts, lengths, num_kv_heads, num_heads // num_kv_heads, window)
+        threads = _threads_for(size * head_size, tiles.shape[0])
+        return block_tables.to(torch.int32).contiguous().numpy(), starts, lengths, tiles, threads
+
+    prepared = _once_per_step("numba prefill", (out, query, key_cache, value_cache), alibi_slopes, block_tables,
+                              (query_start_loc, seq_lens), (num_kv_heads, scale, block_size, window), validate)
+    if prepared is None:
+        # The torch kernel validates the arguments itself, with the same checks.
         torch_attention.context_attention(
             out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, query_start_loc, seq_lens,
             block_size, alibi_slopes, sliding_window,
         )  # fmt: skip
         return
-    # The checks also read back the block ids the kernel will read, which it then trusts.
-    check_context_attention_args(
-        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, query_start_loc, seq_lens,
-        block_size, alibi_slopes, sliding_window,
-    )  # fmt: skip
-    num_heads, head_size = query.shape[1], query.shape[2]
-    window = sliding_window or 0
-
-    def plan() -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        starts = query_start_loc.to(torch.int32).contiguous().numpy()
-        lengths = seq_lens.to(torch.int32).contiguous().numpy()
-        tiles, size = plan_tiles(starts, lengths, num_kv_heads, num_heads // num_kv_heads, window)
-        return starts, lengths, tiles, size
-
-    # Once per step, not per layer (every layer has the same metadata).
-    starts, lengths, tiles, size = reduce_once(
-        block_tables, (query_start_loc, seq_lens), ("prefill tiles", num_kv_heads, num_heads, window), plan
-    )
+    tables, starts, lengths, tiles, threads = prepared
     if tiles.shape[0] == 0:  # no queries
         return
-    threads = _threads_for(size * head_size, tiles.shape[0])
     _use_threads(threads)
-    tables = block_tables.to(torch.int32).contiguous().numpy()
-    _run(prefill_attention, out, _float32_query(query), key_cache, value_cache, (tables, starts, lengths, tiles),
+    _run(prefill_attention, out, _query_view(query), key_cache, value_cache, (tables, starts, lengths, tiles),
          alibi_slopes, (float(scale), window, threads))  # fmt: skip
