@@ -19,6 +19,8 @@
   :func:`gemm_tile_from` starts its sums from a bias row instead of from the output (the panel projections).
 - :func:`row_sums`: the sums of 8 or 16 consecutive rows at a time as one transpose-and-add tree of
   vector shuffles (the decode kernel's last reduction over a block's slots).
+- :func:`transpose_tile`: a 16 x 16 tile transposed (and scaled) in registers, the prefill kernel's query
+  and output tiles between the tokens' rows and its rows-innermost layout.
 
 The first four compile to one instruction each; all are cacheable (``cache=True`` callers).
 """
@@ -328,6 +330,60 @@ def row_sums(typingctx: object, src: types.Type, src_at: types.Type, out: types.
             scaled = builder.fmul(level[0], broadcast)
             builder.store(scaled, _lanes_at(context, builder, sig.args[2], out_array,
                                             builder.add(out_index, first), vector), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+# Lanes of the tiles transpose_tile moves: 16 float32, one AVX-512 vector (two AVX2 ones).
+TRANSPOSE_LANES = 16
+
+
+def _zip_masks(lanes: int) -> tuple[ir.Constant, ir.Constant]:
+    """Lanes of (a, b) interleaved: a's first half with b's first half, then the second halves."""
+    half = lanes // 2
+    mask = ir.VectorType(ir.IntType(32), lanes)
+    low = [lane for i in range(half) for lane in (i, lanes + i)]
+    high = [lane for i in range(half, lanes) for lane in (i, lanes + i)]
+    return ir.Constant(mask, low), ir.Constant(mask, high)
+
+
+@intrinsic
+def transpose_tile(typingctx: object, dst: types.Type, dst_at: types.Type, dst_step: types.Type, src: types.Type,
+                   src_at: types.Type, src_step: types.Type, factors: types.Type, factors_at: types.Type) -> tuple:
+    """``dst[dst_at + c * dst_step + r] = src[src_at + r * src_step + c] * factors[factors_at + c]`` for ``r, c < 16``.
+
+    A 16 x 16 tile transposed in registers, each element scaled on the way (one rounding, as the scalar
+    product): 16 vector loads, four rounds of interleaving row ``i`` with row ``i + 8`` (after four, row ``c``
+    holds column ``c``; 64 shuffles), 16 vector stores, where the scalar loop takes 256 loads and 256 stores
+    to scattered lines. Positions are flat element offsets into float32 arrays (``src`` may be a strided view:
+    offsets from its first element); the caller keeps them in bounds.
+    """
+    if not all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (dst, src, factors)):
+        return None
+    if dst.layout != "C" or factors.layout != "C":
+        return None
+    signature = types.void(dst, types.int64, types.int64, src, types.int64, types.int64, factors, types.int64)
+
+    def codegen(context: object, builder: ir.IRBuilder, sig: object, args: list) -> ir.Value:
+        dst_array, dst_index, dst_stride, src_array, src_index, src_stride, factor_array, factor_index = args
+        lanes = TRANSPOSE_LANES
+        vector = ir.VectorType(ir.FloatType(), lanes)
+        int64 = ir.IntType(64)
+        scale = builder.load(_lanes_at(context, builder, sig.args[6], factor_array, factor_index, vector), align=4)
+        rows = []
+        for r in range(lanes):
+            at = builder.add(src_index, builder.mul(src_stride, ir.Constant(int64, r)))
+            rows.append(builder.fmul(builder.load(_lanes_at(context, builder, sig.args[3], src_array, at, vector),
+                                                  align=4), scale))
+        low, high = _zip_masks(lanes)
+        half = lanes // 2
+        for _ in range(lanes.bit_length() - 1):
+            rows = [zipped for i in range(half) for zipped in (builder.shuffle_vector(rows[i], rows[i + half], low),
+                                                                builder.shuffle_vector(rows[i], rows[i + half], high))]
+        for c in range(lanes):
+            at = builder.add(dst_index, builder.mul(dst_stride, ir.Constant(int64, c)))
+            builder.store(rows[c], _lanes_at(context, builder, sig.args[0], dst_array, at, vector), align=4)
         return context.get_dummy_value()
 
     return signature, codegen

@@ -21,6 +21,11 @@ Both products run as register tiles (``gemm_tile``): 4 slots (or dims) by up to 
 loaded row vectors per step. Written as loops over the rows, every step loaded and
 stored its accumulators: measured on 2 cores, 8 prompts of 192 tokens (SmolLM2's
 heads), 2.42 ms per layer that way and 1.75 ms this way, with the same results to the bit.
+
+The query goes into ``qt`` and ``acc`` out to the output by 16 x 16 tiles transposed in
+registers (``transpose_tile``); element by element, the two took ~11 % of a layer of 64
+prompts of 32-256 tokens (2-core Zen 5, the kernel alone, alternating in one process: 12.3 /
+13.7 -> 11.3 / 12.4 ms a layer, the same output to the bit).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import numpy as np
 
 from llmserve.kernels.cpu._numba_blocks import as_float32, finite_slots
 from llmserve.kernels.cpu._numba_exp import exp_f32
-from llmserve.kernels.cpu._numba_llvm import fetch_add, gemm_tile
+from llmserve.kernels.cpu._numba_llvm import TRANSPOSE_LANES, fetch_add, gemm_tile, transpose_tile
 from llmserve.kernels.cpu.host_cpu import has_avx512
 from llmserve.kernels.numba_cache import versioned_cache
 
@@ -266,10 +271,23 @@ def _attend_tile(
     head0 = kv_head * group
     width = (group * tq + _ROW_STEP - 1) // _ROW_STEP * _ROW_STEP
 
-    # Padding rows keep a zero query: finite scores, never written out.
+    # Padding rows keep a zero query: finite scores, never written out. The query's rows are tokens and qt's
+    # columns are, so whole 16 x 16 tiles are transposed in registers, the rest element by element.
     qt = np.zeros((head_size, width), dtype=np.float32)
-    for i in range(tq):
-        for g in range(group):
+    lanes = TRANSPOSE_LANES
+    in_tiles = head_size % lanes == 0
+    token_step, head_step = query.strides[0] // query.itemsize, query.strides[1] // query.itemsize
+    scales = np.full(lanes, scale, dtype=np.float32)
+    qt_flat = qt.reshape(qt.size)
+    for g in range(group):
+        done = 0
+        if in_tiles and query.strides[2] == query.itemsize:
+            while done + lanes <= tq:
+                at = (first_token + done) * token_step + (head0 + g) * head_step
+                for d in range(0, head_size, lanes):
+                    transpose_tile(qt_flat, d * width + g * tq + done, width, query, at + d, token_step, scales, 0)
+                done += lanes
+        for i in range(done, tq):
             for d in range(head_size):
                 qt[d, g * tq + i] = query[first_token + i, head0 + g, d] * scale
     acc = np.zeros((head_size, width), dtype=np.float32)
@@ -297,12 +315,25 @@ def _attend_tile(
         _softmax_block(scores, running_max, denominator, acc, scratch)
         _accumulate_values(scores, values, acc)
 
+    inverse = scratch
+    for r in range(group * tq):
+        # Every query sees at least its own key: the denominator is positive.
+        inverse[r] = np.float32(1.0) / denominator[r]
+    # acc's columns are query rows, out's rows are: tiles transposed in registers as the query's were.
+    out_flat, acc_flat = out.reshape(out.size), acc.reshape(acc.size)
+    token_step = num_heads * head_size
     for g in range(group):
-        for i in range(tq):
-            # Every query sees at least its own key: the denominator is positive.
-            inverse = np.float32(1.0) / denominator[g * tq + i]
+        done = 0
+        if in_tiles:
+            while done + lanes <= tq:
+                at = (first_token + done) * token_step + (head0 + g) * head_size
+                for d in range(0, head_size, lanes):
+                    transpose_tile(out_flat, at + d, token_step, acc_flat, d * width + g * tq + done, width, inverse,
+                                   g * tq + done)
+                done += lanes
+        for i in range(done, tq):
             for d in range(head_size):
-                out[first_token + i, head0 + g, d] = acc[d, g * tq + i] * inverse
+                out[first_token + i, head0 + g, d] = acc[d, g * tq + i] * inverse[g * tq + i]
 
 
 @numba.njit(_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
