@@ -59,8 +59,8 @@ def measure(rows: int) -> list[dict[str, object]]:
     torch.manual_seed(rows)
     x, residual, weight = torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN), torch.randn(HIDDEN)
     gate_up = torch.randn(rows, 2 * MLP)
-    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD)
-    qk = qkv[:, : (HEADS + KV_HEADS) * HEAD].view(rows, HEADS + KV_HEADS, HEAD)
+    qkv = torch.randn(rows, HEADS + 2 * KV_HEADS, HEAD)
+    qk = qkv[:, : HEADS + KV_HEADS]
     positions = torch.randint(0, 2048, (rows,))
     cos, sin = torch.randn(2048, HEAD // 2), torch.randn(2048, HEAD // 2)
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate_up[:, :MLP]) * gate_up[:, MLP:])
@@ -68,7 +68,7 @@ def measure(rows: int) -> list[dict[str, object]]:
         _pair("add_rms_norm", rows, lambda: _torch_add_rms_norm(x.clone(), residual.clone(), weight),
               lambda: fused_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)),
         _pair("rotary", rows, lambda: _torch_rotary(qk, positions, cos, sin),
-              lambda: fused_ops.apply_rotary(qk, positions, cos, sin)),
+              lambda: fused_ops.apply_rotary(qkv, HEADS + KV_HEADS, positions, cos, sin)),
         _pair("silu_and_mul", rows, lambda: F.silu(gate_up[:, :MLP]) * gate_up[:, MLP:],
               lambda: fused_ops.silu_and_mul(gate_up)),
     ]

@@ -70,15 +70,16 @@ def test_rotary_is_transformers_rotary_bit_for_bit(dtype: torch.dtype) -> None:
     angles = torch.arange(positions_max).float()[:, None] * inv_freq
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     positions = torch.randint(0, positions_max, (tokens,))
-    # A view of a wider row, as q and k are of the fused QKV output.
-    qkv = torch.randn(tokens, (heads + 2) * dim).to(dtype)
-    qk = qkv[:, : heads * dim].view(tokens, heads, dim)
+    # q's and k's heads are the first of the fused QKV rows; the others are left as they are.
+    qkv = torch.randn(tokens, heads + 2, dim).to(dtype)
+    qk, others = qkv[:, :heads], qkv[:, heads:].clone()
     full_cos, full_sin = torch.cat([cos, cos], -1)[positions], torch.cat([sin, sin], -1)[positions]
     # transformers' layout: [batch, heads, T, D] with cos/sin [batch, T, D].
     expected, _ = apply_rotary_pos_emb(qk.transpose(0, 1)[None], qk.transpose(0, 1)[None], full_cos[None],
                                        full_sin[None])
-    fused_ops.apply_rotary(qk, positions, cos, sin)
+    fused_ops.apply_rotary(qkv, heads, positions, cos, sin)
     assert torch.equal(qk, expected[0].transpose(0, 1))
+    assert torch.equal(qkv[:, heads:], others)
 
 
 @pytest.mark.parametrize("rows", [2, 300])

@@ -151,11 +151,11 @@ def _add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: 
 
 
 @numba.njit(inline="always")
-def _rotary(qk: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-    if qk.size >= PARALLEL_MIN_ELEMENTS:
-        rotary_parallel(qk, positions, cos, sin)
+def _rotary(qkv: np.ndarray, heads: int, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    if qkv.shape[0] * heads * qkv.shape[2] >= PARALLEL_MIN_ELEMENTS:
+        rotary_parallel(qkv, heads, positions, cos, sin)
     else:
-        rotary_serial(qk, positions, cos, sin)
+        rotary_serial(qkv, heads, positions, cos, sin)
 
 
 @numba.njit(inline="always")
@@ -199,7 +199,7 @@ def _layers(
             _add_rms_norm(x, residual, input_norms[layer], eps, x)
         project(x, qkv_weights, layer, qkv, threads)
         qkv3 = qkv.reshape((rows, heads, head_size))
-        _rotary(qkv3[:, :num_heads + num_kv_heads], positions, cos, sin)
+        _rotary(qkv3, num_heads + num_kv_heads, positions, cos, sin)
         key_cache, value_cache = key_caches[layer], value_caches[layer]
         keys, values = qkv3[:, num_heads:num_heads + num_kv_heads], qkv3[:, num_heads + num_kv_heads:]
         if rows >= PARALLEL_MIN_TOKENS:  # as reshape_and_cache decides

@@ -24,6 +24,7 @@ import math
 import numba
 import numpy as np
 
+from llmserve.kernels.cpu._numba_llvm import float_from_bits
 from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
@@ -69,16 +70,17 @@ def _add_rms_norm_row(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, e
 
 
 @numba.njit(inline="always")
-def _rotary_row(qk: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, t: int) -> None:
-    heads, dim = qk.shape[1], qk.shape[2]
-    half = dim // 2
+def _rotary_row(qkv: np.ndarray, heads: int, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, t: int) -> None:
+    half = qkv.shape[2] // 2
     p = positions[t]
+    cos_row, sin_row = cos[p], sin[p]
     for h in range(heads):
+        x = qkv[t, h]
         for i in range(half):
-            c, s = cos[p, i], sin[p, i]
-            x1, x2 = qk[t, h, i], qk[t, h, half + i]
-            qk[t, h, i] = x1 * c - x2 * s
-            qk[t, h, half + i] = x2 * c + x1 * s
+            c, s = cos_row[i], sin_row[i]
+            x1, x2 = x[i], x[half + i]
+            x[i] = x1 * c - x2 * s
+            x[half + i] = x2 * c + x1 * s
 
 
 @numba.njit(inline="always")
@@ -104,24 +106,22 @@ def _exp_parts(x: np.float32) -> tuple[np.float32, np.int32]:
 
 
 @numba.njit(inline="always")
-def _silu_and_mul_row(gate_up: np.ndarray, out: np.ndarray, t: int, mantissa: np.ndarray,
-                      scale_bits: np.ndarray) -> None:
+def _silu_and_mul_row(gate_up: np.ndarray, out: np.ndarray, t: int) -> None:
     width = out.shape[1]
     for i in range(width):
-        m, k = _exp_parts(-gate_up[t, i])
-        mantissa[i] = m
-        # 2^k as a float32's bits: the biased exponent in bits 23..30 (k >= -126 after the clamp).
-        scale_bits[i] = (k + np.int32(127)) << np.int32(23)
-    scale = scale_bits.view(np.float32)
-    for i in range(width):
         gate = gate_up[t, i]
-        out[t, i] = gate / (np.float32(1.0) + mantissa[i] * scale[i]) * gate_up[t, width + i]
+        m, k = _exp_parts(-gate)
+        # 2^k from a float32's bits: the biased exponent in bits 23..30 (k >= -126 after the clamp).
+        scale = float_from_bits((k + np.int32(127)) << np.int32(23))
+        out[t, i] = gate / (np.float32(1.0) + m * scale) * gate_up[t, width + i]
 
 
 _RMS_NORM = numba.void(_F32_2D, _F32_1D, numba.float32, _F32_2D)
 _ADD_RMS_NORM = numba.void(_F32_2D, _F32_2D, _F32_1D, numba.float32, _F32_2D)
-# q and k are a strided view of the fused QKV projection's output: any layout.
-_ROTARY = numba.void(numba.float32[:, :, :], numba.int64[::1], _F32_2D, _F32_2D)
+# The fused QKV projection's output as [T, heads, D], of which q's and k's heads (the first ones) are rotated: a
+# contiguous array rather than a strided view of those heads, so that the loops over a head's dims vectorize
+# (64 rows of the default model's 12 heads: 26.3 -> 5.0 us on one thread, the same output to the bit).
+_ROTARY = numba.void(numba.float32[:, :, ::1], numba.int64, numba.int64[::1], _F32_2D, _F32_2D)
 _SILU_AND_MUL = numba.void(_F32_2D, _F32_2D)
 
 
@@ -154,39 +154,39 @@ def add_rms_norm_parallel(x: np.ndarray, residual: np.ndarray, weight: np.ndarra
 
 
 @numba.njit([_ROTARY], **_JIT)
-def rotary_serial(qk: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-    """Rotates every head of ``qk`` ``[T, heads, D]`` in place, halves paired (GPT-NeoX / HF Llama layout).
+def rotary_serial(qkv: np.ndarray, heads: int, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotates the first ``heads`` heads of ``qkv`` ``[T, H, D]`` in place, halves paired (GPT-NeoX / HF Llama layout).
 
         head = [ x1 (D/2) | x2 (D/2) ]  ->  [ x1*cos - x2*sin | x2*cos + x1*sin ]
 
     cos/sin: ``[max_positions, D/2]``, the cached table's row for each token's position.
     """
-    for t in range(qk.shape[0]):
-        _rotary_row(qk, positions, cos, sin, t)
+    for t in range(qkv.shape[0]):
+        _rotary_row(qkv, heads, positions, cos, sin, t)
 
 
 @numba.njit([_ROTARY], parallel=True, **_JIT)
-def rotary_parallel(qk: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-    for t in numba.prange(qk.shape[0]):
-        _rotary_row(qk, positions, cos, sin, t)
+def rotary_parallel(qkv: np.ndarray, heads: int, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    for t in numba.prange(qkv.shape[0]):
+        _rotary_row(qkv, heads, positions, cos, sin, t)
 
 
 # SiLU's exp is Cephes' polynomial, not torch's (Sleef): they differ by an ulp, so contraction costs nothing more.
-_SILU_JIT = dict(_JIT, fastmath={"contract"})
+# NumPy's error model: under Python's, every division checks its divisor for zero (to raise ZeroDivisionError),
+# and that branch kept the serial kernel's loop scalar; a parallel loop's body gets NumPy's model anyway. The
+# divisor here, 1 + e^-x, is at least 1. Measured (one thread, alternating in one process, the same output to
+# the bit): 16 rows of 1536 19.5 -> 4.3 us serial, 256 rows 84.4 -> 66.5 us parallel (one loop, no scratch).
+_SILU_JIT = dict(_JIT, fastmath={"contract"}, error_model="numpy")
 
 
 @numba.njit([_SILU_AND_MUL], **_SILU_JIT)
 def silu_and_mul_serial(gate_up: np.ndarray, out: np.ndarray) -> None:
     """out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], I = out's width (gate features first, then up)."""
-    width = out.shape[1]
-    mantissa, scale_bits = np.empty(width, dtype=np.float32), np.empty(width, dtype=np.int32)
     for t in range(out.shape[0]):
-        _silu_and_mul_row(gate_up, out, t, mantissa, scale_bits)
+        _silu_and_mul_row(gate_up, out, t)
 
 
 @numba.njit([_SILU_AND_MUL], parallel=True, **_SILU_JIT)
 def silu_and_mul_parallel(gate_up: np.ndarray, out: np.ndarray) -> None:
-    width = out.shape[1]
     for t in numba.prange(out.shape[0]):
-        mantissa, scale_bits = np.empty(width, dtype=np.float32), np.empty(width, dtype=np.int32)
-        _silu_and_mul_row(gate_up, out, t, mantissa, scale_bits)
+        _silu_and_mul_row(gate_up, out, t)

@@ -65,12 +65,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(residual, weight, eps)
 
 
-def apply_rotary(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotates ``qk`` ``[T, heads, D]`` in place (halves paired); cos/sin ``[max_positions, D/2]`` in qk's dtype."""
-    if _numba_ok(qk, cos, sin) and qk.stride(-1) == 1:
-        kernel = _variant(nb.rotary_serial, nb.rotary_parallel, qk.shape[0] * qk.shape[1] * qk.shape[2])
-        kernel(qk.numpy(), positions.numpy(), cos.numpy(), sin.numpy())
+def apply_rotary(qkv: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+    """Rotates the first ``heads`` heads of ``qkv`` ``[T, H, D]`` in place (halves paired): q's and k's heads of the
+    fused QKV rows. cos/sin ``[max_positions, D/2]`` in qkv's dtype."""
+    if _numba_ok(qkv, cos, sin) and qkv.is_contiguous():
+        kernel = _variant(nb.rotary_serial, nb.rotary_parallel, qkv.shape[0] * heads * qkv.shape[2])
+        kernel(qkv.numpy(), heads, positions.numpy(), cos.numpy(), sin.numpy())
         return
+    qk = qkv[:, :heads]
     half = qk.shape[-1] // 2
     c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
     s = sin[positions].unsqueeze(1)

@@ -5,7 +5,7 @@ each decoder layer is:
 
     x, residual = add_rms_norm(x, residual)      residual += x; x = norm(residual)   (one pass)
     qkv = x @ W_qkv^T (+ b)                      q, k, v projections as one matmul
-    rotary(qkv[:, :q+k] as [T, Hq + Hkv, D])     q and k rotated in place, one pass
+    rotary(qkv[:, :Hq + Hkv] of [T, heads, D])  q and k rotated in place, one pass
     o = attend(q, k, v)                          paged KV cache write + attention
     x = o @ W_o^T                                (all_reduce over tensor-parallel ranks)
     x, residual = add_rms_norm(x, residual)
@@ -96,7 +96,7 @@ class LlamaModel:
             if index:
                 x = add_rms_norm(x, residual, layer.input_norm, eps)
             qkv = layer.qkv(x).view(tokens, sum(heads), dims.head_size)
-            apply_rotary(qkv[:, : dims.num_heads + dims.num_kv_heads], positions, self.rotary.cos, self.rotary.sin)
+            apply_rotary(qkv, dims.num_heads + dims.num_kv_heads, positions, self.rotary.cos, self.rotary.sin)
             q, k, v = qkv.split(heads, dim=1)
             out = attend(attn, index, q, k, v, dims.scaling, layer.sliding_window)
             x = self._row_parallel(out.flatten(1), layer.o, layer.o_bias)
