@@ -80,6 +80,8 @@ def test_rotary_is_transformers_rotary_bit_for_bit(dtype: torch.dtype) -> None:
     fused_ops.apply_rotary(qkv, heads, positions, cos, sin)
     assert torch.equal(qk, expected[0].transpose(0, 1))
     assert torch.equal(qkv[:, heads:], others)
+    with pytest.raises(ValueError, match="cannot rotate"):
+        fused_ops.apply_rotary(qkv, heads + 3, positions, cos, sin)
 
 
 @pytest.mark.parametrize("rows", [2, 300])

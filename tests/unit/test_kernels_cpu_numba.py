@@ -127,22 +127,30 @@ def _batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, seed:
     return query, cache, qsl, lens
 
 
-def test_prefill_checks_once_per_layout_and_reads_a_strided_query_in_place() -> None:
+def test_prefill_checks_once_per_layout_and_reads_a_strided_query_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     # As for decode: the checks and work items of a step's first call serve the calls with the same metadata and
     # tensors laid out alike; a strided query (a view of fused q/k/v rows) is read in place, bit for bit as a
-    # contiguous one; a call laid out differently (a cache one block short) is checked on its own.
+    # contiguous one; a call laid out differently (a contiguous query, a cache one block short) is checked on its own.
+    checked = []
+    check = numba_attention.check_context_attention_args
+    monkeypatch.setattr(numba_attention, "check_context_attention_args",
+                        lambda *args: checked.append(args[1].is_contiguous()) or check(*args))
     query, cache, qsl, lens = _batch([(40, 40), (90, 17), (5, 5)], 9, 3, seed=38)
     fused = torch.cat([query.flatten(1), torch.randn(query.shape[0], 128)], dim=1)
     strided_query = fused[:, : 9 * 64].view(query.shape)
     assert not strided_query.is_contiguous()
     args = (3, 0.125, cache.block_tables, qsl, lens, 16)
-    strided, dense = nan_like(query), nan_like(query)
+    strided, dense, again = nan_like(query), nan_like(query), nan_like(query)
     numba_attention.context_attention(strided, strided_query, cache.key_cache, cache.value_cache, *args)
     numba_attention.context_attention(dense, query, cache.key_cache, cache.value_cache, *args)
+    numba_attention.context_attention(again, strided_query, cache.key_cache, cache.value_cache, *args)
+    assert checked == [False, True]  # the third call, laid out as the first, reused its checks
     torch.testing.assert_close(strided, dense, rtol=0, atol=0)
+    torch.testing.assert_close(again, dense, rtol=0, atol=0)
     small = cache.key_cache[: int(cache.block_tables.max())]  # the highest block id no longer fits
     with pytest.raises(ValueError, match="key_cache|value_cache|blocks"):
         numba_attention.context_attention(nan_like(query), query, small, cache.value_cache, *args)
+    assert len(checked) == 3
 
 
 @pytest.mark.parametrize(

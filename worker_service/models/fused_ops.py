@@ -69,6 +69,9 @@ def apply_rotary(qkv: torch.Tensor, heads: int, positions: torch.Tensor, cos: to
                  sin: torch.Tensor) -> None:
     """Rotates the first ``heads`` heads of ``qkv`` ``[T, H, D]`` in place (halves paired): q's and k's heads of the
     fused QKV rows. cos/sin ``[max_positions, D/2]`` in qkv's dtype."""
+    # The kernels index qkv's heads unchecked: a count past them would write outside the rows.
+    if not 0 <= heads <= qkv.shape[1]:
+        raise ValueError(f"cannot rotate {heads} heads of a [T, {qkv.shape[1]}, D] qkv")
     if _numba_ok(qkv, cos, sin) and qkv.is_contiguous():
         kernel = _variant(nb.rotary_serial, nb.rotary_parallel, qkv.shape[0] * heads * qkv.shape[2])
         kernel(qkv.numpy(), heads, positions.numpy(), cos.numpy(), sin.numpy())
