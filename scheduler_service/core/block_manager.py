@@ -280,16 +280,21 @@ class BlockManager:
         holds it (the last of them to append writes in place).
         """
         needed = 0
-        sharers: Counter[int] = Counter()
+        sharers: Counter[int] | None = None  # built only for a shared last block (rare: Counter() is slow)
         pool = self.block_pool
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        for seq in group.seqs:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             table = self._table(seq)
-            missing = self.num_blocks_for_tokens(seq.num_tokens) - len(table)
+            num_tokens = seq.num_tokens
+            missing = self.num_blocks_for_tokens(num_tokens) - len(table)
             if missing > 0:
                 needed += missing
-            elif pool.get_ref_count(block_id := table[self._slot_index(seq.num_tokens)]) > 1:
+            elif pool.get_ref_count(block_id := table[self._slot_index(num_tokens)]) > 1:
+                if sharers is None:
+                    sharers = Counter()
                 sharers[block_id] += 1
-        for block_id, count in sharers.items():
+        for block_id, count in (sharers or {}).items():
             needed += count - 1 if pool.get_ref_count(block_id) == count else count
         return needed <= pool.num_free_blocks
 
@@ -302,12 +307,13 @@ class BlockManager:
         """
         table = self._table(seq)
         pool = self.block_pool
-        num_blocks = self.num_blocks_for_tokens(seq.num_tokens)
+        num_tokens = seq.num_tokens
+        num_blocks = self.num_blocks_for_tokens(num_tokens)
         grows = len(table) < num_blocks
-        index = self._slot_index(seq.num_tokens)
+        index = self._slot_index(num_tokens)
         needed = num_blocks - len(table) if grows else int(pool.get_ref_count(table[index]) > 1)
         pool.tick()
-        if needed > pool.num_free_blocks:
+        if needed and needed > pool.num_free_blocks:
             raise NoFreeBlocksError(f"seq {seq.seq_id} needs {needed} blocks, {pool.num_free_blocks} free.")
         cow = None
         if grows:
@@ -316,7 +322,7 @@ class BlockManager:
             cow = (table[index], pool.allocate())
             table[index] = cow[1]
             pool.free(cow[0])
-        self._record_growth(seq, table, replaced=cow is not None)
+        self._record_growth(seq, table, num_tokens, replaced=cow is not None)
         return cow
 
     # -- the prefix cache ------------------------------------------------------
@@ -452,11 +458,11 @@ class BlockManager:
         self._changes.pop(seq.seq_id, None)
         self._num_held[seq.seq_id] = len(self.logical_block_table(seq))
 
-    def _record_growth(self, seq: Sequence, table: list[int], replaced: bool) -> None:
+    def _record_growth(self, seq: Sequence, table: list[int], num_tokens: int, replaced: bool) -> None:
         """Note what append_slot changed in the logical view: entries appended, the slot's block replaced."""
         seq_id = seq.seq_id
         before = self._num_held.get(seq_id)
-        after = self._num_logical(table, seq.num_tokens)
+        after = self._num_logical(table, num_tokens)
         if before is None or (after == before and not replaced):  # a fresh table, or nothing new (most decodes)
             return
         self._num_held[seq_id] = after
@@ -466,8 +472,8 @@ class BlockManager:
         ring = self.ring_blocks or len(table)
         change.block_ids.extend(table[i % ring] for i in range(before, after))
         if replaced:
-            slot = (seq.num_tokens - 1) // self.block_size
-            block_id = table[self._slot_index(seq.num_tokens)]
+            slot = (num_tokens - 1) // self.block_size
+            block_id = table[self._slot_index(num_tokens)]
             if slot < change.start:
                 change.replaced[slot] = block_id
             else:
@@ -541,8 +547,7 @@ class BlockManager:
 
     def _num_logical(self, table: list[int], num_tokens: int) -> int:
         """Entries of the logical view: the table's own, or one per block of the sequence once a ring wrapped."""
-        num_logical = cdiv(num_tokens, self.block_size)
         # A table short of its ring has not wrapped (its newest token may still lack its block).
-        if self.ring_blocks is None or len(table) < self.ring_blocks or num_logical <= len(table):
+        if self.ring_blocks is None or len(table) < self.ring_blocks:
             return len(table)
-        return num_logical
+        return max(cdiv(num_tokens, self.block_size), len(table))

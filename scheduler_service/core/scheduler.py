@@ -178,11 +178,14 @@ class Scheduler(RequestQueues):
             budget = self._schedule_prefill_chunks(out, in_prefill, budget, num_seqs)
         # Victims were the latest arrivals; everything else keeps its FCFS place.
         gone = out.preempted + out.swap_failed
-        self.running = [g for g in running if not any(g is p for p in gone)]
+        if gone:
+            self.running = [g for g in running if not any(g is p for p in gone)]
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         """Swap groups back in, FCFS, as 1-token decodes in this step. Returns the budget left."""
+        if not self.swapped:  # the running count below walks every running group
+            return budget
         num_running_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
         while self.swapped:
             group = self.swapped[0]
@@ -224,6 +227,8 @@ class Scheduler(RequestQueues):
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting groups in FCFS order until one does not fit."""
+        if not self.waiting:  # the running count below walks every running group
+            return
         config = self.scheduler_config
         # Pending-fork sequences count: they run as soon as their group forks.
         num_running_seqs = sum(len(g.unfinished_seqs()) for g in self.running)

@@ -41,9 +41,9 @@ class ScheduledSequence:
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.seq.num_computed_tokens
         self.num_tokens = self.seq.num_tokens
-        if not 1 <= self.num_new_tokens <= self.seq.num_uncomputed_tokens:
+        if not 1 <= self.num_new_tokens <= self.num_tokens - self.num_computed_tokens:
             raise ValueError(
-                f"num_new_tokens must be in [1, {self.seq.num_uncomputed_tokens}] for seq "
+                f"num_new_tokens must be in [1, {self.num_tokens - self.num_computed_tokens}] for seq "
                 f"{self.seq.seq_id}, got {self.num_new_tokens}."
             )
 

@@ -162,7 +162,7 @@ class SequenceGroup:
         A group is RUNNING and WAITING at once only in that state: its parent (the one RUNNING sequence)
         computes the prompt for everyone, the WAITING ones hold no KV blocks until they fork.
         """
-        if not any(seq.status is SequenceStatus.RUNNING for seq in self.seqs):
+        if len(self.seqs) == 1 or not any(seq.status is SequenceStatus.RUNNING for seq in self.seqs):
             return []
         return self.get_seqs(SequenceStatus.WAITING)
 

@@ -78,6 +78,12 @@ def tokens_to_compute(group: SequenceGroup) -> list[tuple[Sequence, int, bool]]:
     before the last prompt token (a capped prefill never samples, so it is never a decode, even for its last
     token), then every unfinished sequence of the group, parent first, decodes that last token.
     """
+    if len(group.seqs) == 1:  # most requests (n = 1): never a pending fork
+        (seq,) = group.seqs
+        if seq.status is not SequenceStatus.RUNNING:
+            return []
+        n = seq.num_uncomputed_tokens
+        return [(seq, n, n == 1)]
     pending = group.pending_fork_seqs()
     if pending:
         (parent,) = group.get_seqs(SequenceStatus.RUNNING)
