@@ -73,8 +73,15 @@ def seq_tokens(seq_id: int) -> str:
 
 
 def seq_states(worker_id: str) -> str:
-    """Hash: seq id -> SequenceState (status, computed tokens, block table) of the worker's sequences."""
+    """Hash: seq id -> SequenceState (status, block table, hash chain) of the worker's sequences, rewritten when
+    one of those changes; its computed and in-flight counts are those of `seq_progress`."""
     return f"{PREFIX}:w:{worker_id}:seqs"
+
+
+def seq_progress(worker_id: str) -> str:
+    """Hash: seq id -> "computed:inflight" token counts of the worker's sequences, rewritten whenever they move
+    (every step a sequence decodes), so that a decode step does not rewrite the sequence's whole block table."""
+    return f"{PREFIX}:w:{worker_id}:progress"
 
 
 def cached_blocks(worker_id: str) -> str:
@@ -114,5 +121,5 @@ def worker_state(worker_id: str) -> list[str]:
     """Every key of a worker's engine state and queues, which go with it once it left for good (its epoch
     stays: fencing never goes back)."""
     return [inbox(worker_id), aborts(worker_id), live(worker_id), waiting(worker_id), running(worker_id),
-            swapped(worker_id), stats(worker_id), seq_states(worker_id), cached_blocks(worker_id), engine(worker_id),
-            queue(worker_id), queued(worker_id)]
+            swapped(worker_id), stats(worker_id), seq_states(worker_id), seq_progress(worker_id),
+            cached_blocks(worker_id), engine(worker_id), queue(worker_id), queued(worker_id)]

@@ -6,7 +6,10 @@ Redis holds the scheduler's whole state, so that a new owner of the worker rebui
     key                          written when                    holds
     w:{id}:waiting/running/      the queue's order changed       request ids, in order
       swapped
-    w:{id}:seqs                  a sequence's state changed      SequenceState per seq id
+    w:{id}:seqs                  a sequence's status, table or   SequenceState per seq id
+                                 hash chain changed
+    w:{id}:progress              its computed or in-flight       "computed:inflight" per seq id
+                                 count moved (each decode)       (overrides the SequenceState's)
     w:{id}:cached                a block's registration or       CachedBlock per block id
                                  evictor stamp changed
     w:{id}:engine                every commit                    valid, clock, the steps not landed
@@ -25,8 +28,11 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence
 from scheduler_service.store import CacheStats, StepCommit
+from scheduler_service.store_types import progress_entry
 
 _TABLE = state_pb2.SequenceState.Table
+# Read once: each attribute of a protobuf enum wrapper is a lookup by name (~0.5 us a sequence a step).
+_DEVICE, _CPU, _NO_TABLE = _TABLE.DEVICE, _TABLE.CPU, _TABLE.NO_TABLE
 
 
 def step_record(plan: worker_pb2.StepPlan, out: SchedulerOutput) -> state_pb2.StepRecord:
@@ -47,8 +53,9 @@ class StateJournal:
         # Request ids of the waiting, running and swapped queues as last written (None: not yet).
         self._queues: tuple[list[str] | None, ...] = (None, None, None)
         self._stats: CacheStats | None = None
-        # seq id -> what was last written of it (compared before a SequenceState is built).
-        self._seqs: dict[int, tuple] = {}
+        # seq id -> (layout, progress) last written of it (compared before anything is built): its SequenceState
+        # is rewritten when the layout changed, its progress entry when either did.
+        self._seqs: dict[int, tuple[tuple, tuple[int, int]]] = {}
         # The next valid commit rewrites the whole state (the stored one is another owner's, or not valid).
         self._rewrite = True
         self._instance_id = ""
@@ -80,8 +87,12 @@ class StateJournal:
             changed_blocks = {e.block_id for e in pool.cached_blocks()}
             self._rewrite = False
         for seq_id, key in keyed.items():
-            if self._seqs.get(seq_id) != key:
-                commit.seq_states[seq_id] = _sequence_state(seq_id, *key).SerializeToString()
+            old = self._seqs.get(seq_id)
+            if old != key:
+                layout, progress = key
+                if old is None or old[0] != layout:
+                    commit.seq_states[seq_id] = _sequence_state(seq_id, *layout, *progress).SerializeToString()
+                commit.seq_progress[seq_id] = progress_entry(*progress)
         commit.dropped_seq_states.extend(s for s in self._seqs if s not in keyed)
         self._seqs = keyed
         for block_id in sorted(changed_blocks):
@@ -105,15 +116,16 @@ class StateJournal:
                 commit.dropped_engine_fields.append(field)
 
     @staticmethod
-    def _seq_key(scheduler: Scheduler, seq: Sequence) -> tuple:
+    def _seq_key(scheduler: Scheduler, seq: Sequence) -> tuple[tuple, tuple[int, int]]:
+        """(layout, progress): (status, table kind, block ids, hash chain) and (computed, in-flight tokens)."""
         bm = scheduler.block_manager
         table = bm.block_tables.get(seq.seq_id)
         cpu_table = bm.swapper.cpu_tables.get(seq.seq_id)
         chain = bm.chain_length(seq.seq_id)
-        kind, blocks = (_TABLE.DEVICE, table) if table is not None else (
-            (_TABLE.CPU, cpu_table) if cpu_table is not None else (_TABLE.NO_TABLE, ()))
-        return (seq.status.name, seq.num_computed_tokens, kind, tuple(blocks), -1 if chain is None else chain,
-                seq.num_inflight_tokens)
+        kind, blocks = (_DEVICE, table) if table is not None else (
+            (_CPU, cpu_table) if cpu_table is not None else (_NO_TABLE, ()))
+        return ((seq.status.name, kind, tuple(blocks), -1 if chain is None else chain),
+                (seq.num_computed_tokens, seq.num_inflight_tokens))
 
     def _write_queues(self, scheduler: Scheduler, commit: StepCommit) -> None:
         """Queue order and free blocks go into a commit only when they changed (an idle loop writes nothing)."""
@@ -132,9 +144,9 @@ class StateJournal:
         self._stats = stats
 
 
-def _sequence_state(seq_id: int, status: str, computed: int, kind: int, blocks: tuple[int, ...], chain: int,
+def _sequence_state(seq_id: int, status: str, kind: int, blocks: tuple[int, ...], chain: int, computed: int,
                     inflight: int) -> state_pb2.SequenceState:
-    """The SequenceState of a sequence's key (StateJournal._seq_key): every commit builds one per changed
-    sequence (each decode changes its computed count), so the fields are passed directly."""
+    """The SequenceState of a sequence's key (StateJournal._seq_key), built for each sequence whose layout changed
+    (admitted, grown by a block, copied on write, preempted, swapped, forked), so the fields are passed directly."""
     return state_pb2.SequenceState(seq_id=seq_id, status=status, num_computed_tokens=computed, table=kind,
                                    block_table=blocks, num_hashed_blocks=chain, num_inflight_tokens=inflight)

@@ -59,9 +59,10 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
         pipe.delete(keys.seq_tokens(seq_id))
     # The scheduler's state of the worker: sequence states, cached blocks, the engine hash (one command each).
     if c.reset_engine_state:
-        pipe.delete(keys.seq_states(w), keys.cached_blocks(w), keys.engine(w))
+        pipe.delete(keys.seq_states(w), keys.seq_progress(w), keys.cached_blocks(w), keys.engine(w))
     for key, written, dropped in (
         (keys.seq_states(w), c.seq_states, c.dropped_seq_states),
+        (keys.seq_progress(w), c.seq_progress, c.dropped_seq_states),
         (keys.cached_blocks(w), c.cached_blocks, c.uncached_blocks),
         (keys.engine(w), c.engine_fields, c.dropped_engine_fields),
     ):

@@ -32,6 +32,7 @@ from scheduler_service.store_types import (
     StreamInfo,
     StreamState,
     WorkerGoneError,
+    with_progress,
 )
 from scheduler_service.leases import LeaseLostError
 from scheduler_service.step_writes import OUTPUT_TTL_SECONDS, queue_step_writes
@@ -261,12 +262,12 @@ class RedisStore:
         """
         w = worker_id
         async with self._r.pipeline(transaction=True) as pipe:
-            for key in (keys.engine(w), keys.seq_states(w), keys.cached_blocks(w), keys.stats(w)):
+            for key in (keys.engine(w), keys.seq_states(w), keys.seq_progress(w), keys.cached_blocks(w), keys.stats(w)):
                 pipe.hgetall(key)
             for key in (keys.waiting(w), keys.running(w), keys.swapped(w), keys.inbox(w)):
                 pipe.lrange(key, 0, -1)
             pipe.smembers(keys.live(w))
-            engine, seqs, cached, stats, waiting, running, swapped, inbox, live = await pipe.execute()
+            engine, seqs, progress, cached, stats, waiting, running, swapped, inbox, live = await pipe.execute()
         if not engine:
             return None
         queues = [[r.decode() for r in q] for q in (waiting, running, swapped)]
@@ -284,7 +285,8 @@ class RedisStore:
             instance_id=fields.get(keys.ENGINE_INSTANCE, b"").decode(),
             waiting=queues[0], running=queues[1], swapped=queues[2],
             requests={r: restored[r] for r in in_queues if r in restored},
-            seq_states={int(k): state_pb2.SequenceState.FromString(v) for k, v in seqs.items()},
+            seq_states={int(k): with_progress(state_pb2.SequenceState.FromString(v), progress.get(k))
+                        for k, v in seqs.items()},
             cached_blocks={int(k): state_pb2.CachedBlock.FromString(v) for k, v in cached.items()},
             prefix_cache_queries=int(stats.get(b"prefix_cache_queries", 0)),
             prefix_cache_hits=int(stats.get(b"prefix_cache_hits", 0)),

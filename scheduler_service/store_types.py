@@ -88,10 +88,12 @@ class StepCommit:
     pick_up: bool = True
     # seq_id -> output tokens appended this step.
     new_tokens: dict[int, list[int]] = field(default_factory=dict)
-    # The scheduler's state (scheduler_service/state_journal.py): seq id -> SequenceState rewritten, seq ids
-    # whose state goes; block id -> CachedBlock rewritten, block ids no longer cached; fields of the engine hash
-    # set and deleted. With `reset_engine_state` all three keys are dropped first (a new owner's first commit).
+    # The scheduler's state (scheduler_service/state_journal.py): seq id -> SequenceState rewritten, seq id ->
+    # "computed:inflight" counts rewritten (keys.seq_progress), seq ids whose state and counts go; block id ->
+    # CachedBlock rewritten, block ids no longer cached; fields of the engine hash set and deleted. With
+    # `reset_engine_state` those four keys are dropped first (a new owner's first commit).
     seq_states: dict[int, bytes] = field(default_factory=dict)
+    seq_progress: dict[int, bytes] = field(default_factory=dict)
     dropped_seq_states: list[int] = field(default_factory=list)
     cached_blocks: dict[int, bytes] = field(default_factory=dict)
     uncached_blocks: list[int] = field(default_factory=list)
@@ -179,6 +181,7 @@ class StoredEngineState:
     swapped: list[str]
     # The queued requests (records, committed outputs), by request id.
     requests: dict[str, RestoredRequest]
+    # Each with the computed and in-flight counts of its latest progress entry.
     seq_states: dict[int, state_pb2.SequenceState]
     # block id -> its registration in the prefix cache.
     cached_blocks: dict[int, state_pb2.CachedBlock]
@@ -187,3 +190,17 @@ class StoredEngineState:
     # Live requests the last owner picked up and never queued (it stopped first), oldest first: they
     # join the waiting queue as new.
     picked_up: list[RestoredRequest] = field(default_factory=list)
+
+
+def progress_entry(num_computed_tokens: int, num_inflight_tokens: int) -> bytes:
+    """A sequence's value in keys.seq_progress."""
+    return b"%d:%d" % (num_computed_tokens, num_inflight_tokens)
+
+
+def with_progress(state: state_pb2.SequenceState, entry: bytes | None) -> state_pb2.SequenceState:
+    """`state` with the counts of its keys.seq_progress entry, the newer of the two (written by every commit
+    that moved them); without one, as stored."""
+    if entry is not None:
+        computed, _, inflight = entry.partition(b":")
+        state.num_computed_tokens, state.num_inflight_tokens = int(computed), int(inflight)
+    return state

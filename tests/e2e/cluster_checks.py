@@ -75,8 +75,9 @@ def redis_state(cluster: LocalCluster) -> dict[str, object]:
         "running": client.llen(keys.running(w)),
         "swapped": client.llen(keys.swapped(w)),
         "inbox": client.llen(keys.inbox(w)),
-        # Sequence states the engine loop stored for a new owner (state_journal.py): none once idle.
+        # Sequence states and token counts the engine loop stored for a new owner (state_journal.py): none once idle.
         "seq_states": client.hlen(keys.seq_states(w)),
+        "seq_progress": client.hlen(keys.seq_progress(w)),
         "blocks": blocks,
         "preemptions": stats.get("preemptions", 0),
         "swaps": stats.get("swaps", 0),
@@ -97,7 +98,7 @@ def wait_until_idle(cluster: LocalCluster, timeout_s: float = 20.0) -> tuple[dic
         blocks = state["blocks"]
         idle = (
             not state["seq_keys"] and not state["request_keys"] and not state["waiting"] and not state["running"] and not state["swapped"]
-            and not state["seq_states"]
+            and not state["seq_states"] and not state["seq_progress"]
             and isinstance(blocks, dict) and blocks.get("free") == blocks.get("total")
             and desc.num_cached_sequences == 0 and desc.num_used_blocks == 0
         )
@@ -111,7 +112,7 @@ def assert_all_blocks_free(cluster: LocalCluster) -> None:
     assert state["seq_keys"] == [], state
     assert state["request_keys"] == [], state
     assert state["waiting"] == 0 and state["running"] == 0 and state["swapped"] == 0 and state["inbox"] == 0, state
-    assert state["seq_states"] == 0, state
+    assert state["seq_states"] == 0 and state["seq_progress"] == 0, state
     assert state["blocks"] == {"free": desc.num_gpu_blocks, "total": desc.num_gpu_blocks}, state
     assert desc.num_cached_sequences == 0, desc
     assert desc.num_used_blocks == 0, desc

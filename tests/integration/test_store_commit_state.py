@@ -39,9 +39,10 @@ def apply_reference(r: redis.Redis, c: StepCommit) -> None:
         r.delete(keys.seq_tokens(s))
     w = c.worker_id
     if c.reset_engine_state:
-        for key in (keys.seq_states(w), keys.cached_blocks(w), keys.engine(w)):
+        for key in (keys.seq_states(w), keys.seq_progress(w), keys.cached_blocks(w), keys.engine(w)):
             r.delete(key)
     for key, written, dropped in ((keys.seq_states(w), c.seq_states, c.dropped_seq_states),
+                                  (keys.seq_progress(w), c.seq_progress, c.dropped_seq_states),
                                   (keys.cached_blocks(w), c.cached_blocks, c.uncached_blocks),
                                   (keys.engine(w), c.engine_fields, c.dropped_engine_fields)):
         for f in dropped:
@@ -127,6 +128,7 @@ def commits() -> list[StepCommit]:
         # queued requests and the abort stay queued (no pick-up) until the next commit.
         StepCommit(W, pick_up=False, new_tokens={1: [100], 2: [200], 3: [300], 4: [400], 5: [500], 6: [600], 7: [700]},
                    reset_engine_state=True, seq_states={s: b"running %d" % s for s in range(1, 8)},
+                   seq_progress={s: b"%d:0" % (32 + s) for s in range(1, 8)},
                    engine_fields={"valid": b"1", "clock": b"3", "step": b"record"},
                    outputs=[delta("a", [100]), delta("b", [200]), delta("n2", [300]), delta("n2", [400], index=1)],
                    cumulative_logprobs={"best": {5: -0.5, 6: -1.25}},
@@ -135,6 +137,7 @@ def commits() -> list[StepCommit]:
         # Decode, a block boundary for seq 1, a beam fork (copy-on-write of seq 8's last block).
         StepCommit(W, new_tokens={1: [101], 2: [201], 3: [301], 4: [401], 5: [501], 6: [601], 7: [701], 8: [702]},
                    seq_states={1: b"grown", 7: b"copied", 8: b"forked"}, cached_blocks={0: b"c0", 2: b"c2"},
+                   seq_progress={s: b"%d:0" % (33 + s) for s in range(1, 9)},
                    engine_fields={"clock": b"9"}, dropped_engine_fields=["step"],
                    outputs=[delta("a", [101], text=""), delta("b", [201]), delta("n2", [301]),
                             delta("n2", [401], index=1)],
@@ -142,6 +145,7 @@ def commits() -> list[StepCommit]:
                    cache_stats=CacheStats(47, 64, 8, 2)),
         # Preemption of b by recompute (its table goes and comes back), n2's second sequence ends.
         StepCommit(W, new_tokens={1: [102], 3: [302], 4: [402]}, seq_states={2: b"waiting", 4: b"finished"},
+                   seq_progress={1: b"35:0", 2: b"0:0", 3: b"36:1"},
                    uncached_blocks=[2],
                    outputs=[delta("a", [102]), delta("n2", [302]), delta("n2", [402], index=1, finish=LENGTH)],
                    finished_seqs={"n2": {4: "FINISHED_LENGTH"}}, running=["a", "n2", "best", "beam"],
