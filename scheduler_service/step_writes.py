@@ -57,7 +57,8 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
         pipe.eval(scripts.APPEND_STEP_LUA, *appends)
     for seq_id in c.dropped_seqs:
         pipe.delete(keys.seq_tokens(seq_id))
-    # The scheduler's state of the worker: sequence states, cached blocks, the engine hash (one command each).
+    # The scheduler's state of the worker: sequence states and token counts, cached blocks, the engine hash (one
+    # command each).
     if c.reset_engine_state:
         pipe.delete(keys.seq_states(w), keys.seq_progress(w), keys.cached_blocks(w), keys.engine(w))
     for key, written, dropped in (
