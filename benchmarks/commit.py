@@ -99,7 +99,7 @@ class _Workload:
         c = StepCommit(WORKER, EPOCH)
         for r in self.requests:
             self.tables[r.seq_ids[0]] = self._allocate(_blocks_for(len(r.prompt_token_ids)))
-        self._write_states(c, self.tables, computed_lag=len(self.requests[0].prompt_token_ids))
+        self._write_states(c, set(self.tables), computed_lag=len(self.requests[0].prompt_token_ids))
         c.newly_scheduled = [r.request_id for r in self.requests]
         c.running, c.waiting = [r.request_id for r in self.requests], []
         c.cache_stats = self._stats()
@@ -107,14 +107,14 @@ class _Workload:
 
     def decode(self, finish: bool = False) -> StepCommit:
         c = StepCommit(WORKER, EPOCH)
-        grown: dict[int, list[int]] = {}
+        grown: set[int] = set()
         for r in self.requests:
             seq_id = r.seq_ids[0]
             token = self.rng.randrange(49_152)
             # The step computes the KV of the last sampled token: a block more when it starts one.
             if self.tokens[seq_id] % BLOCK_SIZE == 0:
                 self.tables[seq_id] += self._allocate(1)
-                grown[seq_id] = self.tables[seq_id]
+                grown.add(seq_id)
             self.tokens[seq_id] += 1
             c.new_tokens[seq_id] = [token]
             delta = generation_pb2.CompletionDelta(index=0, text=self.rng.choice(WORDS), token_ids=[token])
@@ -137,15 +137,15 @@ class _Workload:
         c.cache_stats = self._stats() if finish or any(t % BLOCK_SIZE == 1 for t in self.tokens.values()) else None
         return c
 
-    def _write_states(self, c: StepCommit, tables: dict[int, list[int]], computed_lag: int) -> None:
-        """As StateJournal writes them: every sequence's progress, the state of those in `tables`."""
-        for seq_id in self.tables:
+    def _write_states(self, c: StepCommit, with_table: set[int], computed_lag: int) -> None:
+        """As StateJournal writes them: every sequence's progress, the whole state of those in `with_table`."""
+        for seq_id, table in self.tables.items():
             computed = max(0, self.tokens[seq_id] - computed_lag)
             c.seq_progress[seq_id] = progress_entry(computed, 0)
-            if seq_id in tables:
+            if seq_id in with_table:
                 c.seq_states[seq_id] = state_pb2.SequenceState(
                     seq_id=seq_id, status="RUNNING", num_computed_tokens=computed,
-                    table=state_pb2.SequenceState.DEVICE, block_table=tables[seq_id], num_hashed_blocks=-1,
+                    table=state_pb2.SequenceState.DEVICE, block_table=table, num_hashed_blocks=-1,
                 ).SerializeToString()
 
 
