@@ -119,6 +119,15 @@ def _step_bound(batch: int, peak_gflops: float | None) -> str:
             "attention's cache reads, sampling and every other op.")
 
 
+def _memory_rate(rates: list[float] | None) -> str:
+    """The memory read rate the serving run measured on both sides of the workload (``benchmarks/memory_rate.py``)."""
+    if not rates:
+        return ""
+    return (f" This machine read memory at {rates[0]:.0f} GB/s just before the run and {rates[-1]:.0f} GB/s just after "
+            "it (a 1 GiB sum on every core; on shared machines this rate moves from minute to minute while the GEMM "
+            "rate holds, and the few-sequence steps move with it).")
+
+
 def _verdict(met: bool) -> str:
     return "met" if met else "not met"
 
@@ -149,7 +158,8 @@ def targets_section(r: dict[str, Any], o: dict[str, Any] | None, gemm_gflops: fl
             f"every token); this machine's float32 matmul runs at {rate:.0f} GFLOP/s on the model's own shapes, so no "
             f"engine can take less than {floor_s:.1f} s (the run took {ours['duration_s']:.1f} s). The floor counts "
             "neither attention nor the weights' reads: decode steps multiply at most 64 rows at a time, below the "
-            "rate above, and the last requests' steps, a few rows each, are bound by reading the weights.")
+            "rate above, and the last requests' steps, a few rows each, are bound by reading the weights."
+            + _memory_rate(r.get("memory_read_gbs")))
     if o is not None:
         row = next((x for x in o["rows"] if x["batch"] == 64), None)
         if row is not None:

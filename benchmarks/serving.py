@@ -28,6 +28,7 @@ import torch
 
 from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests, shared_prefix_requests
 from benchmarks.gemm_rate import gemm_rate_gflops
+from benchmarks.memory_rate import memory_read_gbs
 from benchmarks.hf_baselines import run_continuous_batching, run_static_batching
 from benchmarks.llmserve_driver import Target, run_llmserve
 from benchmarks.metrics import RequestTiming, Summary, summarize
@@ -160,7 +161,10 @@ def _llmserve_suite(address: str | Target, requests: list[BenchRequest], spec: W
                     args: argparse.Namespace, results: dict[str, object]) -> Summary:
     """The main run and the concurrency sweep against one server; returns the main run."""
     warm_up(address, vocab_size)
+    read_before = memory_read_gbs()
     main_run, main_timings = _llmserve(address, requests, "llmserve", args.rate, args.max_concurrency)
+    # The rate the run's decode steps read their weights at can move within minutes: taken on both sides of it.
+    results["memory_read_gbs"] = [read_before, memory_read_gbs()]
     results["llmserve"] = asdict(main_run)
     results["latency_samples"] = {"llmserve": _samples(main_timings)}
     print_summary(main_run)

@@ -53,3 +53,11 @@ def test_the_step_is_put_against_the_machines_multiply_add_peak() -> None:
     assert "(200 GFLOP/s on registers" in text
     # Results written before the peak was recorded: no bound is claimed.
     assert "multiply-add peak" not in targets_section(_serving(16.0, 6.0), _overhead(130.0), gemm_gflops=_RATE)
+
+
+def test_the_floor_line_gives_the_memory_read_rate_measured_around_the_run() -> None:
+    serving = {**_serving(16.0, 6.0), "memory_read_gbs": [47.4, 78.8]}
+    text = targets_section(serving, None, gemm_gflops=_RATE)
+    assert "read memory at 47 GB/s just before the run and 79 GB/s just after it" in text
+    # Results written before the rate was recorded: nothing is said about it.
+    assert "read memory" not in targets_section(_serving(16.0, 6.0), None, gemm_gflops=_RATE)
