@@ -235,8 +235,8 @@ def test_a_second_worker_added_under_load_takes_its_share(tiny_llama_dir: Path, 
     Whether output tokens/s rises is a property of the machine, not of the code: where the new worker
     has a core of its own it did (1.57-1.59x on an idle 2-core machine, 1.14-1.41x on a 2-core Zen 5
     whose speed drifts between minutes), but a CI machine whose two cores showed 0.43 idle measured
-    0.98x, and beside a second test suite none is idle (1.00x). The test prints the ratio and asserts
-    only that throughput does not collapse.
+    0.98x, and beside a second test suite none is idle (1.00x). The test prints the ratio; a throughput
+    bound here would be a timed assertion on a shared machine.
     """
     per_loop = int(OVERRIDES["scheduler"]["LLMSERVE_MAX_NUM_SEQS"])
     cluster = start(tiny_llama_dir, tmp_path, num_workers=1)
@@ -248,7 +248,6 @@ def test_a_second_worker_added_under_load_takes_its_share(tiny_llama_dir: Path, 
     assert not result.failures, result.failures[:5]
     assert result.peak_before <= per_loop < result.peak_after, (result.peak_before, result.peak_after)
     assert result.new_worker_share >= 0.5 / 2, result
-    assert result.rate_after > 0.8 * result.rate_before, result
 
 
 def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(cluster: ManifestCluster) -> None:
@@ -258,8 +257,8 @@ def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(clu
     the sequences running at once must go past two workers' worth. Throughput (output tokens/s) can
     only rise where the third worker has a core of its own: each worker runs one thread, and two
     workers, two replicas, Redis and the clients already fill two cores (measured here: 0.97-1.07x).
-    With at least MIN_CPUS_FOR_GAIN cores the test asserts a gain; with fewer, that it does not drop
-    (test_a_second_worker_added_under_load_takes_its_share prints the ratio where a core may be free).
+    With at least MIN_CPUS_FOR_GAIN cores the test asserts a gain (the scale-out this test is for);
+    with fewer it prints the ratio only.
     """
     per_loop = int(OVERRIDES["scheduler"]["LLMSERVE_MAX_NUM_SEQS"])
     result = add_worker_under_load(cluster, ordinal=2)
@@ -269,8 +268,6 @@ def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(clu
     assert result.new_worker_share >= 0.5 / 3, result
     if usable_cpus() >= MIN_CPUS_FOR_GAIN:
         assert result.rate_after > 1.2 * result.rate_before, result
-    else:
-        assert result.rate_after > 0.8 * result.rate_before, result
 
 
 def test_killing_the_lease_owner_moves_the_loop_within_the_ttl_and_loses_nothing(cluster: ManifestCluster, tiny_llama_dir: Path) -> None:
