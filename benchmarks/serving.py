@@ -28,9 +28,9 @@ import torch
 
 from benchmarks.dataset import BenchRequest, WorkloadSpec, random_requests, shared_prefix_requests
 from benchmarks.gemm_rate import gemm_rate_gflops
-from benchmarks.memory_rate import memory_read_gbs
 from benchmarks.hf_baselines import run_continuous_batching, run_static_batching
 from benchmarks.llmserve_driver import Target, run_llmserve
+from benchmarks.memory_rate import memory_read_gbs
 from benchmarks.metrics import RequestTiming, Summary, summarize
 from benchmarks.run_info import run_info
 from llmserve.cli import env_defaults
