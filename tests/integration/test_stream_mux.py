@@ -11,7 +11,7 @@ import redis
 from protos import common_pb2
 from scheduler_service.output_reader import follow
 from scheduler_service.store import RedisStore, StepCommit
-from scheduler_service.stream_mux import StreamMux
+from scheduler_service.stream_mux import StreamMux, _Reader
 from shared.errors import UnavailableError
 from tests.integration.test_store import W, record, response, run
 from tests.integration.test_store_resume import final, tokens
@@ -159,5 +159,23 @@ def test_a_reader_joining_below_the_read_in_flight_misses_nothing(url: str) -> N
         assert tokens(await first) == [1]
         got = await second
         assert [m.index for m in got] == [0, 1] and tokens(got) == [0, 1]
+
+    run(url, body)
+
+
+def test_a_reader_whose_wait_ended_is_skipped_and_the_others_answered(url: str) -> None:
+    """A reader's wait can end (its deadline's empty answer, or its caller cancelled) in the same turn of the event
+    loop as the XREAD that brings its messages: the mux leaves that reader be and answers the others."""
+    async def body(store: RedisStore) -> None:
+        mux = StreamMux(store)
+        timed_out, cancelled, live = _Reader(0), _Reader(0), _Reader(0)
+        timed_out.answer.set_result([])
+        cancelled.answer.cancel()
+        mux._readers["a"] = [timed_out, cancelled, live]
+        message = response("a", "", [7])
+        mux._deliver("a", 0, [message])
+        assert live.answer.result() == [message] and timed_out.answer.result() == []
+        # The two that left stay listed until their read_from removes them; the stream is read on after the message.
+        assert mux._readers["a"] == [timed_out, cancelled] and mux._hints["a"][0] == 1
 
     run(url, body)
