@@ -30,6 +30,9 @@ MAX_NEW = 24
 # Three one-thread workers, two replicas, Redis and the test's clients: a core for each worker and
 # room for the rest, so that the third worker's throughput is not taken from the other two.
 MIN_CPUS_FOR_GAIN = 6
+# The least part of an even share of the sampled tokens a worker that joined under load must take (routing is
+# least loaded: 49-50 % of two workers' tokens, 31-32 % of three workers', idle or beside other test runs).
+MIN_PART_OF_EVEN_SHARE = 0.5
 # Test knobs on top of the manifests: a tiny model's limits, a small KV cache, one thread per worker
 # (two cores run all five processes), and small batches so that one worker's capacity is reached.
 OVERRIDES = {
@@ -247,7 +250,7 @@ def test_a_second_worker_added_under_load_takes_its_share(tiny_llama_dir: Path, 
     print("\n" + result.report("1 worker", "2 workers"))
     assert not result.failures, result.failures[:5]
     assert result.peak_before <= per_loop < result.peak_after, (result.peak_before, result.peak_after)
-    assert result.new_worker_share >= 0.5 / 2, result
+    assert result.new_worker_share >= MIN_PART_OF_EVEN_SHARE / 2, result
 
 
 def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(cluster: ManifestCluster) -> None:
@@ -265,7 +268,7 @@ def test_a_third_worker_added_under_load_takes_work_without_a_failed_request(clu
     print("\n" + result.report("2 workers", "3 workers"))
     assert not result.failures, result.failures[:5]
     assert result.peak_before <= 2 * per_loop < result.peak_after, (result.peak_before, result.peak_after)
-    assert result.new_worker_share >= 0.5 / 3, result
+    assert result.new_worker_share >= MIN_PART_OF_EVEN_SHARE / 3, result
     if usable_cpus() >= MIN_CPUS_FOR_GAIN:
         assert result.rate_after > 1.2 * result.rate_before, result
 
