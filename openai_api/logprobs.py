@@ -37,16 +37,26 @@ def completion_logprobs(
 
     {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}], "text_offset": [...]}
     A None entry (an echoed prompt's first token, which nothing predicts) has null logprobs, as in OpenAI's.
+    Each `top_logprobs` dict holds the token itself first, then the most likely ones: "the API will always
+    return the logprob of the sampled token, so there may be up to logprobs+1 elements" (OpenAI's reference;
+    vLLM's dicts are the same).
     """
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry in zip(token_ids, entries):
         token = namer.name(token_id)
         out["tokens"].append(token)
         out["token_logprobs"].append(None if entry is None else entry.logprob)
-        out["top_logprobs"].append(None if entry is None else {namer.name(t.token_id): t.logprob for t in entry.top})
+        out["top_logprobs"].append(None if entry is None else _with_token_first(namer, token, entry))
         out["text_offset"].append(text_offset)
         text_offset += len(token)
     return out
+
+
+def _with_token_first(namer: TokenNamer, token: str, entry: common_pb2.TokenLogprobs) -> dict[str, float]:
+    top = {token: entry.logprob}
+    for t in entry.top:
+        top.setdefault(namer.name(t.token_id), t.logprob)
+    return top
 
 
 def prompt_logprobs(

@@ -90,7 +90,9 @@ def test_completion_with_usage_logprobs_and_batch(client: "openai.OpenAI") -> No
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # The two most likely tokens, and the sampled one where it is not among them (OpenAI's "up to logprobs+1").
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert all(top[token] == logprob for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
 
 
 def test_seeded_n_choices_are_reproducible(client: "openai.OpenAI") -> None:

@@ -115,7 +115,10 @@ def test_completion_echo_puts_the_prompt_first_in_text_and_logprobs() -> None:
     logprobs = choice["logprobs"]
     assert logprobs["tokens"] == [_name(t) for t in [*PROMPT, 20, 21]]
     assert logprobs["token_logprobs"] == [None, -1.0, -0.25, -0.125, -0.5]
-    assert logprobs["top_logprobs"][0] is None and logprobs["top_logprobs"][1] == {_name(9): -0.5, _name(8): -0.75}
+    # Each dict leads with the position's own token (6 at -1.0 is not among the top two), as OpenAI's and vLLM's.
+    assert logprobs["top_logprobs"][0] is None
+    assert list(logprobs["top_logprobs"][1].items()) == [(_name(6), -1.0), (_name(9), -0.5), (_name(8), -0.75)]
+    assert logprobs["top_logprobs"][2] == {_name(7): -0.25, _name(9): -2.0}
     assert logprobs["text_offset"] == [0, 10, 20, 30, 41]
     assert "token_ids" not in choice and "prompt_token_ids" not in choice
 
