@@ -232,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="", help="plain-text prompt")
     p.add_argument("--chat", action="append", default=[], help="user message, rendered with the chat template (repeatable: alternating user/assistant)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="fail when the scheduler accepts no connection within this time (0: wait up to --timeout)")
     _sampling_flags(p)
     sec.add_client_security_flags(p)
 
@@ -465,6 +467,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
 
     with GenerationClient(args.address, sec.client_tls_from(args), sec.auth_token_from(args)) as client:
+        if args.connect_timeout > 0:
+            try:
+                client.wait_for_server(args.connect_timeout)
+            except ConnectionError as exc:
+                print(f"error: {exc}: is it running there, and does --tls-ca-file match its TLS (set for a TLS "
+                      "scheduler, unset for a plaintext one)?", file=sys.stderr)
+                return 1
         try:
             for msg in client.stream(request, timeout=args.timeout):
                 for delta in msg.outputs:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import grpc
+
 from llmserve.resume import RECONNECT_OPTIONS, ResumePolicy, ResumingStream
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
 from shared.auth import token_interceptors
@@ -52,7 +54,20 @@ class GenerationClient:
                           for a in (address, *fallback_addresses)]
         self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
         self._channel, self._stub = self._channels[0], self._stubs[0]
+        self._address = address
         self._resume = resume
+
+    def wait_for_server(self, timeout: float) -> None:
+        """Returns once the first address accepts a connection; ConnectionError naming it after `timeout` s.
+
+        Calls wait for a scheduler that is not up yet (gRPC's wait_for_ready), up to their own deadline: a
+        caller that would rather fail fast on a wrong address, a server that is down or a TLS mismatch asks
+        this first.
+        """
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise ConnectionError(f"no scheduler accepted a connection at {self._address} within {timeout:g} s") from None
 
     def close(self) -> None:
         for channel in self._channels:

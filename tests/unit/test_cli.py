@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from llmserve.cli import _SCHEDULER_PASS, _WORKER_PASS, _passthrough, build_parser, main
@@ -80,3 +82,14 @@ def test_bench_hands_its_arguments_to_the_serving_benchmark(capsys: pytest.Captu
     assert done.value.code == 0
     usage = capsys.readouterr().out
     assert usage.startswith("usage: llmserve bench") and "--address" in usage and "--num-requests" in usage
+
+
+def test_generate_fails_fast_with_the_address_when_no_scheduler_listens(capsys: pytest.CaptureFixture[str]) -> None:
+    # A bound socket that does not listen: connections to it are refused at once.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        rc = main(["generate", "--address", address, "--prompt", "hi", "--connect-timeout", "0.5", "--timeout", "600"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"no scheduler accepted a connection at {address} within 0.5 s" in err and "--tls-ca-file" in err
