@@ -14,12 +14,16 @@ run locally as separate processes, exactly as `llmserve up` starts them (Redis,
 one worker, one scheduler), and the prompts go through gRPC `Generate`. Either
 way the prompts are submitted together, so the engine batches them
 continuously, and the outputs come back in prompt order with a progress bar.
+A prompt the engine refuses (empty, too long for the context, bad sampling
+parameters) fails alone, as over gRPC: its RequestOutput has no outputs and an
+`error` ("INVALID_ARGUMENT: ..."), logged as a warning; the others run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -35,6 +39,8 @@ from shared.tls import open_channel
 from shared.sampling_params import SamplingParams
 from shared.sampling_proto import sampling_to_proto
 from worker_service.config import WorkerConfig
+
+log = logging.getLogger(__name__)
 
 # Engine arguments by service: each becomes the service's --flag (underscores as dashes).
 _WORKER_ARGS = {"dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "swap_space",
@@ -99,6 +105,13 @@ class _Collector:
 
     def result(self) -> RequestOutput:
         return RequestOutput(self.request_id, None, [], [self.outputs[i] for i in sorted(self.outputs)], self.error)
+
+
+def _warn_failed(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    for i, out in enumerate(outputs):
+        if out.error:
+            log.warning("prompt %d failed: %s", i, out.error)
+    return outputs
 
 
 # Worker flags whose WorkerConfig field says its unit.
@@ -214,10 +227,12 @@ class LLM:
         for req, collector in zip(requests, collectors):
             out = collector.result()
             out.prompt = req.prompt or None
-            out.prompt_token_ids = list(req.prompt_token_ids) or engine.tokenize(
-                generation_pb2.TokenizeRequest(prompt=req.prompt, messages=req.messages))
+            # A refused prompt may not tokenize either (an empty one): its error says why, it has no tokens.
+            refused = bool(out.error) and not out.outputs
+            out.prompt_token_ids = list(req.prompt_token_ids) or ([] if refused else engine.tokenize(
+                generation_pb2.TokenizeRequest(prompt=req.prompt, messages=req.messages)))
             outputs.append(out)
-        return outputs
+        return _warn_failed(outputs)
 
     async def _gather(self, requests: list[generation_pb2.GenerateRequest], use_tqdm: bool) -> list[RequestOutput]:
         assert self._cluster is not None  # the services' path
@@ -231,10 +246,15 @@ class LLM:
             for i, (req, out) in enumerate(zip(requests, outputs)):
                 out.prompt = req.prompt or None
                 if i in tokenize:
-                    out.prompt_token_ids = list((await tokenize[i]).token_ids)
+                    try:
+                        out.prompt_token_ids = list((await tokenize[i]).token_ids)
+                    except grpc.aio.AioRpcError:
+                        if not out.error:
+                            raise
+                        out.prompt_token_ids = []  # refused by Generate too: its error says why
                 else:
                     out.prompt_token_ids = list(req.prompt_token_ids)
-            return list(outputs)
+            return _warn_failed(list(outputs))
 
     @staticmethod
     async def _one(stub: generation_pb2_grpc.GenerationStub, req: generation_pb2.GenerateRequest,

@@ -66,8 +66,13 @@ def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> 
     def run(services: bool) -> list[tuple]:
         with LLM(model=str(tiny_llama_dir), services=services, **engine_args) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-            bad = llm.generate(["x"], SamplingParams(max_tokens=1000), use_tqdm=False)
+            # Refused prompts fail alone, each with its reason, beside one that runs.
+            bad = llm.generate(["x", "", "y"], [SamplingParams(max_tokens=1000), SamplingParams(max_tokens=2),
+                                                SamplingParams(max_tokens=2, temperature=0.0)], use_tqdm=False)
         assert bad[0].error.startswith("INVALID_ARGUMENT: ") and "maximum context length is 256" in bad[0].error
+        assert bad[1].error.startswith("INVALID_ARGUMENT: ") and "prompt is empty" in bad[1].error
+        assert (bad[0].outputs, bad[1].outputs, bad[1].prompt_token_ids) == ([], [], [])
+        assert not bad[2].error and len(bad[2].outputs[0].token_ids) == 2 and bad[2].prompt_token_ids
         return [(o.prompt_token_ids, [(c.token_ids, c.text, c.finish_reason, [lp for lp, _ in c.logprobs])
                                       for c in o.outputs]) for o in outputs]
 
