@@ -6,15 +6,20 @@
     and ends with exactly the fault-free tokens, each message once.
 (c) The same request id twice is one generation with two identical streams; another request under
     the live id is ALREADY_EXISTS; resuming an unknown id is NOT_FOUND.
+(d) The same kill under an HTTP client of the OpenAI front: the front re-attaches its call and the
+    client's event stream goes on, each token once.
 """
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
+import httpx
 import pytest
 
 from llmserve.client import GenerationClient, make_request
@@ -23,6 +28,7 @@ from protos import common_pb2, generation_pb2
 from tests.e2e.cluster_checks import assert_all_blocks_free
 
 PROMPT = list(range(400, 460))
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +36,7 @@ def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model=str(tiny_llama_dir),
         worker_args=["--num-gpu-blocks-override", "128", "--max-model-len", "512", "--num-threads", "1"],
+        http_port=0,
     )
     with LocalCluster(spec) as c:
         yield c
@@ -84,28 +91,24 @@ def test_a_dropped_resumable_stream_resumes_from_its_index(cluster: LocalCluster
     assert_all_blocks_free(cluster)
 
 
-def test_a_resuming_client_survives_a_scheduler_kill(cluster: LocalCluster) -> None:
-    max_tokens = 300
-    with GenerationClient(cluster.address, resume=None) as plain:
-        reference = list(plain.stream(greedy("kill-ref", max_tokens), timeout=120))
-
-    received: list[generation_pb2.GenerateResponse] = []
+def read_across_a_scheduler_kill(cluster: LocalCluster, messages: Callable[[], Iterator[T]], kill_after: int = 5
+                                 ) -> list[T]:
+    """Reads `messages()` on a thread; once `kill_after` have arrived, SIGKILLs the scheduler and restarts it.
+    Returns all that was read: the reading must end without an error, and the kill must fall mid-stream."""
+    received: list[T] = []
     errors: list[BaseException] = []
     started = threading.Event()
 
     def read() -> None:
-        # A default client: it re-attaches after UNAVAILABLE. The request is not even resumable: a killed
-        # scheduler cannot abort anything, the engine loop of its replacement continues it from Redis.
-        with GenerationClient(cluster.address) as client:
-            try:
-                for msg in client.stream(greedy("kill-a", max_tokens), timeout=120):
-                    received.append(msg)
-                    if len(received) == 5:
-                        started.set()
-            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-                errors.append(exc)
-            finally:
-                started.set()
+        try:
+            for msg in messages():
+                received.append(msg)
+                if len(received) == kill_after:
+                    started.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+        finally:
+            started.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -116,10 +119,45 @@ def test_a_resuming_client_survives_a_scheduler_kill(cluster: LocalCluster) -> N
     reader.join(120)
     assert not reader.is_alive(), f"the stream did not end ({len(received)} messages)"
     assert not errors, errors
-    assert 5 <= at_kill < len(received), (at_kill, len(received))  # killed mid-stream
+    assert kill_after <= at_kill < len(received), (at_kill, len(received))  # killed mid-stream
+    return received
+
+
+def test_a_resuming_client_survives_a_scheduler_kill(cluster: LocalCluster) -> None:
+    max_tokens = 300
+    with GenerationClient(cluster.address, resume=None) as plain:
+        reference = list(plain.stream(greedy("kill-ref", max_tokens), timeout=120))
+
+    def messages() -> Iterator[generation_pb2.GenerateResponse]:
+        # A default client: it re-attaches after UNAVAILABLE. The request is not even resumable: a killed
+        # scheduler cannot abort anything, the engine loop of its replacement continues it from Redis.
+        with GenerationClient(cluster.address) as client:
+            yield from client.stream(greedy("kill-a", max_tokens), timeout=120)
+
+    received = read_across_a_scheduler_kill(cluster, messages)
     assert_one_whole_stream(received)
     assert tokens(received) == tokens(reference) and len(tokens(received)) == max_tokens
     assert text(received) == text(reference)
+    assert_all_blocks_free(cluster)
+
+
+def test_an_http_stream_survives_a_scheduler_kill(cluster: LocalCluster) -> None:
+    url = f"{cluster.http_url}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    reference = httpx.post(url, json=body, timeout=120).json()["choices"][0]["text"]
+
+    def events() -> Iterator[str]:
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    yield line.removeprefix("data: ")
+
+    *chunks, last = read_across_a_scheduler_kill(cluster, events)
+    assert last == "[DONE]"
+    parsed = [json.loads(c) for c in chunks]
+    assert all("choices" in c for c in parsed), [c for c in parsed if "choices" not in c]  # no error event
+    assert "".join(c["choices"][0]["text"] for c in parsed) == reference
+    assert parsed[-1]["choices"][0]["finish_reason"] == "length"
     assert_all_blocks_free(cluster)
 
 
