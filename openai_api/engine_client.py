@@ -94,6 +94,8 @@ class GenerationStream:
 
         Gives up (raises the break) once the policy's wait has passed without a message since the break.
         """
+        # The call that admitted the request is gone: from now on, leaving the stream must abort the request.
+        self._resumed = True
         now = asyncio.get_running_loop().time()
         if self._broken_since is None:
             self._broken_since = now
@@ -104,7 +106,6 @@ class GenerationStream:
             raise cause
         await asyncio.sleep(delay)
         self._failures += 1
-        self._resumed = True  # the admitting call is gone: from now on, cancel() must abort the request
         resume = generation_pb2.ResumeRequest(request_id=self._request_id, from_index=self._next_index)
         # wait_for_ready=False: while no scheduler answers the call fails at once, and the next read waits again.
         self._call = self._stub.Resume(resume, wait_for_ready=False)

@@ -91,6 +91,24 @@ def test_a_stream_left_after_a_reattachment_aborts_its_request() -> None:
     assert stub.aborts == ["r"] and resumed.cancelled
 
 
+def test_a_stream_left_while_it_waits_to_reattach_aborts_its_request() -> None:
+    stub = _Stub()
+    broken = _Call(_error(grpc.StatusCode.UNAVAILABLE))
+    slow = ResumePolicy(initial_backoff_s=30.0, max_backoff_s=30.0, max_wait_s=60.0)
+    stream = GenerationStream(stub, "r", broken, _msg(0), slow)  # type: ignore[arg-type]
+
+    async def leave_during_the_backoff() -> None:
+        reading = asyncio.ensure_future(_read(stream))
+        while broken.script:  # until the call broke (the stream then waits its backoff)
+            await asyncio.sleep(0)
+        reading.cancel()  # the front cancels the reading task when its HTTP client goes away
+        await asyncio.gather(reading, return_exceptions=True)
+        await asyncio.sleep(0)  # the abort runs
+
+    asyncio.run(leave_during_the_backoff())
+    assert stub.aborts == ["r"] and stub.resumes == []
+
+
 def test_a_stream_left_before_any_break_leaves_the_abort_to_the_scheduler() -> None:
     stub = _Stub()
     call = _Call(_msg(1))
