@@ -298,6 +298,12 @@ class LocalCluster:
         proc.kill()
         proc.wait()
 
+    def terminate(self, role: str, timeout_s: float = 60.0) -> None:
+        """SIGTERMs one service and waits for it to exit: its own graceful shutdown (a rolling update's)."""
+        proc = self._procs[role]
+        proc.terminate()
+        proc.wait(timeout_s)
+
     def restart(self, role: str) -> None:
         """Starts a killed service again with the same command line and waits until the API is ready.
 

@@ -186,7 +186,9 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
     finally:
         stop.set()
         announcer.cancel()
-        # Probes and the HTTP front see NOT_SERVING while the server finishes its calls.
+        # Probes and the HTTP front see NOT_SERVING while the server finishes its calls; the streams still
+        # running after the grace period end with UNAVAILABLE, their requests kept for their clients to resume.
+        servicer.stop_owning()
         await health.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         # The supervisor stops its loops (a last commit each) and gives their leases back.

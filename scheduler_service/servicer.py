@@ -37,6 +37,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # One XREAD for every stream this replica's clients read (stream_mux.py).
         self._streams = StreamMux(store)
         self._router = router
+        # Set when the replica shuts down: the calls its server then ends were not left by their clients.
+        self._stopping = False
         self._tracer = tracer
         self._model_name = model_name
 
@@ -78,7 +80,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 raise
             finally:
-                if not finished and owner:
+                if not finished and owner and not self._stopping:
                     span.set_attribute("llmserve.cancelled", True)
                     # The client went away (or the stream broke): free the request's blocks.
                     await asyncio.shield(self._abort_quietly(request_id))
@@ -170,6 +172,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                          context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
         text = await asyncio.to_thread(self._admission.detokenize, list(request.token_ids))
         return generation_pb2.DetokenizeResponse(text=text)
+
+    def stop_owning(self) -> None:
+        """The replica is going away (SIGTERM, a rolling update): the streams its server ends from now on leave
+        their requests running, since their clients did not leave. They get UNAVAILABLE and re-attach on another
+        replica (llmserve/resume.py, the OpenAI front), while the engine loop that takes the worker over
+        continues the requests."""
+        self._stopping = True
 
     async def _abort_quietly(self, request_id: str) -> None:
         try:

@@ -26,6 +26,9 @@ from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2, generation_pb2
 from tests.e2e.cluster_checks import assert_all_blocks_free
+from worker_service.model_loader import load_config, model_shape
+from worker_service.model_runner import eos_token_ids
+from worker_service.simulation import simulated_continuation
 
 PROMPT = list(range(400, 460))
 T = TypeVar("T")
@@ -91,10 +94,11 @@ def test_a_dropped_resumable_stream_resumes_from_its_index(cluster: LocalCluster
     assert_all_blocks_free(cluster)
 
 
-def read_across_a_scheduler_kill(cluster: LocalCluster, messages: Callable[[], Iterator[T]], kill_after: int = 5
-                                 ) -> list[T]:
-    """Reads `messages()` on a thread; once `kill_after` have arrived, SIGKILLs the scheduler and restarts it.
-    Returns all that was read: the reading must end without an error, and the kill must fall mid-stream."""
+def read_across_a_scheduler_kill(cluster: LocalCluster, messages: Callable[[], Iterator[T]], kill_after: int = 5,
+                                 graceful: bool = False) -> list[T]:
+    """Reads `messages()` on a thread; once `kill_after` have arrived, SIGKILLs the scheduler (SIGTERM when
+    `graceful`, waiting for its exit) and restarts it. Returns all that was read: the reading must end without
+    an error, and the kill must fall mid-stream."""
     received: list[T] = []
     errors: list[BaseException] = []
     started = threading.Event()
@@ -113,7 +117,10 @@ def read_across_a_scheduler_kill(cluster: LocalCluster, messages: Callable[[], I
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert started.wait(60), "the stream did not start"
-    cluster.kill("scheduler")
+    if graceful:
+        cluster.terminate("scheduler")
+    else:
+        cluster.kill("scheduler")
     at_kill = len(received)
     cluster.restart("scheduler")
     reader.join(120)
@@ -159,6 +166,26 @@ def test_an_http_stream_survives_a_scheduler_kill(cluster: LocalCluster) -> None
     assert "".join(c["choices"][0]["text"] for c in parsed) == reference
     assert parsed[-1]["choices"][0]["finish_reason"] == "length"
     assert_all_blocks_free(cluster)
+
+
+def test_a_stream_outliving_its_schedulers_shutdown_goes_on_with_the_next_one(tiny_llama_dir: Path) -> None:
+    # A rolling update: SIGTERM, whose grace period (2 s) a long stream outlives. A simulated worker (modelled
+    # H100 steps of ~7 ms, slept) makes the 600 tokens last longer than that whatever this machine's speed.
+    config = load_config(str(tiny_llama_dir))
+    vocab, eos = model_shape(config).vocab_size, frozenset(eos_token_ids(config, str(tiny_llama_dir)))
+    spec = ClusterSpec(model=str(tiny_llama_dir),
+                       worker_args=["--simulate", "llama-3-8b-h100", "--seed", "3", "--max-model-len", "1024"])
+    with LocalCluster(spec) as cluster:
+        def messages() -> Iterator[generation_pb2.GenerateResponse]:
+            with GenerationClient(cluster.address) as client:
+                yield from client.stream(greedy("rolling", 600), timeout=300)
+
+        received = read_across_a_scheduler_kill(cluster, messages, graceful=True)
+        assert_one_whole_stream(received)
+        # Not aborted by the replica that went away: the next owner ran it to its end.
+        assert received[-1].outputs[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert tokens(received) == simulated_continuation(PROMPT, 600, 3, vocab, eos)
+        assert_all_blocks_free(cluster)
 
 
 def test_the_same_request_twice_is_one_generation_with_two_identical_streams(cluster: LocalCluster) -> None:
