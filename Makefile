@@ -135,7 +135,7 @@ bench-fleet: model $(BENCH_STAMP)
 	$(PY) -m benchmarks.fleet_failover --workers 16 --lease-ttl 2 --output benchmarks/results/fleet_failover-ttl2.json
 	$(PY) -m benchmarks.report_fleet
 
-# Fault injection on the manifests' processes (worker SIGKILL, scheduler replica SIGKILL, Redis restart,
+# Fault injection on the manifests' processes (worker SIGKILL and drain, scheduler replica SIGKILL and SIGTERM, Redis restart,
 # each under load): every request must complete with transformers' tokens; each run adds a row to the
 # fault table in docs/faults.md (`make test` runs the same tests without writing it).
 faults: model

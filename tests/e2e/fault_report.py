@@ -30,8 +30,8 @@ Written by `make faults` (tests/e2e/test_faults.py) on {time.strftime('%Y-%m-%d 
 commit {_commit()}, {platform.machine()} with {os.cpu_count()} CPUs (load average {load} at the end).
 
 Each row: the cpu overlay's processes on localhost (2 scheduler replicas, 2 workers, Redis with AOF),
-greedy requests of 40 tokens (8; or 24 of 300 tokens where a queue is needed) streamed through both replicas
-(clients fall back to the other one), the fault injected while tokens flow. "completed" counts
+greedy requests of 40 tokens (8; or 24 of 300 tokens where a queue is needed, 8 of 300 for a scheduler's stop)
+streamed through both replicas (clients fall back to the other one), the fault injected while tokens flow. "completed" counts
 requests that ended normally with exactly transformers' greedy tokens; "tokens lost" counts tokens
 a client never received; "time to recover" is the longest pause any client saw between two tokens
 from the fault on. Test knobs: heartbeat TTL 3 s, lease TTL 4 s (production defaults: 6 s and 10 s).
@@ -47,6 +47,11 @@ from the fault on. Test knobs: heartbeat TTL 3 s, lease TTL 4 s (production defa
 - **scheduler replica SIGKILL**: clients on it resume on the other replica (Resume from their last
   index); its lease expires and the survivor takes it at that moment, rebuilds the loop's scheduler
   from Redis and continues the running requests on the KV cache the worker kept (nothing recomputed).
+- **scheduler replica SIGTERM**: a rolling update's stop of the lease owner; its loop makes a last commit and
+  gives its lease back, which the other replica takes at once, while the replica keeps serving its streams
+  for a 2 s grace. Streams still open after it end with UNAVAILABLE and their requests are kept (not
+  aborted), for their clients to resume on the other replica (on a 2-core machine some of the 300-token
+  streams here outlive the grace; tests/e2e/test_stream_resume.py makes that case certain).
 - **Redis restart**: SIGTERM (Redis flushes its append-only file) and a new process on the same port
   and data directory; streams break with UNAVAILABLE and resume, engine loops whose commit failed stop
   and are restarted from Redis by their supervisor. A crash instead of a clean stop can lose up to 1 s

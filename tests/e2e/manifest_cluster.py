@@ -218,6 +218,10 @@ class ManifestCluster:
         pod.proc.kill()
         pod.proc.wait()
 
+    def terminate(self, pod_name: str) -> None:
+        """SIGTERM, as Kubernetes sends on a rolling update, and the pod's own graceful exit."""
+        terminate(self.pods[pod_name].proc, grace_s=30)
+
     def stop(self) -> None:
         # Workers first: they drain while a scheduler can still tell them they are done.
         order = sorted(self.pods, key=lambda n: (not n.startswith("worker"), n.startswith("redis")))
