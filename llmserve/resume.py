@@ -47,6 +47,10 @@ class ResumePolicy:
         if self.max_wait_s <= 0:
             raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
 
+    def backoff_s(self, failures: int) -> float:
+        """The wait before the next re-attachment after `failures` failed ones since the break."""
+        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** failures)
+
 
 class ResumingStream(Iterator[generation_pb2.GenerateResponse]):
     """Iterates one request's GenerateResponses across re-attachments; `cancel()` ends it."""
@@ -131,7 +135,7 @@ class ResumingStream(Iterator[generation_pb2.GenerateResponse]):
         if self._broken_since is None:
             self._broken_since = now
         give_up_at = self._deadline if self._deadline is not None else self._broken_since + self._policy.max_wait_s
-        delay = min(self._policy.max_backoff_s, self._policy.initial_backoff_s * 2 ** self._failures)
+        delay = self._policy.backoff_s(self._failures)
         if now + delay >= give_up_at:
             raise cause
         self._sleep(delay)

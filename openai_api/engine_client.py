@@ -101,7 +101,7 @@ class GenerationStream:
             self._broken_since = now
             log.warning("stream of %s broke at message %d (%s); re-attaching", self._request_id, self._next_index,
                         cause.code().name)
-        delay = min(self._policy.max_backoff_s, self._policy.initial_backoff_s * 2 ** self._failures)
+        delay = self._policy.backoff_s(self._failures)
         if now + delay >= self._broken_since + self._policy.max_wait_s:
             raise cause
         await asyncio.sleep(delay)
