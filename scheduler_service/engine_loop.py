@@ -214,7 +214,7 @@ class EngineLoop:
             pending = StepCommit(self.worker_id)
             # Fence first: once the epoch has moved on, a loop that drove this worker before (its lease lost,
             # a commit of it still in flight) can take nothing more off the inbox, so the restore sees it all.
-            self._planner.reset(await self._fleet.leases.next_epoch(self.worker_id))
+            self._planner.reset(await self._fleet.leases.next_epoch(self.worker_id, self._worker_epoch()))
             if not await self._resume(pending, stop):
                 # The worker is reset: what the last owner picked up is recomputed (the first commit replaces
                 # the stored scheduler state).
@@ -445,8 +445,9 @@ class EngineLoop:
     async def _own_worker(self, stop: asyncio.Event) -> None:
         """Takes (or retakes) the worker with a new epoch and a full Reset; gives up when stopping, or when it
         left and others can serve (the next iteration then hands its requests over)."""
+        above = self._worker_epoch()
         while True:
-            epoch = await self._fleet.leases.next_epoch(self.worker_id)
+            epoch = await self._fleet.leases.next_epoch(self.worker_id, above)
             # The epoch fences this loop's commits from now on, even while the worker cannot be reached.
             self._planner.reset(epoch)
             try:
@@ -454,6 +455,14 @@ class EngineLoop:
             except grpc.aio.AioRpcError as exc:
                 if stop.is_set() or (self._departed() and self._fleet.others(self.worker_id)):
                     return
+                seen = await self._epoch_seen_by_worker() if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else 0
+                if seen >= epoch:
+                    # Only the lease holder takes epochs, so the worker has seen a newer one than Redis's counter
+                    # only if Redis lost that counter: the next epoch is taken above the worker's.
+                    log.warning("worker %s refused epoch %d: it has seen epoch %d, which Redis's counter is behind "
+                                "(did Redis lose its data?); taking an epoch above it", self.worker_id, epoch, seen)
+                    above = seen
+                    continue
                 log.warning("worker %s unreachable (%s); retrying", self.worker_id, exc.code())
                 await asyncio.sleep(1.0)
                 continue
@@ -464,6 +473,19 @@ class EngineLoop:
             if self._on_owned is not None:
                 self._on_owned(self.worker_id, epoch)
             return
+
+    def _worker_epoch(self) -> int:
+        """The newest epoch the worker had seen at its last heartbeat (0 before it registered)."""
+        entry = self._registration
+        return entry.description.epoch if entry is not None else 0
+
+    async def _epoch_seen_by_worker(self) -> int:
+        """The newest epoch the worker has seen, asked now; 0 when it does not answer."""
+        try:
+            described = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=RESET_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError:
+            return 0
+        return described.epoch
 
     async def _follow_registration(self, commit: StepCommit, took_over: bool = False) -> bool:
         """Acts on the worker leaving or draining; False when the loop has nothing left to drive. A departed

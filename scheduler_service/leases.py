@@ -41,10 +41,17 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS: lease, epoch; ARGV: replica id. A new epoch for the holder of the lease, 0 for anyone else.
+# KEYS: lease, epoch; ARGV: replica id, floor. A new epoch above the floor for the holder of the lease,
+# 0 for anyone else.
 _NEXT_EPOCH_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('INCR', KEYS[2])
+local epoch = redis.call('INCR', KEYS[2])
+local floor = tonumber(ARGV[2])
+if epoch <= floor then
+  epoch = floor + 1
+  redis.call('SET', KEYS[2], epoch)
+end
+return epoch
 """
 
 # KEYS: lease; ARGV: replica id. Gives the lease back if the replica holds it.
@@ -82,10 +89,17 @@ class Leases:
             held = await pipe.execute()
         return {w: bool(h) for w, h in zip(worker_ids, held)}
 
-    async def next_epoch(self, worker_id: str) -> int:
-        """A new fencing epoch for the worker; raises LeaseLostError if the lease is no longer ours."""
+    async def next_epoch(self, worker_id: str, above: int = 0) -> int:
+        """A new fencing epoch for the worker, greater than `above` too; raises LeaseLostError if the lease is
+        no longer ours.
+
+        above: the newest epoch the worker is known to have seen. The counter in Redis is always ahead of it,
+        unless Redis lost its data (restarted without persistence, a failover to a replica that missed writes):
+        then the counter starts again from 0 and, without the floor, the worker would refuse every epoch until
+        as many had been taken as it has seen.
+        """
         epoch = int(await self._r.eval(_NEXT_EPOCH_LUA, 2, lease_key(worker_id), keys.epoch(worker_id),
-                                       self.replica_id))
+                                       self.replica_id, above))
         if epoch == 0:
             raise LeaseLostError(f"replica {self.replica_id} no longer holds the lease of worker {worker_id}")
         return epoch

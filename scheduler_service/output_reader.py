@@ -24,7 +24,7 @@ async def check_resumable(store: RedisStore, request_id: str, from_index: int) -
         raise InvalidRequestError("request_id is required to resume a stream")
     await _check_stream(store, request_id, from_index, (
         f"no request has id {request_id!r}: it was never admitted, or it finished more than "
-        f"{OUTPUT_TTL_SECONDS} s ago and its output stream expired"
+        f"{OUTPUT_TTL_SECONDS} s ago and its output stream expired (or Redis lost its data)"
     ))
 
 
@@ -46,7 +46,8 @@ async def follow(
         batch = await read(request_id, next_index, block_ms)
         if not batch:
             await _check_stream(store, request_id, next_index,
-                                f"the output stream of request {request_id!r} expired while it was being read")
+                                f"the output stream of request {request_id!r} expired while it was being read "
+                                f"(or Redis lost its data)")
             continue  # live, or its final message was committed just after the read
         for msg in batch:
             yield msg

@@ -131,3 +131,17 @@ def test_hand_over_moves_a_request_with_its_outputs(url: str) -> None:
         assert moved.outputs == {7: [11, 12]}
 
     run(url, body)
+
+
+def test_a_new_epoch_is_taken_above_the_workers_when_redis_lost_the_counter(url: str) -> None:
+    async def body(store: RedisStore) -> None:
+        a = Leases(store.client, "a", ttl_s=5)
+        assert await a.acquire(W)
+        # The counter starts again from 0 (Redis lost its data); the worker has seen epoch 41.
+        assert await a.next_epoch(W, above=41) == 42
+        assert await a.next_epoch(W) == 43  # the counter went on from there
+        # A floor behind the counter changes nothing: the counter never goes back.
+        assert await a.next_epoch(W, above=7) == 44
+        assert int(await store.client.get(keys.epoch(W))) == 44
+
+    run(url, body)
