@@ -56,10 +56,6 @@ class InProcessEngine:
         self._processor.add(to_record(admitted, seq_ids, WORKER_ID, time.time()))
         return admitted.request_id
 
-    def tokenize(self, request: generation_pb2.TokenizeRequest) -> list[int]:
-        """The prompt's token ids as Generate computes them (a conversation through the chat template)."""
-        return self._admission.tokenize(request)[0]
-
     def has_unfinished_requests(self) -> bool:
         return self._scheduler.has_unfinished_requests()
 

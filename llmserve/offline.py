@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -71,6 +72,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     error: str = ""
+    # When the request asked for prompt_logprobs: one entry per prompt token, as CompletionOutput.logprobs, None
+    # for the tokens not computed (the first one, which nothing predicts; prefix-cached ones).
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -89,13 +93,19 @@ class _Collector:
         self.outputs: dict[int, CompletionOutput] = {}
         self.error = ""
         self.done = False
+        # The prompt as the model read it (the stream's first message), its logprobs (the first with outputs).
+        self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
     def add(self, msg: generation_pb2.GenerateResponse) -> None:
+        self.prompt_token_ids = self.prompt_token_ids or list(msg.prompt_token_ids)
+        if msg.prompt_logprobs or msg.prompt_logprobs_start:
+            self.prompt_logprobs = [None] * msg.prompt_logprobs_start + _logprobs(msg.prompt_logprobs)
         for delta in msg.outputs:
             out = self.outputs.setdefault(delta.index, CompletionOutput(delta.index))
             out.text += delta.text
             out.token_ids.extend(delta.token_ids)
-            out.logprobs.extend((lp.logprob, {t.token_id: t.logprob for t in lp.top}) for lp in delta.logprobs)
+            out.logprobs.extend(_logprobs(delta.logprobs))
             if delta.finish_reason:
                 out.finish_reason = _FINISH.get(delta.finish_reason)
                 out.stop_reason = delta.stop_reason or None
@@ -103,8 +113,14 @@ class _Collector:
         # The last message of a stream carries the usage (and an error ends it too).
         self.done |= msg.HasField("usage") or bool(msg.error)
 
-    def result(self) -> RequestOutput:
-        return RequestOutput(self.request_id, None, [], [self.outputs[i] for i in sorted(self.outputs)], self.error)
+    def result(self, prompt: str | None) -> RequestOutput:
+        """The request's output; a refused prompt has an error, no outputs and no tokens."""
+        return RequestOutput(self.request_id, prompt, self.prompt_token_ids,
+                             [self.outputs[i] for i in sorted(self.outputs)], self.error, self.prompt_logprobs)
+
+
+def _logprobs(entries: Iterable[common_pb2.TokenLogprobs]) -> list[tuple[float, dict[int, float]]]:
+    return [(e.logprob, {t.token_id: t.logprob for t in e.top}) for e in entries]
 
 
 def _warn_failed(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -127,6 +143,24 @@ def _engine_configs(model: str, args: dict[str, object]) -> tuple[WorkerConfig, 
 
 def _flags(args: dict[str, object], names: set[str]) -> list[str]:
     return [flag for name, value in args.items() if name in names for flag in service_flag(name, value)]
+
+
+Prompt = str | list[int] | dict[str, object]
+
+
+def _prompt_of(prompt: object) -> str | list[int]:
+    """A prompt of `generate` as text or token ids; TypeError, naming what is accepted, for anything else."""
+    if isinstance(prompt, dict):
+        if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & set(prompt):
+            raise TypeError(f"a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids', got keys "
+                            f"{sorted(prompt)}")
+        (prompt,) = prompt.values()
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise TypeError(f"a prompt is a str, a list of token ids, {{'prompt': str}} or {{'prompt_token_ids': [int]}}, "
+                    f"got {type(prompt).__name__}: {str(prompt)[:80]}")
 
 
 class LLM:
@@ -159,14 +193,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (text or token ids) at once; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        requests = [self._request(p, None) for p in prompts]  # type: ignore[arg-type]
+        """Generates for every prompt at once; outputs in prompt order. A prompt is a text, a list of token ids,
+        or vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt)."""
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item] - one prompt
+        requests = [self._request(_prompt_of(p), None) for p in prompts]  # type: ignore[union-attr]
         return self._run(requests, sampling_params, use_tqdm)
 
     def chat(
@@ -223,37 +258,14 @@ class LLM:
                     collector.add(msg)
                     if collector.done:
                         bar.update(1)
-        outputs = []
-        for req, collector in zip(requests, collectors):
-            out = collector.result()
-            out.prompt = req.prompt or None
-            # A refused prompt may not tokenize either (an empty one): its error says why, it has no tokens.
-            refused = bool(out.error) and not out.outputs
-            out.prompt_token_ids = list(req.prompt_token_ids) or ([] if refused else engine.tokenize(
-                generation_pb2.TokenizeRequest(prompt=req.prompt, messages=req.messages)))
-            outputs.append(out)
-        return _warn_failed(outputs)
+        return _warn_failed([c.result(req.prompt or None) for req, c in zip(requests, collectors)])
 
     async def _gather(self, requests: list[generation_pb2.GenerateRequest], use_tqdm: bool) -> list[RequestOutput]:
         assert self._cluster is not None  # the services' path
         async with open_channel(self._cluster.address, aio=True) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            # Text prompts and conversations: the token ids Generate computes for them (chat template included).
-            tokenize = {i: stub.Tokenize(generation_pb2.TokenizeRequest(prompt=r.prompt, messages=r.messages))
-                        for i, r in enumerate(requests) if not r.prompt_token_ids}
             with tqdm(total=len(requests), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as bar:
                 outputs = await asyncio.gather(*(self._one(stub, req, bar) for req in requests))
-            for i, (req, out) in enumerate(zip(requests, outputs)):
-                out.prompt = req.prompt or None
-                if i in tokenize:
-                    try:
-                        out.prompt_token_ids = list((await tokenize[i]).token_ids)
-                    except grpc.aio.AioRpcError:
-                        if not out.error:
-                            raise
-                        out.prompt_token_ids = []  # refused by Generate too: its error says why
-                else:
-                    out.prompt_token_ids = list(req.prompt_token_ids)
             return _warn_failed(list(outputs))
 
     @staticmethod
@@ -266,7 +278,7 @@ class LLM:
         except grpc.aio.AioRpcError as exc:
             collector.error = f"{exc.code().name}: {exc.details()}"
         bar.update(1)
-        return collector.result()
+        return collector.result(req.prompt or None)
 
     def shutdown(self) -> None:
         """Stops the local services (nothing to stop in process)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from llmserve import LLM, SamplingParams, StructuredOutputsParams
@@ -28,10 +29,32 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
                               use_tqdm=False)
         answer = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=4),
                           use_tqdm=False)
+        # vLLM's prompt dicts (TextPrompt, TokensPrompt), and prompt logprobs.
+        as_dicts = llm.generate([{"prompt": text[0]}, {"prompt_token_ids": ids[1]}],
+                                SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        (scored,) = llm.generate({"prompt_token_ids": ids[0]}, SamplingParams(max_tokens=1, prompt_logprobs=3),
+                                 use_tqdm=False)
+        with pytest.raises(TypeError, match="exactly one of 'prompt'"):
+            llm.generate({"text": "Hi"})
+        with pytest.raises(TypeError, match="a prompt is a str, a list of token ids"):
+            llm.generate(3)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="unknown engine arguments: bogus"):
             LLM(model=str(tiny_llama_dir), bogus=1)
     reference = HFReference(str(tiny_llama_dir))
     assert [o.prompt for o in outputs] == text + [None, None]
+    assert all(o.prompt_logprobs is None for o in outputs)  # not asked for
+    assert [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in as_dicts] == [
+        (o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in (outputs[0], outputs[4])]
+    # Each prompt token's logprob and the top 3 there, as transformers' log_softmax gives them.
+    prompt = ids[0]
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompt)
+    with torch.inference_mode():
+        expected = torch.log_softmax(reference.model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    for position, (logprob, top) in enumerate(scored.prompt_logprobs[1:]):
+        assert abs(logprob - float(expected[position, prompt[position + 1]])) < 1e-4
+        values, top_ids = expected[position].topk(3)
+        assert list(top) == top_ids.tolist()
+        assert max(abs(top[t] - float(v)) for t, v in zip(top_ids.tolist(), values)) < 1e-4
     for out, prompt in zip(outputs, [tokenizer(t).input_ids for t in text] + ids):
         assert out.prompt_token_ids == prompt and out.finished and not out.error
         (completion,) = out.outputs
@@ -54,7 +77,7 @@ def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> 
     prompts = ["The quick brown fox", list(range(700, 760)), "1 2 3", [9] * 40, "Yes or no?", "Call"]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=11, max_tokens=10, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=6, stop=["3"]),
+              SamplingParams(temperature=0.0, max_tokens=6, stop=["3"], prompt_logprobs=2),
               SamplingParams(temperature=0.7, seed=3, max_tokens=9, presence_penalty=0.5),
               # A random model follows a grammar only because the worker masks every other token.
               SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=8,
@@ -73,15 +96,21 @@ def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> 
         assert bad[1].error.startswith("INVALID_ARGUMENT: ") and "prompt is empty" in bad[1].error
         assert (bad[0].outputs, bad[1].outputs, bad[1].prompt_token_ids) == ([], [], [])
         assert not bad[2].error and len(bad[2].outputs[0].token_ids) == 2 and bad[2].prompt_token_ids
-        return [(o.prompt_token_ids, [(c.token_ids, c.text, c.finish_reason, [lp for lp, _ in c.logprobs])
-                                      for c in o.outputs]) for o in outputs]
+        return [(o.prompt_token_ids, o.prompt_logprobs, [(c.token_ids, c.text, c.finish_reason,
+                                                          [lp for lp, _ in c.logprobs]) for c in o.outputs])
+                for o in outputs]
 
     in_process, services = run(False), run(True)
-    choices, (phone,) = [c[1] for c in in_process[4][1]], in_process[5][1]
+    choices, (phone,) = [c[1] for c in in_process[4][2]], in_process[5][2]
     assert set(choices) <= {"yes", "no", "maybe not"} and phone[2] == "stop", (choices, phone)
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", phone[1]), phone
-    assert [p for p, _ in in_process] == [p for p, _ in services]
-    for (_, mine), (_, theirs) in zip(in_process, services):
+    assert [p for p, _, _ in in_process] == [p for p, _, _ in services]
+    # Prompt logprobs where asked (the third prompt), with the same positions left out; values as below.
+    assert [plp is None for _, plp, _ in in_process] == [False if i == 2 else True for i in range(len(prompts))]
+    (_, plp_mine, _), (_, plp_theirs, _) = in_process[2], services[2]
+    assert [e is None for e in plp_mine] == [e is None for e in plp_theirs] == [True] + [False] * (len(plp_mine) - 1)
+    assert [e[0] for e in plp_mine[1:]] == pytest.approx([e[0] for e in plp_theirs[1:]], abs=1e-4)
+    for (_, _, mine), (_, _, theirs) in zip(in_process, services):
         assert [(t, text, reason) for t, text, reason, _ in mine] == [(t, text, reason) for t, text, reason, _ in theirs]
         for (*_, lp_mine), (*_, lp_theirs) in zip(mine, theirs):
             # The two engines batch the requests differently (the services' steps depend on arrival timing), so
