@@ -179,8 +179,9 @@ class SamplingParams:
                 "length_penalty is not effective and must be the default value of 1.0 when not using beam search."
             )
         if self.best_of > 1 and self.greedy:
-            # Several greedy sequences would all be identical.
-            raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
+            # Several greedy sequences would all be identical. Named as the caller set it: n (best_of defaults to n).
+            name, value = ("n", self.n) if self.n > 1 else ("best_of", self.best_of)
+            raise ValueError(f"{name} must be 1 when using greedy sampling (temperature 0), got {value}.")
 
     def check_min_tokens(self) -> None:
         """min_tokens <= max_tokens (admission calls it again once max_tokens=None is resolved)."""

@@ -210,7 +210,7 @@ def test_nan_temperature_is_rejected(admission: Admission) -> None:
 
 
 def test_parallel_sampling_needs_temperature(admission: Admission) -> None:
-    rejects(admission, make_request("hi", n=3, temperature=0.0), "best_of must be 1 when using greedy sampling, got 3")
+    rejects(admission, make_request("hi", n=3, temperature=0.0), "n must be 1 when using greedy sampling (temperature 0), got 3")
     admitted = admission.admit(make_request("hi", n=3, temperature=0.7, seed=4))
     assert admitted.sampling.n == 3 and admitted.sampling.seed == 4
 
@@ -257,7 +257,8 @@ def test_logprobs_range(admission: Admission) -> None:
         (dict(min_tokens=17), "min_tokens must be less than or equal to max_tokens=16, got 17."),
         (dict(prompt_logprobs=21), "prompt_logprobs must be in [0, 20], got 21."),
         (dict(logprobs=21), "logprobs must be in [0, 20], got 21."),
-        (dict(n=2, temperature=0.0), "best_of must be 1 when using greedy sampling, got 2."),
+        (dict(n=2, temperature=0.0), "n must be 1 when using greedy sampling (temperature 0), got 2."),
+        (dict(best_of=3, temperature=0.0), "best_of must be 1 when using greedy sampling (temperature 0), got 3."),
         (dict(use_beam_search=True, best_of=2, temperature=0.0, min_p=0.1), "min_p must be 0 when using beam search."),
         (dict(use_beam_search=True, best_of=2, temperature=0.0, repetition_penalty=1.2),
          "presence_penalty, frequency_penalty and repetition_penalty are not supported with beam search."),
