@@ -109,6 +109,9 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="run a batch of decodes N steps per call to the worker (multi-step scheduling): one "
                         "round trip and one commit for N tokens of every sequence; tokens stream in bursts of N "
                         f"(1..{defaults.MAX_NUM_SCHEDULER_STEPS}; not with --async-scheduling)")
+    g.add_argument("--output-retention", type=int, default=defaults.OUTPUT_RETENTION_S, metavar="SECONDS",
+                   help="how long a finished request's output stays in Redis for Resume and idempotent re-sends; "
+                        "each generated token keeps ~80 bytes there that long")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -373,7 +376,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file, metrics_port=args.metrics_port,
         max_num_queued_requests=args.max_num_queued_requests, max_queued_tokens=args.max_queued_tokens,
         step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling, lease_ttl_s=args.lease_ttl,
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=args.num_scheduler_steps, output_retention_s=args.output_retention,
         liveness_timeout_s=args.liveness_timeout, front_only=args.front_only,
         tls=sec.server_tls_from(args), auth_token=sec.auth_token_from(args), worker_tls=sec.worker_tls_from(args),
         redis=sec.redis_options_from(args),
@@ -397,7 +400,7 @@ _WORKER_PASS = ["dtype", "device", "block-size", "kv-cache-memory", "gpu-memory-
 _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "enable-prefix-caching",
                    "profile-steps", "max-model-len", "log-level", "otlp-endpoint", "trace-file", "metrics-port",
                    "max-num-queued-requests", "max-queued-tokens", "step-timeout", "async-scheduling",
-                   "num-scheduler-steps", "liveness-timeout", "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
+                   "num-scheduler-steps", "output-retention", "liveness-timeout", "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
 # The HTTP front is a client of the scheduler: it trusts the CA and sends the token.
 _HTTP_PASS = ["tls-ca-file", "auth-token-file"]
 

@@ -47,6 +47,8 @@ class SchedulerServiceConfig(SchedulingFlags):
     auth_token: when set, every public call but grpc.health.v1 needs `authorization: Bearer <auth_token>`.
     worker_tls: reach the workers over TLS, presenting a client certificate for their mutual TLS.
     redis: AUTH password and TLS CA for redis_url (rediss://).
+    output_retention_s: how long a finished request's output stream stays in Redis, for Resume and idempotent
+      re-sends; each generated token keeps ~80 bytes there that long (size Redis by output tokens/s x this).
     front_only: serve clients and drive no worker (take no lease, stay out of the replicas' roster), so that
       the client streams' per-token work and the engine loops' per-step work scale on separate replicas.
     """
@@ -65,6 +67,7 @@ class SchedulerServiceConfig(SchedulingFlags):
     num_scheduler_steps: int = defaults.NUM_SCHEDULER_STEPS
     liveness_timeout_s: float = defaults.LIVENESS_TIMEOUT_S
     lease_ttl_s: float = defaults.LEASE_TTL_S
+    output_retention_s: int = defaults.OUTPUT_RETENTION_S
     tls: ServerTLS | None = None
     auth_token: str = field(default="", repr=False)
     worker_tls: ClientTLS | None = None
@@ -78,6 +81,8 @@ class SchedulerServiceConfig(SchedulingFlags):
         for name in ("max_num_queued_requests", "max_queued_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative (0 = unbounded), got {getattr(self, name)}")
+        if self.output_retention_s < 1:
+            raise ValueError(f"output_retention_s must be at least 1 second, got {self.output_retention_s}")
         if not self.lease_ttl_s >= 1:
             raise ValueError(f"lease_ttl_s must be at least 1 second, got {self.lease_ttl_s}")
         for name in ("step_timeout_s", "liveness_timeout_s"):

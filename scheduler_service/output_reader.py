@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from protos import generation_pb2
-from scheduler_service.store import OUTPUT_TTL_SECONDS, RedisStore, StreamState
+from scheduler_service.store import RedisStore, StreamState
 from shared.errors import InvalidRequestError, NotFoundError, OutOfRangeError
 
 
@@ -24,7 +24,7 @@ async def check_resumable(store: RedisStore, request_id: str, from_index: int) -
         raise InvalidRequestError("request_id is required to resume a stream")
     await _check_stream(store, request_id, from_index, (
         f"no request has id {request_id!r}: it was never admitted, or it finished more than "
-        f"{OUTPUT_TTL_SECONDS} s ago and its output stream expired (or Redis lost its data)"
+        f"{store.output_ttl_s} s ago and its output stream expired (or Redis lost its data)"
     ))
 
 

@@ -87,7 +87,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
     timer = startup if startup is not None else StartupTimer()
     stop = asyncio.Event()
     with timer.phase("redis"):
-        store = RedisStore(redis_client.connect(config.redis_url, options=config.redis))
+        store = RedisStore(redis_client.connect(config.redis_url, options=config.redis), config.output_retention_s)
         await store.ping()
     # Listening from the start: the wait for a first worker below wakes as it registers.
     changes = RegistryChanges(store.client)

@@ -11,10 +11,11 @@ from protos import state_pb2
 from scheduler_service import keys
 from scheduler_service import store_scripts as scripts
 from scheduler_service.store_types import StepCommit
+from shared import defaults
 from shared.worker_registry import heartbeat_key
 
-# How long a finished request's output stream stays readable (for late readers).
-OUTPUT_TTL_SECONDS = 3600
+# How long a finished request's output stream stays readable (for late readers), unless configured.
+OUTPUT_TTL_SECONDS = defaults.OUTPUT_RETENTION_S
 
 
 def _append_step_args(c: StepCommit) -> list[object] | None:
@@ -42,8 +43,9 @@ def handed_over_record(record: state_pb2.AdmittedRequest, worker_id: str) -> byt
     return moved.SerializeToString()
 
 
-def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
-    """Queues every write of the step `c` on `pipe` (already in MULTI)."""
+def queue_step_writes(pipe: Pipeline, c: StepCommit, output_ttl_s: int = OUTPUT_TTL_SECONDS) -> None:
+    """Queues every write of the step `c` on `pipe` (already in MULTI); finished requests' outputs are kept for
+    `output_ttl_s` seconds."""
     w = c.worker_id
     for request_id, seq_ids in c.reset_seqs.items():
         for seq_id in seq_ids:
@@ -76,8 +78,8 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit) -> None:
     for request_id, seqs in c.finished_seqs.items():
         pipe.hset(keys.request(request_id), mapping={f"finished:{s}": status for s, status in seqs.items()})
     for request_id in c.finished_requests:
-        pipe.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
-        pipe.expire(keys.digest(request_id), OUTPUT_TTL_SECONDS)  # re-sends attach while the stream is kept
+        pipe.expire(keys.output_stream(request_id), output_ttl_s)
+        pipe.expire(keys.digest(request_id), output_ttl_s)  # re-sends attach while the stream is kept
         pipe.delete(keys.request(request_id))
         pipe.srem(keys.live(w), request_id)
     for record, target in c.handed_over:

@@ -85,8 +85,10 @@ def _indexed_messages(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[g
 class RedisStore:
     """Typed operations over the Redis state."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, output_ttl_s: int = OUTPUT_TTL_SECONDS) -> None:
+        """output_ttl_s: how long a finished request's output stream stays readable (--output-retention)."""
         self._r = client
+        self.output_ttl_s = output_ttl_s
 
     @classmethod
     def from_url(cls, url: str) -> "RedisStore":
@@ -229,7 +231,7 @@ class RedisStore:
                 if current is None or int(current) != c.epoch:
                     raise LeaseLostError(f"worker {w} moved on to epoch {current!r}; this loop's epoch is {c.epoch}")
                 pipe.multi()
-            queue_step_writes(pipe, c)
+            queue_step_writes(pipe, c, self.output_ttl_s)
             if c.pick_up:
                 pipe.lpop(keys.inbox(w), INBOX_BATCH)
                 pipe.lpop(keys.aborts(w), INBOX_BATCH)

@@ -12,6 +12,7 @@ import redis
 
 from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
 from scheduler_service import keys
+from scheduler_service.output_reader import check_resumable
 from scheduler_service.store import (
     INBOX_BATCH,
     OUTPUT_TTL_SECONDS,
@@ -23,7 +24,7 @@ from scheduler_service.store import (
     StepCommit,
     WorkerGoneError,
 )
-from shared.errors import AlreadyExistsError, UnavailableError, status_for
+from shared.errors import AlreadyExistsError, NotFoundError, UnavailableError, status_for
 from shared.worker_registry import WorkerRegistry
 
 W = "w0"
@@ -277,6 +278,20 @@ def test_outputs_are_read_in_order_and_finished_requests_expire(url: str, plain)
         assert plain.ttl(keys.output_stream("b")) == -1
         assert plain.exists(keys.request("b")) == 1
         assert unindexed(await store.read_from("b", 0, block_ms=100)) == [response("b", "X", [9])]
+
+    run(url, body)
+
+
+def test_a_finished_requests_output_is_kept_for_the_configured_retention(url: str, plain) -> None:
+    async def body(store: RedisStore) -> None:
+        kept = RedisStore(store.client, output_ttl_s=120)  # --output-retention 120
+        await kept.admit(record("c"), digest="d1")
+        await kept.commit(StepCommit(W, outputs=[("c", response("c", "!", [4], common_pb2.FINISH_REASON_STOP))],
+                                     finished_requests=["c"], dropped_seqs=[1]))
+        for key in (keys.output_stream("c"), keys.digest("c")):
+            assert 60 < plain.ttl(key) <= 120
+        with pytest.raises(NotFoundError, match="finished more than 120 s ago"):
+            await check_resumable(kept, "gone", 0)
 
     run(url, body)
 

@@ -49,6 +49,7 @@ def test_up_forwards_each_flag_to_its_service() -> None:
     args = build_parser().parse_args([
         "up", "--num-gpu-blocks-override", "64", "--swap-space", "0.5", "--enable-chunked-prefill",
         "--max-num-seqs", "4", "--max-model-len", "512", "--gpu-memory-utilization", "0.8",
+        "--output-retention", "300",
     ])
     worker = _passthrough(args, _WORKER_PASS)
     scheduler = _passthrough(args, _SCHEDULER_PASS)
@@ -57,6 +58,7 @@ def test_up_forwards_each_flag_to_its_service() -> None:
     assert worker[worker.index("--gpu-memory-utilization") + 1] == "0.8"
     assert "--enable-chunked-prefill" in scheduler and "--enable-prefix-caching" not in scheduler
     assert scheduler[scheduler.index("--max-num-seqs") + 1] == "4"
+    assert scheduler[scheduler.index("--output-retention") + 1] == "300"
     assert "--max-model-len" in worker and "--max-model-len" in scheduler
 
 

@@ -181,6 +181,8 @@ def test_watch_survives_a_failing_evaluation_and_stops_on_request() -> None:
 def test_liveness_timeouts_are_validated_and_flagged(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="liveness_timeout_s must be positive, got 0"):
         SchedulerServiceConfig(tokenizer="t", redis_url="redis://r:6379/0", liveness_timeout_s=0)
+    with pytest.raises(ValueError, match="output_retention_s must be at least 1 second, got 0"):
+        SchedulerServiceConfig(tokenizer="t", redis_url="redis://r:6379/0", output_retention_s=0)
     with pytest.raises(ValueError, match="liveness_timeout_s must be positive, got -1"):
         WorkerConfig(model=str(tmp_path), liveness_timeout_s=-1)
     assert SchedulerServiceConfig(tokenizer="t", redis_url="redis://r").liveness_timeout_s > \
