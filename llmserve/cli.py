@@ -111,7 +111,7 @@ def _scheduler_flags(p: argparse.ArgumentParser) -> None:
                         f"(1..{defaults.MAX_NUM_SCHEDULER_STEPS}; not with --async-scheduling)")
     g.add_argument("--output-retention", type=int, default=defaults.OUTPUT_RETENTION_S, metavar="SECONDS",
                    help="how long a finished request's output stays in Redis for Resume and idempotent re-sends; "
-                        "each generated token keeps ~80 bytes there that long")
+                        "each generated token keeps ~50 bytes there that long")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:

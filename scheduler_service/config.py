@@ -48,7 +48,7 @@ class SchedulerServiceConfig(SchedulingFlags):
     worker_tls: reach the workers over TLS, presenting a client certificate for their mutual TLS.
     redis: AUTH password and TLS CA for redis_url (rediss://).
     output_retention_s: how long a finished request's output stream stays in Redis, for Resume and idempotent
-      re-sends; each generated token keeps ~80 bytes there that long (size Redis by output tokens/s x this).
+      re-sends; each generated token keeps ~50 bytes there that long (size Redis by output tokens/s x this).
     front_only: serve clients and drive no worker (take no lease, stay out of the replicas' roster), so that
       the client streams' per-token work and the engine loops' per-step work scale on separate replicas.
     """

@@ -161,7 +161,7 @@ class OutputProcessor:
         self._finish_request(group, commit, error=message)
 
     def _finish_request(self, group: SequenceGroup, commit: StepCommit, error: str) -> None:
-        msg = generation_pb2.GenerateResponse(request_id=group.request_id, error=error)
+        msg = generation_pb2.GenerateResponse(error=error)
         # Clients know indices 0..n-1 only (with best_of > n the extra sequences are never shown).
         for index, seq in enumerate(group.seqs[: group.sampling_params.n]):
             reason = common_pb2.FINISH_REASON_ERROR if error else FINISH_REASONS[seq.status]
@@ -247,7 +247,7 @@ class OutputProcessor:
             state = self._requests[request_id]
             group = state.group
             streams = group.sampling_params.streams_outputs
-            msg = generation_pb2.GenerateResponse(request_id=request_id, outputs=new if streams else [])
+            msg = generation_pb2.GenerateResponse(outputs=new if streams else [])
             if streams or group.is_finished():
                 state.attach_prompt_logprobs(msg)
             if group.is_finished():
@@ -282,7 +282,7 @@ class OutputProcessor:
             state = self._requests[request_id]
             forks += self._beams.step(state, items, candidates, sampled, commit)
             if state.group.is_finished():
-                msg = generation_pb2.GenerateResponse(request_id=request_id)
+                msg = generation_pb2.GenerateResponse()
                 state.attach_prompt_logprobs(msg)
                 best = self._beams.final_outputs(state, self._tokenizer, msg)
                 self._add_final(state.group, msg, commit, best)

@@ -72,11 +72,14 @@ def _unavailable_on_redis_error(method: Callable[_P, Awaitable[_T]]) -> Callable
     return wrapper
 
 
-def _indexed_messages(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[generation_pb2.GenerateResponse]:
-    """An output stream's entries as messages, each with its index (the entry id's sequence number)."""
+def _indexed_messages(request_id: str, entries: list[tuple[bytes, dict[bytes, bytes]]]
+                      ) -> list[generation_pb2.GenerateResponse]:
+    """An output stream's entries as messages of `request_id`, each with its index (the entry id's sequence
+    number). Neither is stored in the entries: the stream's key and the entry id say them."""
     out = []
     for entry_id, fields in entries:
         msg = generation_pb2.GenerateResponse.FromString(fields[b"m"])
+        msg.request_id = request_id
         msg.index = stream_index.index_of(entry_id)
         out.append(msg)
     return out
@@ -340,7 +343,7 @@ class RedisStore:
         `block_ms` for the first one when there is none yet (None: does not wait)."""
         cursor = {keys.output_stream(request_id): stream_index.read_cursor(from_index)}
         reply = await self._r.xread(cursor, block=block_ms)
-        return [msg for _stream, entries in reply or [] for msg in _indexed_messages(entries)]
+        return [msg for _stream, entries in reply or [] for msg in _indexed_messages(request_id, entries)]
 
     @_unavailable_on_redis_error
     async def read_many(
@@ -359,7 +362,8 @@ class RedisStore:
             if stream.decode() == wake_key:
                 wake_id = entries[-1][0].decode()
             else:
-                out[names[stream.decode()]] = _indexed_messages(entries)
+                request_id = names[stream.decode()]
+                out[request_id] = _indexed_messages(request_id, entries)
         return out, wake_id
 
     @_unavailable_on_redis_error

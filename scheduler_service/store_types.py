@@ -105,7 +105,9 @@ class StepCommit:
     # request id -> seq_ids whose stored tokens, status and logprob are wiped before this step's writes
     # (beam search drops beams and reuses their ids).
     reset_seqs: dict[str, list[int]] = field(default_factory=dict)
-    # (request id, message) to publish to the request's output stream.
+    # (request id, message) to publish to the request's output stream. The message leaves its request_id unset:
+    # the stream's key names the request (readers set it), and repeated in every entry it would be ~40 % of
+    # the memory each generated token keeps in Redis.
     outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
     # Requests that entered the running or swapped queue since the last snapshot (the admission queue

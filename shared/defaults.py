@@ -29,5 +29,5 @@ STEP_TIMEOUT_S = 60.0
 LIVENESS_TIMEOUT_S = 300.0
 LEASE_TTL_S = 10.0
 # How long a finished request's output stream (and its digest) stays in Redis for Resume and idempotent re-sends.
-# Each generated token keeps ~80 bytes there that long: Redis memory grows with output tokens/s x retention.
+# Each generated token keeps ~50 bytes there that long: Redis memory grows with output tokens/s x retention.
 OUTPUT_RETENTION_S = 3600

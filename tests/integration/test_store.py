@@ -286,8 +286,11 @@ def test_a_finished_requests_output_is_kept_for_the_configured_retention(url: st
     async def body(store: RedisStore) -> None:
         kept = RedisStore(store.client, output_ttl_s=120)  # --output-retention 120
         await kept.admit(record("c"), digest="d1")
-        await kept.commit(StepCommit(W, outputs=[("c", response("c", "!", [4], common_pb2.FINISH_REASON_STOP))],
-                                     finished_requests=["c"], dropped_seqs=[1]))
+        # As the output processor commits it: without the request id, which the stream's key names.
+        final = response("", "!", [4], common_pb2.FINISH_REASON_STOP)
+        await kept.commit(StepCommit(W, outputs=[("c", final)], finished_requests=["c"], dropped_seqs=[1]))
+        (read,) = await kept.read_from("c", 0, block_ms=None)
+        assert read.request_id == "c" and read.outputs == final.outputs
         for key in (keys.output_stream("c"), keys.digest("c")):
             assert 60 < plain.ttl(key) <= 120
         with pytest.raises(NotFoundError, match="finished more than 120 s ago"):

@@ -134,6 +134,9 @@ def test_the_first_message_of_a_stream_carries_the_prompt_token_ids(tokenizer: o
     messages = _run_steps(processor, scheduler, 4)
     assert len(messages) == 3 and list(messages[0].prompt_token_ids) == [10, 11, 12, 13, 14]
     assert all(not m.prompt_token_ids for m in messages[1:])
+    # No message repeats the request id: its output stream's key names it (the readers set it), and in every entry
+    # it would be ~40 % of what a generated token keeps in Redis.
+    assert all(m.request_id == "" for m in messages)
     # The client keeps them for every sequence.
     assert [c.prompt_token_ids for c in collect_completions(messages)] == [[10, 11, 12, 13, 14]] * 2
 
