@@ -11,11 +11,7 @@ from protos import state_pb2
 from scheduler_service import keys
 from scheduler_service import store_scripts as scripts
 from scheduler_service.store_types import StepCommit
-from shared import defaults
 from shared.worker_registry import heartbeat_key
-
-# How long a finished request's output stream stays readable (for late readers), unless configured.
-OUTPUT_TTL_SECONDS = defaults.OUTPUT_RETENTION_S
 
 
 def _append_step_args(c: StepCommit) -> list[object] | None:
@@ -43,7 +39,7 @@ def handed_over_record(record: state_pb2.AdmittedRequest, worker_id: str) -> byt
     return moved.SerializeToString()
 
 
-def queue_step_writes(pipe: Pipeline, c: StepCommit, output_ttl_s: int = OUTPUT_TTL_SECONDS) -> None:
+def queue_step_writes(pipe: Pipeline, c: StepCommit, output_ttl_s: int) -> None:
     """Queues every write of the step `c` on `pipe` (already in MULTI); finished requests' outputs are kept for
     `output_ttl_s` seconds."""
     w = c.worker_id

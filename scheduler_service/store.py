@@ -35,14 +35,14 @@ from scheduler_service.store_types import (
     with_progress,
 )
 from scheduler_service.leases import LeaseLostError
-from scheduler_service.step_writes import OUTPUT_TTL_SECONDS, queue_step_writes
-from shared import redis_client
+from scheduler_service.step_writes import queue_step_writes
+from shared import defaults, redis_client
 from shared.errors import UnavailableError
 from shared.worker_registry import heartbeat_key
 
 # The records are part of the store's API: callers import them from here with RedisStore.
 __all__ = [
-    "INBOX_BATCH", "OUTPUT_TTL_SECONDS", "PREFIX_TTL_SECONDS", "AdmitOutcome", "CacheStats", "DuplicateRequestError",
+    "INBOX_BATCH", "PREFIX_TTL_SECONDS", "AdmitOutcome", "CacheStats", "DuplicateRequestError",
     "Pickup", "QueueFullError", "QueueLimits", "RedisStore", "RestoredRequest", "StepCommit",
     "StoredEngineState", "StreamInfo", "StreamState", "WorkerGoneError",
 ]
@@ -88,7 +88,7 @@ def _indexed_messages(request_id: str, entries: list[tuple[bytes, dict[bytes, by
 class RedisStore:
     """Typed operations over the Redis state."""
 
-    def __init__(self, client: aioredis.Redis, output_ttl_s: int = OUTPUT_TTL_SECONDS) -> None:
+    def __init__(self, client: aioredis.Redis, output_ttl_s: int = defaults.OUTPUT_RETENTION_S) -> None:
         """output_ttl_s: how long a finished request's output stream stays readable (--output-retention)."""
         self._r = client
         self.output_ttl_s = output_ttl_s

@@ -36,7 +36,7 @@ class StreamState(enum.Enum):
 
     # Admitted and not finished: more messages will come.
     LIVE = "live"
-    # Finished; its stream is still kept (OUTPUT_TTL_SECONDS) and complete.
+    # Finished; its stream is still kept (--output-retention) and complete.
     FINISHED = "finished"
     # No such request, or its stream expired.
     GONE = "gone"

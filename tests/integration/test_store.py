@@ -12,10 +12,10 @@ import redis
 
 from protos import common_pb2, generation_pb2, state_pb2, worker_pb2
 from scheduler_service import keys
+from shared import defaults
 from scheduler_service.output_reader import check_resumable
 from scheduler_service.store import (
     INBOX_BATCH,
-    OUTPUT_TTL_SECONDS,
     CacheStats,
     DuplicateRequestError,
     Pickup,
@@ -271,8 +271,8 @@ def test_outputs_are_read_in_order_and_finished_requests_expire(url: str, plain)
         assert await store.read_from("a", 3, block_ms=200) == []
         assert time.monotonic() - t0 >= 0.15
         # Finished: the stream lingers with a TTL, the request record is gone.
-        assert 0 < plain.ttl(keys.output_stream("a")) <= OUTPUT_TTL_SECONDS
-        assert plain.ttl(keys.output_stream("a")) > OUTPUT_TTL_SECONDS - 60
+        assert 0 < plain.ttl(keys.output_stream("a")) <= defaults.OUTPUT_RETENTION_S
+        assert plain.ttl(keys.output_stream("a")) > defaults.OUTPUT_RETENTION_S - 60
         assert plain.exists(keys.request("a")) == 0
         # The unfinished request keeps its record and a stream without TTL.
         assert plain.ttl(keys.output_stream("b")) == -1

@@ -16,8 +16,9 @@ import redis
 
 from protos import common_pb2, generation_pb2, state_pb2
 from scheduler_service import keys
+from shared import defaults
 from scheduler_service.leases import LeaseLostError
-from scheduler_service.store import OUTPUT_TTL_SECONDS, CacheStats, RedisStore, StepCommit
+from scheduler_service.store import CacheStats, RedisStore, StepCommit
 from shared.redis_dump import redis_state
 from shared.worker_registry import heartbeat_key
 
@@ -59,8 +60,8 @@ def apply_reference(r: redis.Redis, c: StepCommit) -> None:
         for s, status in seqs.items():
             r.hset(keys.request(request_id), f"finished:{s}", status)
     for request_id in c.finished_requests:
-        r.expire(keys.output_stream(request_id), OUTPUT_TTL_SECONDS)
-        r.expire(keys.digest(request_id), OUTPUT_TTL_SECONDS)
+        r.expire(keys.output_stream(request_id), defaults.OUTPUT_RETENTION_S)
+        r.expire(keys.digest(request_id), defaults.OUTPUT_RETENTION_S)
         r.delete(keys.request(request_id))
         r.srem(keys.live(c.worker_id), request_id)
     for rec, target in c.handed_over:

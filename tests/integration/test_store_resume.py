@@ -13,9 +13,9 @@ import pytest
 
 from protos import common_pb2, generation_pb2
 from scheduler_service import keys
+from shared import defaults
 from scheduler_service.output_reader import check_resumable, follow
 from scheduler_service.store import (
-    OUTPUT_TTL_SECONDS,
     AdmitOutcome,
     DuplicateRequestError,
     QueueFullError,
@@ -83,7 +83,7 @@ def test_stream_info_tells_live_finished_and_gone(url: str, plain) -> None:
         assert await store.stream_info("r") == StreamInfo(StreamState.LIVE, 1)
         await store.commit(StepCommit(W, outputs=[("r", final("r", [2]))], finished_requests=["r"]))
         assert await store.stream_info("r") == StreamInfo(StreamState.FINISHED, 2)
-        plain.delete(keys.output_stream("r"))  # what the TTL does after OUTPUT_TTL_SECONDS
+        plain.delete(keys.output_stream("r"))  # what the TTL does after defaults.OUTPUT_RETENTION_S
         assert await store.stream_info("r") == StreamInfo(StreamState.GONE, 0)
 
     run(url, body)
@@ -105,7 +105,7 @@ def test_the_same_request_reattaches_while_live_and_while_kept(url: str, plain) 
         assert [r.seq_ids for r in (await store.commit(StepCommit(W))).admitted] == [[1]]
         await store.commit(StepCommit(W, outputs=[("idem", final("idem", [5]))], finished_requests=["idem"]))
         # Finished: the digest lives as long as the stream, and a re-send attaches to the kept stream.
-        assert 0 < plain.ttl(keys.digest("idem")) <= OUTPUT_TTL_SECONDS
+        assert 0 < plain.ttl(keys.digest("idem")) <= defaults.OUTPUT_RETENTION_S
         assert await store.admit(record("idem", seq_ids=[3]), digest="d1") is AdmitOutcome.ATTACHED
         assert plain.llen(keys.inbox(W)) == 0 and plain.xlen(keys.output_stream("idem")) == 1
         # Another request under the finished id starts afresh (as before): old outputs and digest replaced.
