@@ -450,7 +450,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"llmserve is up: Generation API on {cluster.address}{http} (logs in {cluster.log_dir}); "
               "Ctrl-C stops it", flush=True)
         while not stop.wait(0.5):
-            pass
+            # A service that died is not restarted here: the others would serve nothing (or half) in silence.
+            if gone := cluster.exited():
+                print(f"llmserve up: error: {gone}\nstopping the other services", file=sys.stderr, flush=True)
+                return 1
         print("stopping (the worker drains first; Ctrl-C again kills)...", flush=True)
     finally:
         cluster.stop()

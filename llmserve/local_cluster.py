@@ -274,10 +274,18 @@ class LocalCluster:
             f"{self.tail('scheduler')}\n{self.tail('worker')}"
         )
 
-    def _check_alive(self) -> None:
+    def exited(self) -> str:
+        """What ended, when a service (or the embedded Redis) is no longer running: its exit code and its log's
+        tail; "" while all run."""
         for role, proc in self._procs.items():
             if proc.poll() is not None:
-                raise ClusterStartError(f"the {role} exited with code {proc.returncode}:\n{self.tail(role)}")
+                return f"the {role} exited with code {proc.returncode}:\n{self.tail(role)}"
+        code = self._redis.exit_code() if self._redis is not None else None
+        return f"the embedded Redis exited with code {code}" if code is not None else ""
+
+    def _check_alive(self) -> None:
+        if gone := self.exited():
+            raise ClusterStartError(gone)
 
     def _wait_ready(self) -> None:
         if not wait_serving(self.address, self.spec.start_timeout_s, self._check_alive, self.spec.tls_ca_file):
@@ -310,6 +318,10 @@ class LocalCluster:
         A restarted worker must be registered and a restarted scheduler SERVING (their ready events);
         either way the scheduler's API then answers SERVING.
         """
+        running = self._procs.get(role)
+        if running is not None and running.poll() is None:
+            # A second process of the role would be untracked, and outlive stop().
+            raise RuntimeError(f"the {role} is still running: kill or terminate it before restarting it")
         self._spawn(role, self._args[role])
         if role == "openai":
             self._wait_http_ready()

@@ -103,6 +103,10 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
+    def exit_code(self) -> int | None:
+        """The server's exit code once it has exited; None while it runs (or before it is launched)."""
+        return self._proc.poll() if self._proc is not None else None
+
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
         """Starts the server and waits until it answers."""
         self.launch()

@@ -66,6 +66,12 @@ def _send_in_background(cluster: LocalCluster, req: generation_pb2.GenerateReque
     threading.Thread(target=send, daemon=True).start()
 
 
+def test_a_running_service_is_not_started_twice(cluster: LocalCluster) -> None:
+    # A second scheduler process would be untracked: it would outlive the cluster's stop().
+    with pytest.raises(RuntimeError, match="the scheduler is still running: kill or terminate it"):
+        cluster.restart("scheduler")
+
+
 def test_a_new_scheduler_continues_from_redis(cluster: LocalCluster, tiny_llama_dir: Path) -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(5, 80))] for _ in range(6)]

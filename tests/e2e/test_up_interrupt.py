@@ -48,3 +48,19 @@ def test_a_second_ctrl_c_kills_what_is_left(tiny_llama_dir: Path, tmp_path: Path
         proc.communicate(timeout=10)
         time.sleep(0.5)
         assert [pid for pid in services if alive(pid)] == []
+
+
+def test_up_stops_and_says_so_when_a_service_dies(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A worker that dies (a killed tensor-parallel rank takes it down too) leaves nothing to serve: `up` exits
+    with status 1 naming it and stops the others, instead of running on with requests that cannot complete."""
+    with up(tiny_llama_dir, tmp_path) as running:
+        proc, services = running.proc, running.services
+        worker = next(pid for pid in services if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(worker, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1, out
+        assert "llmserve up: error: the worker exited with code -9" in out
+        deadline = time.monotonic() + 30  # stop() waits for each service; the reaping may lag a little
+        while [pid for pid in services if alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in services if alive(pid)] == []
