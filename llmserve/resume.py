@@ -13,6 +13,7 @@ so its caller sees one uninterrupted stream, with no message lost or repeated.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import grpc
 
 from protos import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 # A lost replica's channel retries its connection with a backoff that gRPC grows up to 120 s by default;
@@ -138,6 +141,10 @@ class ResumingStream(Iterator[generation_pb2.GenerateResponse]):
         delay = self._policy.backoff_s(self._failures)
         if now + delay >= give_up_at:
             raise cause
+        if self._failures == 0:
+            # Once a break: a caller waiting on a server with no worker (or none at all) learns why it waits.
+            log.warning("request %s: %s (%s); retrying for up to %.0f s", self.request_id,
+                        cause.code().name, cause.details(), give_up_at - now)  # type: ignore[attr-defined]
         self._sleep(delay)
         self._failures += 1
         self._address = (self._address + 1) % len(self._stubs)

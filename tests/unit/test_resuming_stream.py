@@ -20,6 +20,9 @@ class FakeError(grpc.RpcError):
     def code(self) -> grpc.StatusCode:
         return self._code
 
+    def details(self) -> str:
+        return "no worker is ready" if self._code == grpc.StatusCode.UNAVAILABLE else ""
+
 
 @dataclass
 class FakeCall:
@@ -133,7 +136,7 @@ def test_other_errors_are_raised_at_once() -> None:
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and len(log) == 1 and clock.slept == []
 
 
-def test_it_backs_off_and_gives_up_after_max_wait_without_a_deadline() -> None:
+def test_it_backs_off_and_gives_up_after_max_wait_without_a_deadline(caplog: pytest.LogCaptureFixture) -> None:
     policy = ResumePolicy(initial_backoff_s=0.5, max_backoff_s=2.0, max_wait_s=6.0)
     stream, log, clock = make([[FakeCall([msg(0, 1), UNAVAILABLE])] + [FakeCall([UNAVAILABLE]) for _ in range(10)]],
                               policy=policy)
@@ -144,6 +147,9 @@ def test_it_backs_off_and_gives_up_after_max_wait_without_a_deadline() -> None:
     # 0.5 + 1 + 2 + 2 = 5.5 s; a further 2 s would pass max_wait_s.
     assert clock.slept == [0.5, 1.0, 2.0, 2.0]
     assert [entry[1:3] for entry in log[1:]] == [("Resume", ("r", 1))] * 4
+    # The caller is told once why it waits, not at every retry.
+    assert [r.getMessage() for r in caplog.records if r.name == "llmserve.resume"] == [
+        "request r: UNAVAILABLE (no worker is ready); retrying for up to 6 s"]
 
 
 def test_it_gives_up_at_the_call_deadline_and_passes_the_time_left() -> None:
