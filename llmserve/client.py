@@ -118,6 +118,11 @@ class GenerationClient:
         return collect_completions(self.stream(request, timeout))
 
 
+def stop_reason_of(delta: generation_pb2.CompletionDelta) -> int | str | None:
+    """vLLM's `stop_reason` of a delta: the stop token id as an int, the stop string as text; None otherwise."""
+    return delta.stop_token_id if delta.HasField("stop_token_id") else (delta.stop_reason or None)
+
+
 def collect_completions(messages: Iterable[generation_pb2.GenerateResponse]) -> list[Completion]:
     """One Completion per sequence, in index order, from a request's messages (its whole stream)."""
     outs: dict[int, Completion] = {}

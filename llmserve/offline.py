@@ -31,6 +31,7 @@ from types import TracebackType
 import grpc
 from tqdm import tqdm
 
+from llmserve.client import stop_reason_of
 from llmserve.engine import InProcessEngine
 from llmserve.local_cluster import ClusterSpec, LocalCluster, service_flag
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
@@ -60,7 +61,8 @@ class CompletionOutput:
     # One entry per token when the request asked for logprobs: (token's logprob, {top token id: logprob}).
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    # The stop string, or the stop token id (an int), that ended the sequence (vLLM's).
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -108,7 +110,7 @@ class _Collector:
             out.logprobs.extend(_logprobs(delta.logprobs))
             if delta.finish_reason:
                 out.finish_reason = _FINISH.get(delta.finish_reason)
-                out.stop_reason = delta.stop_reason or None
+                out.stop_reason = stop_reason_of(delta)
         self.error = msg.error or self.error
         # The last message of a stream carries the usage (and an error ends it too).
         self.done |= msg.HasField("usage") or bool(msg.error)

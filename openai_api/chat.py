@@ -12,7 +12,8 @@ from typing import Any
 from openai_api.engine_client import GenerationStream
 from openai_api.errors import failed_after_admission
 from openai_api.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
-from openai_api.outputs import collect, finish_reason, merge, stop_reason
+from llmserve.client import stop_reason_of
+from openai_api.outputs import collect, finish_reason, merge
 from openai_api.prompts import PromptInfo
 from openai_api.protocol import ChatCompletionRequest, Usage
 from openai_api.streaming import ChunkHeader
@@ -38,7 +39,7 @@ async def chat_chunks(
                 continue
             logprobs = chat_logprobs(namer, list(delta.token_ids), list(delta.logprobs)) if req.logprobs else None
             choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                      "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason(delta)}
+                      "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason_of(delta)}
             if req.return_token_ids:
                 choice["token_ids"] = list(delta.token_ids)
             choices.append(choice)

@@ -14,7 +14,8 @@ from typing import Any
 from openai_api.engine_client import GenerationStream
 from openai_api.errors import failed_after_admission
 from openai_api.logprobs import TokenNamer, completion_logprobs, prompt_logprobs
-from openai_api.outputs import collect, finish_reason, merge, stop_reason
+from llmserve.client import stop_reason_of
+from openai_api.outputs import collect, finish_reason, merge
 from openai_api.prompts import PromptInfo
 from openai_api.protocol import CompletionRequest, Usage
 from openai_api.streaming import ChunkHeader
@@ -42,7 +43,7 @@ async def completion_chunks(
             choice = _choice(req, namer, index, prompt, delta.text, list(delta.token_ids), list(delta.logprobs),
                              offsets[index])
             offsets[index] += len(choice["text"])
-            choices.append({**choice, "finish_reason": reason, "stop_reason": stop_reason(delta)})
+            choices.append({**choice, "finish_reason": reason, "stop_reason": stop_reason_of(delta)})
         if choices:
             yield header.chunk(choices)
         if msg.error:

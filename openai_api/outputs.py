@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from llmserve.client import stop_reason_of
 from openai_api.engine_client import GenerationStream
 from openai_api.errors import failed_after_admission
 from openai_api.protocol import Usage
@@ -25,11 +26,6 @@ _FINISH_REASONS = {
 def finish_reason(delta: generation_pb2.CompletionDelta) -> str | None:
     """OpenAI's finish_reason of a delta; None while the sequence runs."""
     return _FINISH_REASONS.get(delta.finish_reason)
-
-
-def stop_reason(delta: generation_pb2.CompletionDelta) -> str | None:
-    """vLLM's extra `stop_reason`: the stop string (or token id) that ended the sequence."""
-    return delta.stop_reason or None
 
 
 async def merge(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
@@ -75,7 +71,7 @@ class SequenceOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -98,7 +94,8 @@ async def collect(streams: list[GenerationStream], n: int) -> CollectedOutputs:
             seq.token_ids.extend(delta.token_ids)
             seq.logprobs.extend(delta.logprobs)
             seq.finish_reason = finish_reason(delta) or seq.finish_reason
-            seq.stop_reason = stop_reason(delta) or seq.stop_reason
+            if (reason := stop_reason_of(delta)) is not None:  # token id 0 is a stop reason too
+                seq.stop_reason = reason
         if msg.HasField("usage"):
             out.usage.add(msg.usage.prompt_tokens, msg.usage.completion_tokens)
     return out

@@ -24,7 +24,7 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.scheduler_output import ScheduledSequence
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.request_state import FINISH_REASONS, RequestState
+from scheduler_service.request_state import FINISH_REASONS, RequestState, stop_fields
 from scheduler_service.store import StepCommit
 from shared.sampling_params import SamplingParams
 
@@ -148,9 +148,9 @@ class BeamProcessor:
                                                  params.spaces_between_special_tokens)
             detokenizer.step(seq.output_token_ids)
             last = seq.output_token_ids[-1] if seq.output_token_ids else None
-            stop_reason = str(last) if last in params.stop_token_ids else ""
             msg.outputs.add(
                 index=index, text=detokenizer.output_text, token_ids=seq.output_token_ids,
-                finish_reason=FINISH_REASONS[seq.status], stop_reason=stop_reason,
+                finish_reason=FINISH_REASONS[seq.status],
+                **stop_fields(last if last in params.stop_token_ids else None),
             )
         return best

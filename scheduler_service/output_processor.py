@@ -15,7 +15,7 @@ from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.core.stop_checker import check_stop, held_back_stop_strings, streamable_text_length
 from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.request_state import FINISH_REASONS, REASON_LABELS, RequestState, SeqOutput
+from scheduler_service.request_state import FINISH_REASONS, REASON_LABELS, RequestState, SeqOutput, stop_fields
 from scheduler_service.store import RestoredRequest, StepCommit
 from shared.metrics import RequestTimings
 from shared.sampling_proto import sampling_from_proto
@@ -307,5 +307,6 @@ class OutputProcessor:
             self._scheduler.finish_sequence(group, seq, decision.status)
             delta.finish_reason = FINISH_REASONS[decision.status]
             if decision.reason is not None:
-                delta.stop_reason = out.stop_reason = str(decision.reason)
+                out.stop_reason = decision.reason
+                delta.MergeFrom(generation_pb2.CompletionDelta(**stop_fields(decision.reason)))
         return delta

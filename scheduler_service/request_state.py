@@ -21,6 +21,15 @@ REASON_LABELS = {
 }
 
 
+def stop_fields(reason: str | int | None) -> dict[str, object]:
+    """A CompletionDelta's fields for what stopped its sequence: a stop string, or a stop token id (also as text)."""
+    if reason is None:
+        return {}
+    if isinstance(reason, int):
+        return {"stop_reason": str(reason), "stop_token_id": reason}
+    return {"stop_reason": reason}
+
+
 @dataclass
 class SeqOutput:
     """Per-sequence streaming state."""
@@ -28,7 +37,8 @@ class SeqOutput:
     index: int
     detokenizer: IncrementalDetokenizer
     sent_chars: int = 0
-    stop_reason: str = ""
+    # The stop string or stop token id that ended the sequence (StopDecision.reason).
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -85,6 +95,6 @@ class RequestState:
             out = self.seqs[seq.seq_id]
             msg.outputs.add(
                 index=index, text=out.detokenizer.output_text, token_ids=seq.output_token_ids,
-                finish_reason=FINISH_REASONS[seq.status], stop_reason=out.stop_reason,
+                finish_reason=FINISH_REASONS[seq.status], **stop_fields(out.stop_reason),
             )
         return best

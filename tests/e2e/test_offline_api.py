@@ -34,6 +34,9 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
                                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         (scored,) = llm.generate({"prompt_token_ids": ids[0]}, SamplingParams(max_tokens=1, prompt_logprobs=3),
                                  use_tqdm=False)
+        (stopped,) = llm.generate([ids[1]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                           logit_bias={777: 100.0}, stop_token_ids=[777]),
+                                  use_tqdm=False)
         with pytest.raises(TypeError, match="exactly one of 'prompt'"):
             llm.generate({"text": "Hi"})
         with pytest.raises(TypeError, match="a prompt is a str, a list of token ids"):
@@ -43,6 +46,8 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
     reference = HFReference(str(tiny_llama_dir))
     assert [o.prompt for o in outputs] == text + [None, None]
     assert all(o.prompt_logprobs is None for o in outputs)  # not asked for
+    # vLLM's stop_reason: a stop token id is an int.
+    assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", 777)
     assert [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in as_dicts] == [
         (o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in (outputs[0], outputs[4])]
     # Each prompt token's logprob and the top 3 there, as transformers' log_softmax gives them.

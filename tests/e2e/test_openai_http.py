@@ -228,6 +228,24 @@ def test_logit_bias_and_allowed_token_ids_steer_the_worker(cluster: LocalCluster
     assert word not in reply.json()["choices"][0]["logprobs"]["tokens"], (word, reply.json())
 
 
+def test_stop_reason_is_the_stop_string_or_the_stop_token_id_as_vllm_gives_them(cluster: LocalCluster) -> None:
+    """A stop token id comes back as an int (0 included), a stop string as a string, streamed or not."""
+    url = cluster.http_url
+    base = {"model": MODEL, "prompt": list(range(40, 52)), "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    for token in (777, 0):
+        forced = {**base, "logit_bias": {str(token): 100}, "stop_token_ids": [token]}
+        reply = httpx.post(f"{url}/v1/completions", json=forced, timeout=60)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", token), choice
+        last = _chunks(f"{url}/v1/completions", forced)[-1]["choices"][0]
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", token), last
+    text = httpx.post(f"{url}/detokenize", json={"tokens": [777]}, timeout=30).json()["prompt"]
+    by_text = {**base, "logit_bias": {"777": 100}, "stop": [text]}
+    choice = httpx.post(f"{url}/v1/completions", json=by_text, timeout=60).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", text), choice
+
+
 def _chunks(url: str, body: dict) -> list[dict]:
     """The chunks of a streamed response, [DONE] checked and left out."""
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as reply:
