@@ -300,13 +300,13 @@ class OutputProcessor:
             out.detokenizer.truncate(decision.truncate_text_to)
         text = out.detokenizer.output_text
         end = streamable_text_length(text, held_back_stop_strings(params), decision.finished)
-        delta = generation_pb2.CompletionDelta(index=out.index, text=text[out.sent_chars:end], token_ids=[token])
+        stop = stop_fields(decision.reason) if decision.finished else {}
+        delta = generation_pb2.CompletionDelta(index=out.index, text=text[out.sent_chars:end], token_ids=[token],
+                                               **stop)
         out.sent_chars = max(out.sent_chars, end)
         if decision.finished:
             assert decision.status is not None  # guaranteed by StopDecision's invariant
             self._scheduler.finish_sequence(group, seq, decision.status)
             delta.finish_reason = FINISH_REASONS[decision.status]
-            if decision.reason is not None:
-                out.stop_reason = decision.reason
-                delta.MergeFrom(generation_pb2.CompletionDelta(**stop_fields(decision.reason)))
+            out.stop_reason = decision.reason
         return delta
