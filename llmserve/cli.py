@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from llmserve import security_flags as sec
 from shared import defaults
 from shared.startup_heap import pause_collection
-from shared.startup_timer import StartupReport, StartupTimer
+from shared.startup_timer import NUMBA_COMPILE_NOTE, StartupReport, StartupTimer
 
 ENV_PREFIX = "LLMSERVE_"
 
@@ -172,6 +172,13 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
 
 
+def _start_timeout_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--start-timeout", type=float, default=defaults.LOCAL_START_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds the services may take to start before it gives up (a first start on a machine "
+                        "compiles the CPU kernels: ~4 min on 2 cores); while they start it says every "
+                        f"{defaults.START_PROGRESS_EVERY_S:.0f} s what it waits for")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded redis-server")
     p.add_argument("--log-dir", default="", help="where the services write their logs (default: a temp dir)")
+    _start_timeout_flag(p)
     p.add_argument("--http-port", type=int, default=None,
                    help="also start the OpenAI-compatible HTTP API (`llmserve openai`) on this port")
     _liveness_flag(p, "the engine loop holds requests but completes no step, or a worker step runs")
@@ -192,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flag(p)
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
     p.add_argument("--log-dir", default="", help="where the services write their logs (default: a temp dir)")
+    _start_timeout_flag(p)
     _common_flags(p)
 
     p = sub.add_parser("worker", help="run a worker (model + paged KV cache)")
@@ -323,7 +332,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     pause_collection()  # until the worker has loaded (shared/startup_heap.py)
     prefer_short_spins()
     timer = _startup_timer(args)
-    with timer.phase("imports"):
+    with timer.phase("imports", note=NUMBA_COMPILE_NOTE):  # the kernels compile as their modules load
         import asyncio  # noqa: PLC0415 - keep `llmserve --help` and `up` fast
 
         from worker_service.config import WorkerConfig  # noqa: PLC0415
@@ -405,6 +414,15 @@ _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-pre
 _HTTP_PASS = ["tls-ca-file", "auth-token-file"]
 
 
+def _check_start_timeout(args: argparse.Namespace) -> None:
+    if not args.start_timeout > 0:
+        raise ValueError(f"{args.command}: --start-timeout must be positive, got {args.start_timeout}")
+
+
+def _say_progress(line: str) -> None:
+    print(f"llmserve: {line}", flush=True)
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     timer = _startup_timer(args, cpu=False)
     with timer.phase("imports"):
@@ -413,6 +431,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.tls_cert_file and not args.tls_ca_file:
         raise ValueError("up: --tls-cert-file needs --tls-ca-file, the CA that signed it: `up` checks the "
                          "scheduler's readiness and the HTTP front reaches it over TLS")
+    _check_start_timeout(args)
     spec = ClusterSpec(
         model=_resolve_model(args.model), host=args.host, port=args.port, redis_url=args.redis_url,
         worker_args=_passthrough(args, _WORKER_PASS) + (["--metrics-port", str(args.metrics_port + 1)]
@@ -420,10 +439,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         scheduler_args=_passthrough(args, _SCHEDULER_PASS),
         log_dir=args.log_dir, http_port=args.http_port,
         http_args=_passthrough(args, _HTTP_PASS) + _engine_metrics_flags(args.host, args.metrics_port),
-        tls_ca_file=args.tls_ca_file,
+        tls_ca_file=args.tls_ca_file, start_timeout_s=args.start_timeout,
     )
     stop = threading.Event()
-    cluster = LocalCluster(spec, startup=timer)
+    cluster = LocalCluster(spec, startup=timer, progress=_say_progress)
 
     def _stop(signum: int, frame: object) -> None:
         if stop.is_set():  # a second Ctrl-C: no more waiting for the orderly stop
@@ -521,7 +540,9 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from llmserve.demo import run_demo  # noqa: PLC0415
 
-    return run_demo(_resolve_model(args.model), args.max_tokens, args.max_model_len, args.log_dir)
+    _check_start_timeout(args)
+    return run_demo(_resolve_model(args.model), args.max_tokens, args.max_model_len, args.log_dir,
+                    args.start_timeout, _say_progress)
 
 
 def _cmd_prepare_model(args: argparse.Namespace) -> int:

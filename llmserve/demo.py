@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 from llmserve.client import GenerationClient, make_request
-from llmserve.local_cluster import ClusterSpec, LocalCluster
+from llmserve.local_cluster import ClusterSpec, ClusterStartError, LocalCluster
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -15,11 +16,18 @@ DEMO_PROMPTS = [
 ]
 
 
-def run_demo(model: str, max_tokens: int, max_model_len: int, log_dir: str) -> int:
+def run_demo(model: str, max_tokens: int, max_model_len: int, log_dir: str, start_timeout_s: float,
+             progress: Callable[[str], None]) -> int:
     """Streams each prompt's answer to stdout; returns a process exit code."""
     worker_args = ["--max-model-len", str(max_model_len)] if max_model_len else ["--max-model-len", "2048"]
     print("Starting Redis, a worker and a scheduler on localhost...", flush=True)
-    with LocalCluster(ClusterSpec(model=model, worker_args=worker_args, log_dir=log_dir)) as cluster:
+    spec = ClusterSpec(model=model, worker_args=worker_args, log_dir=log_dir, start_timeout_s=start_timeout_s)
+    try:
+        cluster = LocalCluster(spec, progress=progress).start()
+    except ClusterStartError as exc:
+        print(f"llmserve demo: error: {exc}", file=sys.stderr)
+        return 1
+    try:
         print(f"Serving after {cluster.startup_report().summary()}: Generation API on {cluster.address}\n",
               flush=True)
         with GenerationClient(cluster.address) as client:
@@ -35,4 +43,6 @@ def run_demo(model: str, max_tokens: int, max_model_len: int, log_dir: str) -> i
                     sys.stdout.flush()
                 print(f"\n    [{tokens} tokens in {time.monotonic() - t0:.1f}s]\n", flush=True)
         print("Stopping the local server.", flush=True)
+    finally:
+        cluster.stop()
     return 0

@@ -116,7 +116,7 @@ class ClusterSpec:
     log_dir: str = ""
     http_port: int | None = None
     http_args: list[str] = field(default_factory=list)
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = defaults.LOCAL_START_TIMEOUT_S
     # Security. Secrets travel in the services' environment, never on their command lines.
     tls_ca_file: str = ""  # the scheduler serves TLS (--tls-cert-file in scheduler_args) signed by this CA
     redis_password: str = field(default="", repr=False)  # the embedded Redis requires it; services get it in env
@@ -132,11 +132,19 @@ class LocalCluster:
 
     startup: the timer start() adds its phases to (`llmserve up` passes its own, started with the
     command); startup_report() then says where the time went.
+    progress: called with a line every `progress_every_s` of a start-up that is still waiting (which
+    service, for how long, its log's last line); None: start() says nothing.
     """
 
-    def __init__(self, spec: ClusterSpec, startup: StartupTimer | None = None) -> None:
+    def __init__(self, spec: ClusterSpec, startup: StartupTimer | None = None,
+                 progress: Callable[[str], None] | None = None,
+                 progress_every_s: float = defaults.START_PROGRESS_EVERY_S) -> None:
         self.spec = spec
         self._startup = startup
+        self._progress = progress
+        self._progress_every_s = progress_every_s
+        self._begun = time.monotonic()
+        self._last_reported = ""
         self._pipes = ReadyPipes()
         self.port = spec.port or free_port(spec.host)
         self.worker_port = free_port(spec.host)
@@ -202,7 +210,7 @@ class LocalCluster:
         timer = self._startup if self._startup is not None else StartupTimer(cpu_clock=None)
         self._startup = timer
         try:
-            begun = time.monotonic()
+            begun = self._begun = time.monotonic()
             if not self.redis_url:
                 # Launched, not waited for: the services need it only after their imports, seconds later.
                 self._redis = RedisServer(host=self.spec.host, password=self.spec.redis_password).launch()
@@ -257,9 +265,15 @@ class LocalCluster:
 
     def _wait_for(self, wanted: list[tuple[str, str]]) -> None:
         """Waits for these (role, event) notices; ClusterStartError when a service exits or the time is up."""
+        deadline = time.monotonic() + self.spec.start_timeout_s
         try:
-            if self._pipes.wait(wanted, time.monotonic() + self.spec.start_timeout_s):
-                return
+            while True:
+                news_by = min(deadline, time.monotonic() + self._progress_every_s) if self._progress else deadline
+                if self._pipes.wait(wanted, news_by):
+                    return
+                if time.monotonic() >= deadline:
+                    break
+                self._report_waiting(wanted)
         except PipeClosedError as exc:
             proc = self._procs[exc.role]
             try:
@@ -270,9 +284,21 @@ class LocalCluster:
                                     f"{self.tail(exc.role)}") from None
         missing = [f"{role} {event}" for role, event in wanted if self._pipes.notice(role, event) is None]
         raise ClusterStartError(
-            f"no {', '.join(missing)} after {self.spec.start_timeout_s}s:\n"
+            f"no {', '.join(missing)} after {self.spec.start_timeout_s:.0f} s (the start-up timeout: `llmserve up "
+            f"--start-timeout`; the worker's log says whether it still compiles its kernels):\n"
             f"{self.tail('scheduler')}\n{self.tail('worker')}"
         )
+
+    def _report_waiting(self, wanted: list[tuple[str, str]]) -> None:
+        assert self._progress is not None
+        # The first one only: the scheduler waits for the worker, and its log would only say so.
+        role = next(role for role, event in wanted if self._pipes.notice(role, event) is None)
+        last = self.tail(role, 1).strip()[:400] or "nothing yet"
+        line = f"still starting after {time.monotonic() - self._begun:.0f} s, waiting for the {role}"
+        if last != self._last_reported:  # the same line again would only repeat itself
+            line += f" (logs in {self.log_dir}); its log's last line: {last}"
+            self._last_reported = last
+        self._progress(line)
 
     def exited(self) -> str:
         """What ended, when a service (or the embedded Redis) is no longer running: its exit code and its log's

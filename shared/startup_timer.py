@@ -14,13 +14,24 @@ its line.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+log = logging.getLogger(__name__)
+
 # A remainder shorter than this is rounding, not a phase worth a word.
 _MIN_OTHER_S = 0.05
+# A phase given a note says so in the log once it has run this long: a long start-up explains itself while it
+# runs, not only in its `ready in` line minutes later.
+SLOW_PHASE_S = 10.0
+# Why a worker's phases can take minutes (the CPU kernels' compile: ~4 min on a 2-core Zen 4, most of it the
+# paged decode attention; seconds to load from the cache).
+NUMBA_COMPILE_NOTE = ("the first start on a machine (or after a kernel source changed) compiles the Numba kernels "
+                      "into their cache, minutes on a small CPU; later starts load them in seconds")
 
 
 @dataclass(frozen=True)
@@ -140,12 +151,20 @@ class StartupTimer:
         return self._clock() - self.started
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Times the block as the phase `name` (recorded even when the block raises)."""
+    def phase(self, name: str, note: str = "", slow_s: float = SLOW_PHASE_S) -> Iterator[None]:
+        """Times the block as the phase `name` (recorded even when the block raises).
+
+        note: why the phase can be slow, logged (from a timer thread) should it still run after `slow_s`.
+        """
         begun = self._clock()
+        slow = threading.Timer(slow_s, log.info, ("start-up: %s still running after %.0f s: %s", name, slow_s, note))
+        slow.daemon = True
+        if note:
+            slow.start()
         try:
             yield
         finally:
+            slow.cancel()
             self.add(name, self._clock() - begun)
 
     def add(self, name: str, seconds: float, parallel: bool = False) -> None:

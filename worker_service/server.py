@@ -23,7 +23,7 @@ from shared import grpc_server, redis_client
 from shared.health_probes import HealthReporter, watch_health
 from shared.metrics import MetricsServer, WorkerMetrics
 from shared.startup_heap import settle_startup_heap
-from shared.startup_timer import StartupReport, StartupTimer
+from shared.startup_timer import NUMBA_COMPILE_NOTE, StartupReport, StartupTimer
 from shared.tls import bind, describe
 from shared.tracing import TracingConfig, make_tracer
 from worker_service.config import WorkerConfig
@@ -58,10 +58,10 @@ async def serve(config: WorkerConfig, host: str, port: int, ready: asyncio.Event
     model_thread = ModelThread()
     # Kernels first, on their own: loading them from Numba's cache is a cost of its own, and the runner's
     # get_backend() then finds them loaded (the backend is cached per device type).
-    with timer.phase("kernels"):
+    with timer.phase("kernels", note=NUMBA_COMPILE_NOTE):
         await model_thread.call(get_backend, config.device)
     # With --tensor-parallel-size N this process is rank 0; ranks 1..N-1 are its subprocesses.
-    with timer.phase("model"):
+    with timer.phase("model", note=f"it loads the weights, and {NUMBA_COMPILE_NOTE}"):
         runner, ranks = await model_thread.call(start_runner, config)
     server_started = timer.elapsed()
     tracer, provider = make_tracer(TracingConfig.from_env("llmserve-worker", config.otlp_endpoint, config.trace_file))

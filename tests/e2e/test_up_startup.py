@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmserve.local_cluster import ClusterSpec, LocalCluster
 from shared.redis_server import free_port
 from shared.startup_timer import StartupReport, parse_summary
 from tests.e2e.up_process import up
@@ -64,3 +65,19 @@ def test_a_service_refusing_its_flags_ends_up_with_its_message(
     assert "llmserve up: error: the scheduler exited with code 2 during start-up" in output, output
     assert "num_scheduler_steps > 1 and async_scheduling are exclusive" in output, output
     assert "Traceback" not in output, output
+
+
+def test_a_start_up_says_what_it_still_waits_for(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # `up` hears this every 20 s (a first start compiles the kernels for minutes); here every 0.1 s of a start
+    # that takes seconds: the worker's imports alone (torch) outlast it.
+    said: list[str] = []
+    spec = ClusterSpec(model=str(tiny_llama_dir), worker_args=["--num-threads", "1"], log_dir=str(tmp_path))
+    with LocalCluster(spec, progress=said.append, progress_every_s=0.1):
+        pass
+    assert said, "no progress while the services started"
+    first = said[0]
+    assert first.startswith("still starting after ") and ", waiting for the worker (logs in " in first, first
+    assert str(tmp_path) in first and "its log's last line: " in first, first
+    assert all(", waiting for the " in line for line in said), said
+    shown = [line.split("its log's last line: ")[1] for line in said if "its log's last line: " in line]
+    assert len(shown) == len(set(shown)), f"a log line was shown twice: {said}"

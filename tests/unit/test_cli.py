@@ -95,3 +95,10 @@ def test_generate_fails_fast_with_the_address_when_no_scheduler_listens(capsys: 
     assert rc == 1
     err = capsys.readouterr().err
     assert f"no scheduler accepted a connection at {address} within 0.5 s" in err and "--tls-ca-file" in err
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_a_start_timeout_that_is_not_positive_is_refused(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args([command]).start_timeout == 900  # a first start compiles the kernels: minutes
+    assert main([command, "--start-timeout", "0"]) == 2
+    assert f"llmserve {command}: error: {command}: --start-timeout must be positive, got 0.0" in capsys.readouterr().err

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import pytest
 
 from shared.startup_timer import Phase, StartupReport, StartupTimer, parse_summary
@@ -96,3 +100,31 @@ def test_negative_seconds_are_refused_and_added_ones_clamped() -> None:
     timer = StartupTimer(clock=FakeClock(), cpu_clock=None)
     timer.add("first lease", -0.001)  # two clocks a hair apart
     assert timer.report().seconds("first lease") == 0.0
+
+
+def test_a_slow_phase_with_a_note_says_why_while_it_runs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="shared.startup_timer")
+    timer = StartupTimer(cpu_clock=None)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+
+    with timer.phase("imports", note="compiling the kernels", slow_s=0.01):
+        deadline = time.monotonic() + 30
+        while not said() and time.monotonic() < deadline:  # the note comes from a timer thread
+            time.sleep(0.01)
+    assert said() == ["start-up: imports still running after 0 s: compiling the kernels"]
+    # A phase without a note, however slow, says nothing until its summary.
+    with timer.phase("model", slow_s=0.0):
+        pass
+    assert len(said()) == 1
+    assert [p.name for p in timer.report().phases] == ["imports", "model"]
+
+
+def test_a_phase_that_ends_in_time_cancels_its_note(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="shared.startup_timer")
+    before = set(threading.enumerate())
+    with StartupTimer(cpu_clock=None).phase("kernels", note="compiling", slow_s=600):
+        (notice,) = set(threading.enumerate()) - before
+    notice.join(timeout=30)  # cancelled: the timer thread ends at once instead of waiting out its 600 s
+    assert not notice.is_alive() and not caplog.records
