@@ -235,6 +235,11 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     """Malformed bodies are 400s, as OpenAI's (FastAPI's default would be a 422)."""
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":  # its loc is ("body", character offset), not a parameter
+        position = first.get("loc", ("body", "?"))[-1]
+        detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
+        return _error_response(invalid_request(f"the request body is not valid JSON: {detail} (at character {position})",
+                                               None))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid request"))

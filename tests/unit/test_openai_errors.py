@@ -86,6 +86,22 @@ def test_app_errors_use_openais_format(path: str, body: dict, status: int, param
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
 
 
+def test_a_body_that_is_not_json_is_a_400_that_says_so() -> None:
+    app = build_app(FrontState(_NoEngine(), TokenNamer(), ["m"]))  # type: ignore[arg-type]
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v1/completions", content=b'{"model": "m", prompt}',
+                                     headers={"content-type": "application/json"})
+
+    reply = asyncio.run(go())
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] is None, error  # a character offset is no parameter
+    assert error["message"].startswith("the request body is not valid JSON: Expecting property name"), error
+    assert error["message"].endswith("(at character 15)"), error
+
+
 def test_health_is_503_when_the_scheduler_is_not_serving() -> None:
     app = build_app(FrontState(_NoEngine(), TokenNamer(), ["m"]))  # type: ignore[arg-type]
 
