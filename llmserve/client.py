@@ -155,6 +155,15 @@ def collect_completions(messages: Iterable[generation_pb2.GenerateResponse]) -> 
     return completions
 
 
+def chat_options(add_generation_prompt: bool = True, continue_final_message: bool = False) -> generation_pb2.ChatOptions:
+    """vLLM's chat rendering parameters as GenerateRequest.chat_options: a new assistant turn after the messages
+    (the default), or the final message left open for the model to continue (an answer the caller began)."""
+    options = generation_pb2.ChatOptions(continue_final_message=continue_final_message)
+    if not add_generation_prompt:
+        options.add_generation_prompt = False
+    return options
+
+
 def make_request(
     prompt: str = "",
     prompt_token_ids: list[int] | None = None,

@@ -31,7 +31,7 @@ from types import TracebackType
 import grpc
 from tqdm import tqdm
 
-from llmserve.client import stop_reason_of
+from llmserve.client import chat_options, stop_reason_of
 from llmserve.engine import InProcessEngine
 from llmserve.local_cluster import ClusterSpec, LocalCluster, service_flag
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
@@ -211,11 +211,18 @@ class LLM:
         conversations: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """One answer per conversation (role / content messages, rendered with the model's chat template)."""
+        """One answer per conversation (role / content messages, rendered with the model's chat template).
+
+        add_generation_prompt / continue_final_message: as vLLM's, how the template ends the rendering (a new
+        assistant turn; or the final message left open for the model to continue)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         requests = [self._request(None, conv) for conv in conversations]  # type: ignore[arg-type]
+        for req in requests:
+            req.chat_options.CopyFrom(chat_options(add_generation_prompt, continue_final_message))
         return self._run(requests, sampling_params, use_tqdm)
 
     def _request(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None

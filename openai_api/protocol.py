@@ -135,6 +135,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    # vLLM's: how the messages are rendered (the template's generation prompt; a final message left open).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -143,10 +146,10 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    # As Generate's: unset adds the tokenizer's special tokens to a prompt, none to messages. Only the generation
-    # prompt after messages is served (Generate always adds it).
+    # As Generate's: unset adds the tokenizer's special tokens to a prompt, none to messages.
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -7,6 +7,7 @@ and HTTP clients get the same validation and the same messages (a 400 here, INVA
 
 from __future__ import annotations
 
+from llmserve.client import chat_options
 from protos import common_pb2, generation_pb2
 from openai_api.errors import invalid_request
 from openai_api.structured_outputs import structured_outputs
@@ -173,11 +174,14 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid_request("top_logprobs needs logprobs to be true", "top_logprobs")
     logprobs = (_non_negative(req.top_logprobs, "top_logprobs") or 0) if req.logprobs else None
-    return _prompt_options(req, generation_pb2.GenerateRequest(
+    msg = _prompt_options(req, generation_pb2.GenerateRequest(
         request_id=request_id,
         messages=[_chat_message(m, i) for i, m in enumerate(req.messages)],
         sampling=sampling_params(req, max_tokens, logprobs, req.prompt_logprobs),
     ))
+    # The scheduler checks that the pair makes sense.
+    msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message))
+    return msg
 
 
 def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessage:
@@ -200,10 +204,12 @@ def tokenize_request(req: TokenizeRequest) -> generation_pb2.TokenizeRequest:
     """The Tokenize call for /tokenize; only what Generate does is served (the tokens it would compute)."""
     if (req.prompt is None) == (req.messages is None):
         raise invalid_request("set exactly one of prompt or messages", "prompt")
-    if not req.add_generation_prompt:
-        raise invalid_request("add_generation_prompt=false is not supported", "add_generation_prompt")
     if req.messages is not None:
         msg = generation_pb2.TokenizeRequest(messages=[_chat_message(m, i) for i, m in enumerate(req.messages)])
+        msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message))
+    elif not req.add_generation_prompt or req.continue_final_message:
+        field = "add_generation_prompt" if not req.add_generation_prompt else "continue_final_message"
+        raise invalid_request(f"{field} applies to messages, not a prompt", field)
     else:
         msg = generation_pb2.TokenizeRequest(prompt=req.prompt)
     if req.add_special_tokens is not None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\x12\n\x10ModelInfoRequest\"\xa9\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x13\n\x0bnum_workers\x18\x06 \x01(\rB\x0f\n\r_eos_token_id\"\x85\x01\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x11\n\tresumable\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"7\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\"\xe4\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x84\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\r\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.llmserve.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1d\n\x15prompt_logprobs_start\x18\x06 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r2\xc2\x03\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12\x45\n\x06Resume\x12\x1a.llmserve.v1.ResumeRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12J\n\tModelInfo\x12\x1d.llmserve.v1.ModelInfoRequest\x1a\x1e.llmserve.v1.ModelInfoResponse\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\x12\n\x10ModelInfoRequest\"\xa9\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x13\n\x0bnum_workers\x18\x06 \x01(\rB\x0f\n\r_eos_token_id\"\xb5\x01\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12.\n\x0c\x63hat_options\x18\x04 \x01(\x0b\x32\x18.llmserve.v1.ChatOptionsB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"k\n\x0b\x43hatOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x42\x18\n\x16_add_generation_prompt\"\xe5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x11\n\tresumable\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12.\n\x0c\x63hat_options\x18\t \x01(\x0b\x32\x18.llmserve.v1.ChatOptionsB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"7\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\"\xe4\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x84\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\r\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.llmserve.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1d\n\x15prompt_logprobs_start\x18\x06 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r2\xc2\x03\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12\x45\n\x06Resume\x12\x1a.llmserve.v1.ResumeRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12J\n\tModelInfo\x12\x1d.llmserve.v1.ModelInfoRequest\x1a\x1e.llmserve.v1.ModelInfoResponse\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFORESPONSE']._serialized_start=82
   _globals['_MODELINFORESPONSE']._serialized_end=251
   _globals['_TOKENIZEREQUEST']._serialized_start=254
-  _globals['_TOKENIZEREQUEST']._serialized_end=387
-  _globals['_TOKENIZERESPONSE']._serialized_start=389
-  _globals['_TOKENIZERESPONSE']._serialized_end=442
-  _globals['_DETOKENIZEREQUEST']._serialized_start=444
-  _globals['_DETOKENIZEREQUEST']._serialized_end=482
-  _globals['_DETOKENIZERESPONSE']._serialized_start=484
-  _globals['_DETOKENIZERESPONSE']._serialized_end=518
-  _globals['_ABORTREQUEST']._serialized_start=520
-  _globals['_ABORTREQUEST']._serialized_end=554
-  _globals['_ABORTRESPONSE']._serialized_start=556
-  _globals['_ABORTRESPONSE']._serialized_end=571
-  _globals['_CHATMESSAGE']._serialized_start=573
-  _globals['_CHATMESSAGE']._serialized_end=617
-  _globals['_GENERATEREQUEST']._serialized_start=620
-  _globals['_GENERATEREQUEST']._serialized_end=929
-  _globals['_RESUMEREQUEST']._serialized_start=931
-  _globals['_RESUMEREQUEST']._serialized_end=986
-  _globals['_COMPLETIONDELTA']._serialized_start=989
-  _globals['_COMPLETIONDELTA']._serialized_end=1217
-  _globals['_USAGE']._serialized_start=1219
-  _globals['_USAGE']._serialized_end=1276
-  _globals['_GENERATERESPONSE']._serialized_start=1279
-  _globals['_GENERATERESPONSE']._serialized_end=1539
-  _globals['_GENERATION']._serialized_start=1542
-  _globals['_GENERATION']._serialized_end=1992
+  _globals['_TOKENIZEREQUEST']._serialized_end=435
+  _globals['_TOKENIZERESPONSE']._serialized_start=437
+  _globals['_TOKENIZERESPONSE']._serialized_end=490
+  _globals['_DETOKENIZEREQUEST']._serialized_start=492
+  _globals['_DETOKENIZEREQUEST']._serialized_end=530
+  _globals['_DETOKENIZERESPONSE']._serialized_start=532
+  _globals['_DETOKENIZERESPONSE']._serialized_end=566
+  _globals['_ABORTREQUEST']._serialized_start=568
+  _globals['_ABORTREQUEST']._serialized_end=602
+  _globals['_ABORTRESPONSE']._serialized_start=604
+  _globals['_ABORTRESPONSE']._serialized_end=619
+  _globals['_CHATMESSAGE']._serialized_start=621
+  _globals['_CHATMESSAGE']._serialized_end=665
+  _globals['_CHATOPTIONS']._serialized_start=667
+  _globals['_CHATOPTIONS']._serialized_end=774
+  _globals['_GENERATEREQUEST']._serialized_start=777
+  _globals['_GENERATEREQUEST']._serialized_end=1134
+  _globals['_RESUMEREQUEST']._serialized_start=1136
+  _globals['_RESUMEREQUEST']._serialized_end=1191
+  _globals['_COMPLETIONDELTA']._serialized_start=1194
+  _globals['_COMPLETIONDELTA']._serialized_end=1422
+  _globals['_USAGE']._serialized_start=1424
+  _globals['_USAGE']._serialized_end=1481
+  _globals['_GENERATERESPONSE']._serialized_start=1484
+  _globals['_GENERATERESPONSE']._serialized_end=1744
+  _globals['_GENERATION']._serialized_start=1747
+  _globals['_GENERATION']._serialized_end=2197
 # @@protoc_insertion_point(module_scope)

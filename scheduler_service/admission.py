@@ -66,6 +66,8 @@ class Admission:
     def tokenize(self, req: generation_pb2.TokenizeRequest) -> tuple[list[int], list[str]]:
         """Token ids and their strings for a prompt or chat messages, as Generate would compute them."""
         as_generate = generation_pb2.GenerateRequest(prompt=req.prompt, messages=req.messages)
+        if req.HasField("chat_options"):
+            as_generate.chat_options.CopyFrom(req.chat_options)
         if req.HasField("add_special_tokens"):
             as_generate.add_special_tokens = req.add_special_tokens
         ids = self._prompt_tokens(as_generate)
@@ -91,6 +93,8 @@ class Admission:
                 raise InvalidRequestError("the prompt is empty: set one of prompt, prompt_token_ids or messages")
             raise InvalidRequestError(f"set exactly one of prompt, prompt_token_ids or messages, got {', '.join(given)}")
         special = req.add_special_tokens if req.HasField("add_special_tokens") else None
+        if req.HasField("chat_options") and not req.messages:
+            raise InvalidRequestError("chat_options (add_generation_prompt, continue_final_message) apply to messages")
         if req.prompt_token_ids:
             if special is not None:
                 raise InvalidRequestError("add_special_tokens applies to a text prompt or messages, not prompt_token_ids")
@@ -98,7 +102,7 @@ class Admission:
             self._check_in_vocabulary("prompt_token_ids", ids)
             return ids
         if req.messages:
-            return self._chat_tokens(req.messages, special is True)
+            return self._chat_tokens(req.messages, req.chat_options, special is True)
         ids = list(self._tok(req.prompt, add_special_tokens=special is not False).input_ids)  # type: ignore[operator]
         if not ids:
             raise InvalidRequestError("the prompt tokenizes to zero tokens")
@@ -114,7 +118,12 @@ class Admission:
             raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1 (or -1), got {keep}")
         return ids[-keep:]
 
-    def _chat_tokens(self, messages: object, add_special_tokens: bool = False) -> list[int]:
+    def _chat_tokens(self, messages: object, options: generation_pb2.ChatOptions,
+                     add_special_tokens: bool = False) -> list[int]:
+        generation_prompt = options.add_generation_prompt if options.HasField("add_generation_prompt") else True
+        if generation_prompt and options.continue_final_message:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt false: the final message is "
+                                      "continued, no new turn opened")
         conv = []
         for i, m in enumerate(messages):  # type: ignore[attr-defined]
             if m.role not in _CHAT_ROLES:
@@ -122,7 +131,12 @@ class Admission:
             conv.append({"role": m.role, "content": m.content})
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
-        text = self._tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
+        try:
+            text = self._tok.apply_chat_template(  # type: ignore[attr-defined]
+                conv, tokenize=False, add_generation_prompt=generation_prompt,
+                continue_final_message=options.continue_final_message)
+        except ValueError as exc:  # e.g. a final message the template leaves out, which cannot be continued
+            raise InvalidRequestError(f"messages cannot be rendered with the chat template: {exc}") from exc
         # The template already contains the special tokens the model expects (unless asked for more).
         return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)  # type: ignore[operator]
 

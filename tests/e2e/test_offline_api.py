@@ -29,6 +29,9 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
                               use_tqdm=False)
         answer = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=4),
                           use_tqdm=False)
+        (continued,) = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                                SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+                                add_generation_prompt=False, continue_final_message=True)
         # vLLM's prompt dicts (TextPrompt, TokensPrompt), and prompt logprobs.
         as_dicts = llm.generate([{"prompt": text[0]}, {"prompt_token_ids": ids[1]}],
                                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -75,6 +78,11 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"]
     assert answer[0].prompt is None and answer[0].prompt_token_ids == list(rendered)
+    # vLLM's assistant prefill: the answer begun by the caller stays open.
+    opened = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                                           add_generation_prompt=False, continue_final_message=True, tokenize=True,
+                                           return_dict=True)["input_ids"]
+    assert continued.prompt_token_ids == list(opened) and tokenizer.decode(opened).endswith("Hello")
 
 
 def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> None:

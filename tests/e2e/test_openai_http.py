@@ -305,6 +305,36 @@ def test_chat_prompt_logprobs_and_token_ids(cluster: LocalCluster) -> None:
     assert [t for c in rest for ch in c["choices"] for t in ch["token_ids"]] == whole["choices"][0]["token_ids"]
 
 
+def test_a_final_message_continued_and_a_rendering_without_the_generation_prompt(
+        client: "openai.OpenAI", cluster: LocalCluster, tiny_llama_dir: Path) -> None:
+    """vLLM's add_generation_prompt and continue_final_message: the prompt is the template's rendering with them,
+    and the chat completion continues it as a completion of the same tokens does."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    url = cluster.http_url
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    open_end = {"add_generation_prompt": False, "continue_final_message": True}
+    for options in (open_end, {"add_generation_prompt": False}):
+        ids = httpx.post(f"{url}/tokenize", json={"messages": messages, **options}, timeout=30).json()["tokens"]
+        assert ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)["input_ids"]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": messages, **open_end}, timeout=30).json()["tokens"]
+    assert tokenizer.decode(ids).endswith("The color is")
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0.0,
+                                          extra_body={**open_end, "ignore_eos": True})
+    completion = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0.0,
+                                           extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == completion.choices[0].text
+    assert chat.usage.prompt_tokens == len(ids)
+    for path, body, fragment in [
+        ("/v1/chat/completions", {"messages": messages, "continue_final_message": True, "max_tokens": 2},
+         "needs add_generation_prompt false"),
+        ("/tokenize", {"prompt": "Hi", "add_generation_prompt": False}, "add_generation_prompt applies to messages"),
+    ]:
+        reply = httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=30)
+        assert reply.status_code == 400 and fragment in reply.json()["error"]["message"], reply.text
+
+
 def test_the_openai_client_through_every_vllm_parameter(client: "openai.OpenAI", cluster: LocalCluster) -> None:
     """One completion and one chat completion from the official client with every sampling and prompt option of
     vLLM's at once (extra_body), each checked for its effect; structured outputs: test_structured_outputs.py."""

@@ -61,6 +61,37 @@ def test_chat_messages_render_with_the_chat_template(admission: Admission, token
     assert tokenizer.decode(expected).endswith("<|im_start|>assistant\n")
 
 
+def test_chat_options_render_as_the_tokenizer_does(admission: Admission, tokenizer) -> None:
+    messages = [("user", "Name a color."), ("assistant", "The color is")]
+    conv = [{"role": r, "content": c} for r, c in messages]
+    for options, kwargs, tail in [
+        # vLLM's "assistant prefill": the caller's answer stays open for the model to continue.
+        (generation_pb2.ChatOptions(add_generation_prompt=False, continue_final_message=True),
+         {"add_generation_prompt": False, "continue_final_message": True}, "The color is"),
+        (generation_pb2.ChatOptions(add_generation_prompt=False), {"add_generation_prompt": False},
+         "The color is<|im_end|>\n"),
+        (generation_pb2.ChatOptions(), {"add_generation_prompt": True}, "<|im_start|>assistant\n"),
+    ]:
+        req = make_request(messages=messages)
+        req.chat_options.CopyFrom(options)
+        got = admission.admit(req).prompt_token_ids
+        expected = list(tokenizer(tokenizer.apply_chat_template(conv, tokenize=False, **kwargs),
+                                  add_special_tokens=False).input_ids)
+        assert got == expected, options
+        assert tokenizer.decode(got).endswith(tail), (options, tokenizer.decode(got))
+        tokenize = generation_pb2.TokenizeRequest(messages=req.messages, chat_options=options)
+        assert admission.tokenize(tokenize)[0] == expected, options
+
+
+def test_chat_options_that_cannot_apply_are_refused(admission: Admission) -> None:
+    req = make_request(messages=[("user", "Hi"), ("assistant", "Hello")])
+    req.chat_options.continue_final_message = True  # with the generation prompt (unset: on)
+    rejects(admission, req, "continue_final_message needs add_generation_prompt false")
+    req = make_request("Hi")
+    req.chat_options.add_generation_prompt = False
+    rejects(admission, req, "chat_options (add_generation_prompt, continue_final_message) apply to messages")
+
+
 def test_prompt_token_ids_pass_through(admission: Admission, tokenizer) -> None:
     ids = [1, 5, 0, len(tokenizer) - 1, 42]
     got = admission.admit(make_request(prompt_token_ids=ids))
@@ -376,7 +407,8 @@ class _RecordingTokenizer:
         self.calls.append(add_special_tokens)
         return type("Encoding", (), {"input_ids": [1]})()
 
-    def apply_chat_template(self, conv: list, tokenize: bool, add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, conv: list, tokenize: bool, add_generation_prompt: bool,
+                            continue_final_message: bool) -> str:
         return "rendered"
 
 
