@@ -11,6 +11,7 @@ Structured outputs in all three spellings: OpenAI's `response_format`, vLLM's `s
 0 is accepted, any other value is a 400 naming it. Accepted without effect: `user` (as in vLLM), a message's
 `name`, and `tool_choice` "none" or "auto" (no tools are served).
 
+A string that holds a lone surrogate (JSON can escape one, "\\ud800"; no UTF-8 carries it) is a 400 naming where.
 Rejected with a 400 naming them (never ignored: the answer would be to another request): every field not
 defined here (chat's `echo` among them), and the defined ones the front cannot honour: `suffix`, `tools`,
 any other `tool_choice`. The README's table lists every OpenAI and vLLM request field.
@@ -20,13 +21,49 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+# The validation error type of a string that is not valid Unicode (routes.py names its parameter).
+INVALID_UNICODE = "invalid_unicode"
+
+
+def _lone_surrogate(value: object, path: str) -> tuple[str, str] | None:
+    """Where the first lone surrogate of a decoded JSON value is, and which: JSON can escape one ("\\ud800"), but no
+    UTF-8 carries it, so the text could reach neither the tokenizer nor the scheduler (protobuf strings are UTF-8)."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            return path, value[exc.start]
+        return None
+    if isinstance(value, dict):  # a key is checked too (logit_bias's are token ids as text)
+        named = [(str(key).encode(errors="backslashreplace").decode(), key, item) for key, item in value.items()]
+        pairs = [(f"{path}.{name}" if path else name, part) for name, key, item in named for part in (key, item)]
+    elif isinstance(value, list):
+        pairs = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+    else:
+        return None
+    for where, item in pairs:
+        if (found := _lone_surrogate(item, where)) is not None:
+            return found
+    return None
 
 
 class OpenAIBaseModel(BaseModel):
     """Unknown fields are kept (not an error) so `unknown_fields` can name them."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        found = _lone_surrogate(data, "")
+        if found is not None:
+            where, char = found
+            raise PydanticCustomError(INVALID_UNICODE, "{param} is not valid Unicode: it holds a lone surrogate ({char})",
+                                      {"param": where, "char": ascii(char)[1:-1]})
+        return data
 
     def unknown_fields(self) -> list[str]:
         """Names of the request fields this model does not define."""

@@ -25,6 +25,7 @@ from openai_api.logprobs import TokenNamer
 from openai_api.metrics_relay import relayed_exposition
 from llmserve import __version__
 from openai_api.protocol import (
+    INVALID_UNICODE,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -240,6 +241,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
         return _error_response(invalid_request(f"the request body is not valid JSON: {detail} (at character {position})",
                                                None))
+    if first.get("type") == INVALID_UNICODE:  # found by the top model: its loc is the body, ctx names the field
+        return _error_response(invalid_request(str(first.get("msg")), (first.get("ctx") or {}).get("param")))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid request"))

@@ -102,6 +102,35 @@ def test_a_body_that_is_not_json_is_a_400_that_says_so() -> None:
     assert error["message"].endswith("(at character 15)"), error
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"model": "m", "prompt": "hi \\ud800 there"}', "prompt"),
+        ("/v1/completions", '{"model": "m", "prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+        ("/v1/completions", '{"model": "m", "prompt": "hi", "stop": ["\\ud800"]}', "stop[0]"),
+        ("/v1/completions", '{"model": "m", "prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias.\\ud800"),
+        ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions",
+         '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}',
+         "messages[0].content[0].text"),
+    ],
+)
+def test_text_that_is_not_valid_unicode_is_a_400_naming_it(path: str, body: str, param: str) -> None:
+    # JSON can escape a lone surrogate; no UTF-8 (the tokenizer's, protobuf's) can carry it: it was a 500.
+    app = build_app(FrontState(_NoEngine(), TokenNamer(), ["m"]))  # type: ignore[arg-type]
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+
+    reply = asyncio.run(go())
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param} is not valid Unicode: it holds a lone surrogate (\\u"), error
+
+
 def test_health_is_503_when_the_scheduler_is_not_serving() -> None:
     app = build_app(FrontState(_NoEngine(), TokenNamer(), ["m"]))  # type: ignore[arg-type]
 
