@@ -119,7 +119,10 @@ def create_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = Fal
       never parsed); the EdgeInterceptor, last, maps every handler's exceptions to statuses.
     """
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", max_receive_bytes)]
+               ("grpc.max_receive_message_length", max_receive_bytes),
+               # gRPC sets SO_REUSEPORT by default: a second worker (or scheduler) on a port already served would
+               # bind it too, and the kernel would share the connections between two processes, two KV caches.
+               ("grpc.so_reuseport", 0)]
     return grpc.aio.server(options=options, interceptors=[*interceptors, EdgeInterceptor(tolerate_malformed=public)])
 
 

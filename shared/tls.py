@@ -11,6 +11,8 @@ that named it, not at the first handshake. Key material is never put in a messag
 
 from __future__ import annotations
 
+import errno
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,13 +131,33 @@ def client_tls(ca_file: str = "", cert_file: str = "", key_file: str = "", flag_
     return ClientTLS(ca_file, cert_file, key_file, flag_prefix=flag_prefix)
 
 
+class BindError(OSError):
+    """A server could not listen where it was told to (the port in use, an address not of this host)."""
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None, role: str) -> int:
-    """Adds the listening port (TLS when `tls` is set) and returns the bound port; OSError when it cannot."""
+    """Adds the listening port (TLS when `tls` is set) and returns the bound port; BindError when it cannot."""
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError:  # gRPC says only "Failed to bind"; the socket layer says why
+        bound = 0
     if bound == 0:
-        raise OSError(f"{role} could not bind {address}")
+        raise BindError(f"the {role} could not listen on {address}: {_bind_failure(host, port)}")
     return bound
+
+
+def _bind_failure(host: str, port: int) -> str:
+    """Why binding host:port fails, as a plain socket finds out (SO_REUSEADDR, as gRPC binds)."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(where)
+    except OSError as exc:
+        hint = " (another process serves it: stop it or pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        return f"{exc.strerror or exc}{hint}"
+    return "gRPC refused it (GRPC_VERBOSITY=debug says why)"
 
 
 def open_channel(address: str, tls: ClientTLS | None = None, *, aio: bool = False,
