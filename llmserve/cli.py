@@ -572,10 +572,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"llmserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        from shared.tls import BindError  # noqa: PLC0415 - grpc stays out of `llmserve --help`
+    except RuntimeError as exc:
+        from shared.errors import StartupError  # noqa: PLC0415 - grpc stays out of `llmserve --help`
 
-        if not isinstance(exc, BindError):
+        if not isinstance(exc, StartupError):
             raise
         print(f"llmserve {args.command}: error: {exc}", file=sys.stderr)
         return 1

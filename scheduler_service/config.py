@@ -18,7 +18,8 @@ class SchedulerServiceConfig(SchedulingFlags):
     redis_url: the state store.
     lease_ttl_s: how long a worker's lease outlives its last renewal: a replica that dies is replaced
       on its workers within this time; renewals run every min(TTL / 3, 1 s).
-    worker_connect_timeout_s: how long start-up waits for a first worker to register in Redis.
+    worker_connect_timeout_s: how long start-up waits for Redis to answer and a first worker to register in it (the
+      deploy/k8s startup probe's 10 minutes: a worker's first start compiles its kernels, a large model loads long).
     (the scheduling flags, max_num_seqs to enable_prefix_caching: see SchedulingFlags)
     profile_steps: append each engine-loop step's time split to this JSON-lines file (benchmarks).
     otlp_endpoint: send OpenTelemetry spans to this OTLP/gRPC collector.
@@ -55,7 +56,7 @@ class SchedulerServiceConfig(SchedulingFlags):
 
     tokenizer: str
     redis_url: str
-    worker_connect_timeout_s: float = 300.0
+    worker_connect_timeout_s: float = 600.0
     profile_steps: str = ""
     otlp_endpoint: str = ""
     trace_file: str = ""

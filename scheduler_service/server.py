@@ -37,9 +37,11 @@ from scheduler_service.supervisor import Supervisor
 from scheduler_service.store import QueueLimits, RedisStore
 from shared import grpc_server, redis_client
 from shared.auth import BearerTokenInterceptor
+from shared.errors import StartupError, UnavailableError
 from shared.health_probes import HealthReporter, watch_health
 from shared.metrics import MetricsServer, SchedulerMetrics
 from shared.registry_changes import RegistryChanges
+from shared.secrets import redact_url
 from shared.startup_heap import settle_startup_heap
 from shared.startup_timer import StartupReport, StartupTimer
 from shared.tls import bind, describe, open_channel
@@ -54,24 +56,53 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 HEALTH_PERIOD_SECONDS = 1.0
 # The registry is read again this often while waiting for a first worker, should its announcement be lost.
 WORKER_POLL_SECONDS = 0.5
+# Redis is pinged again this often while it does not answer at start-up.
+REDIS_RETRY_SECONDS = 1.0
+# A start-up that waits (for Redis, for a first worker) says so this often.
+WAIT_NEWS_SECONDS = 30.0
 # The phase of the start-up spent waiting for a worker to register (LocalCluster tells it from the replica's own work).
 WAITING_FOR_A_WORKER = "waiting for a worker"
 
 
-async def wait_for_workers(registry: WorkerRegistry, timeout_s: float, changes: RegistryChanges) -> list[WorkerEntry]:
-    """Waits until at least one worker has registered and is alive (workers may still be loading models).
+async def wait_for_redis(store: RedisStore, url: str, deadline: float) -> None:
+    """Waits until Redis answers (it may start after the replicas, as a fresh deployment starts them all at once),
+    saying so at the first failure and every WAIT_NEWS_SECONDS; StartupError past `deadline` (loop time)."""
+    loop = asyncio.get_running_loop()
+    begun, said = loop.time(), -WAIT_NEWS_SECONDS
+    while True:
+        try:
+            await store.ping()
+            return
+        except UnavailableError as exc:
+            if loop.time() > deadline:
+                raise StartupError(f"Redis at {redact_url(url)} did not answer within "
+                                   f"{deadline - begun:.0f} s: {exc}") from None
+            if loop.time() - said >= WAIT_NEWS_SECONDS:
+                said = loop.time()
+                log.warning("Redis at %s does not answer yet (%s); retrying for up to %.0f s more", redact_url(url),
+                            exc, deadline - loop.time())
+        await asyncio.sleep(REDIS_RETRY_SECONDS)
+
+
+async def wait_for_workers(registry: WorkerRegistry, deadline: float, changes: RegistryChanges) -> list[WorkerEntry]:
+    """Waits until at least one worker has registered and is alive (workers may still be loading models), saying so
+    every WAIT_NEWS_SECONDS; StartupError past `deadline` (loop time).
 
     changes: wakes the wait as a worker registers, rather than at the next poll.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    begun = said = loop.time()
     while True:
         entries = [e for e in await registry.workers() if e.alive]
         if entries:
             return entries
         if loop.time() > deadline:
-            raise RuntimeError(f"no worker registered in Redis within {timeout_s}s; start workers with the same "
-                               "--redis-url")
+            raise StartupError(f"no worker registered in Redis within {deadline - begun:.0f} s; start workers with the "
+                               "same --redis-url")
+        if loop.time() - said >= WAIT_NEWS_SECONDS:
+            said = loop.time()
+            log.info("still waiting for a worker to register in Redis (%.0f s so far; a worker registers once its "
+                     "model is loaded, and its first start on a machine compiles its kernels)", said - begun)
         await changes.wait(WORKER_POLL_SECONDS)
 
 
@@ -86,9 +117,11 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
     """
     timer = startup if startup is not None else StartupTimer()
     stop = asyncio.Event()
+    # Redis and a first worker, within one start-up deadline (the startup probe's time, deploy/k8s).
+    deadline = asyncio.get_running_loop().time() + config.worker_connect_timeout_s
     with timer.phase("redis"):
         store = RedisStore(redis_client.connect(config.redis_url, options=config.redis), config.output_retention_s)
-        await store.ping()
+        await wait_for_redis(store, config.redis_url, deadline)
     # Listening from the start: the wait for a first worker below wakes as it registers.
     changes = RegistryChanges(store.client)
     tasks = [asyncio.create_task(changes.run(stop), name="registry-changes")]
@@ -100,7 +133,7 @@ async def serve(config: SchedulerServiceConfig, host: str, port: int, startup: S
             timer.add("heap", settled)
         registry = WorkerRegistry(store.client)
         with timer.phase(WAITING_FOR_A_WORKER):
-            entries = await wait_for_workers(registry, config.worker_connect_timeout_s, changes)
+            entries = await wait_for_workers(registry, deadline, changes)
     except BaseException:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)

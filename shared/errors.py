@@ -37,6 +37,11 @@ class StaleEpochError(RuntimeError):
     """A plan or reset from an engine loop that no longer owns the worker."""
 
 
+class StartupError(RuntimeError):
+    """A service cannot start: its port is taken, or what it needs (Redis, a first worker) stayed away. The
+    command says so in one line and exits 1: a traceback would add nothing."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (StaleEpochError, grpc.StatusCode.FAILED_PRECONDITION),
     (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from shared.errors import StartupError
 from shared.grpc_server import CHANNEL_OPTIONS
 
 
@@ -131,7 +132,7 @@ def client_tls(ca_file: str = "", cert_file: str = "", key_file: str = "", flag_
     return ClientTLS(ca_file, cert_file, key_file, flag_prefix=flag_prefix)
 
 
-class BindError(OSError):
+class BindError(StartupError):
     """A server could not listen where it was told to (the port in use, an address not of this host)."""
 
 

@@ -115,7 +115,8 @@ def test_the_start_up_wait_for_a_worker_wakes_at_its_registration(url: str, monk
     async def body(store: RedisStore) -> None:
         changes, stop, task = await listening(store)
         registry = ObservedRegistry(store.client)
-        waiting = asyncio.create_task(server.wait_for_workers(registry, LONG_S, changes))
+        deadline = asyncio.get_running_loop().time() + LONG_S
+        waiting = asyncio.create_task(server.wait_for_workers(registry, deadline, changes))
         await registry.read.wait()  # found nothing: it waits now
         await registry.heartbeat(W, description(), draining=False, ttl_s=30, announce=True)
         [entry] = await waiting
