@@ -20,6 +20,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Largest request the public API reads: far more than any prompt within a context limit needs
 # (1M token ids are ~5 MiB); a bigger message is refused by gRPC with RESOURCE_EXHAUSTED.
 PUBLIC_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+# New calls the public server lets wait to be picked up before gRPC starts cancelling them (see create_server).
+MAX_PENDING_CALLS = 1 << 16
 # grpc.reflection.v1 (what current grpcurl and Postman ask first) has v1alpha's messages under a new package
 # name; grpcio-reflection serves v1alpha only, so v1 is the same servicer under the v1 name.
 REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
@@ -123,6 +125,13 @@ def create_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = Fal
                # gRPC sets SO_REUSEPORT by default: a second worker (or scheduler) on a port already served would
                # bind it too, and the kernel would share the connections between two processes, two KV caches.
                ("grpc.so_reuseport", 0)]
+    if public:
+        # gRPC cancels calls that wait to be picked up once more than 1,000 do (3,000 at once), as CANCELLED, which
+        # a client reads as its own cancel: a burst of new streams (a 2,000-prompt batch through the HTTP front) lost
+        # some. Admission control is the scheduler's own, with a status that says so (RESOURCE_EXHAUSTED,
+        # --max-num-queued-requests); a waiting call costs a few KiB.
+        options += [("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)]
     return grpc.aio.server(options=options, interceptors=[*interceptors, EdgeInterceptor(tolerate_malformed=public)])
 
 

@@ -95,3 +95,33 @@ def test_an_internal_server_answers_unknown_bytes_as_grpc_does() -> None:
     assert seen["bug"][0] == grpc.StatusCode.INTERNAL and seen["bad input"][0] == grpc.StatusCode.INVALID_ARGUMENT
     # Without tolerance the parse error is grpc's own (UNKNOWN or INTERNAL): not the client's INVALID_ARGUMENT.
     assert seen["malformed"] != grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_burst_of_new_streams_is_served_whole() -> None:
+    # gRPC's default cancelled the calls of a burst past ~1,000 waiting ones (CANCELLED, read as the client's own).
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        await asyncio.sleep(0.5)  # every call of the burst is open at once
+        yield request
+
+    async def go() -> list[str]:
+        server = grpc_server.create_server(public=True)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Burst": grpc.unary_stream_rpc_method_handler(handler)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_stream(f"/{SERVICE}/Burst")
+
+                async def one() -> str:
+                    try:
+                        return "ok" if [m async for m in call(b"x", timeout=300)] == [b"x"] else "short"
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code().name
+
+                return await asyncio.gather(*[one() for _ in range(3000)])
+        finally:
+            await server.stop(None)
+
+    outcomes = asyncio.run(go())
+    assert outcomes.count("ok") == 3000, {o: outcomes.count(o) for o in set(outcomes)}
