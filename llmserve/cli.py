@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="", help="checkpoint whose tokenizer names tokens in logprobs "
                    "(default: none, tokens are named token_id:<id>)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, longest wait for the responses in flight to finish (new connections are "
+                        "refused meanwhile); those still open then are cut")
     p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
                    help="Prometheus endpoint of the engine (a scheduler's or worker's --metrics-port, e.g. "
                         "http://127.0.0.1:9090/metrics) whose series /metrics serves after the front's own, as "
@@ -521,7 +524,8 @@ def _cmd_openai(args: argparse.Namespace) -> int:
     serve(FrontConfig(scheduler=args.scheduler, host=args.host, port=args.port,
                       served_model_names=args.served_model_name, tokenizer=args.tokenizer,
                       scheduler_tls=sec.client_tls_from(args), auth_token=sec.auth_token_from(args),
-                      api_key=sec.api_key_from(args), engine_metrics=args.engine_metrics), args.log_level)
+                      api_key=sec.api_key_from(args), engine_metrics=args.engine_metrics,
+                      drain_timeout_s=args.drain_timeout), args.log_level)
     return 0
 
 

@@ -34,6 +34,9 @@ class FrontConfig:
     api_key: when set, every /v1 request must carry `Authorization: Bearer <api_key>` (vLLM's --api-key).
     engine_metrics: Prometheus endpoints of the engine (the scheduler's and worker's --metrics-port) whose
         series /metrics serves after the front's own (openai_api/metrics_relay.py).
+    drain_timeout_s: on SIGTERM the front stops accepting connections and lets the responses in flight finish
+        for up to this long, then cuts them (their requests are aborted): a rolling update of the front ends no
+        stream shorter than this.
     """
 
     scheduler: str
@@ -45,10 +48,13 @@ class FrontConfig:
     auth_token: str = field(default="", repr=False)
     api_key: str = field(default="", repr=False)
     engine_metrics: list[str] = field(default_factory=list)
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.scheduler:
             raise ValueError("scheduler must be a host:port address, got ''")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be non-negative, got {self.drain_timeout_s}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for url in self.engine_metrics:
@@ -85,4 +91,4 @@ def make_app(config: FrontConfig) -> FastAPI:
 def serve(config: FrontConfig, log_level: str = "info") -> None:
     """Serves until SIGINT / SIGTERM (uvicorn handles both)."""
     uvicorn.run(make_app(config), host=config.host, port=config.port, log_level=log_level.lower(),
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=config.drain_timeout_s)

@@ -8,12 +8,16 @@
     the live id is ALREADY_EXISTS; resuming an unknown id is NOT_FOUND.
 (d) The same kill under an HTTP client of the OpenAI front: the front re-attaches its call and the
     client's event stream goes on, each token once.
+(e) The front's own rolling update: SIGTERM while it streams, and the response still ends whole.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -186,6 +190,39 @@ def test_a_stream_outliving_its_schedulers_shutdown_goes_on_with_the_next_one(ti
         assert received[-1].outputs[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert tokens(received) == simulated_continuation(PROMPT, 600, 3, vocab, eos)
         assert_all_blocks_free(cluster)
+
+
+def test_a_response_outlives_the_fronts_graceful_stop(tiny_llama_dir: Path) -> None:
+    # SIGTERM to the HTTP front mid-stream: it refuses new connections and lets the response finish (its drain
+    # timeout, raised here from 30 s for a loaded machine; it was a fixed 5 s). The simulated worker's steps (~7 ms,
+    # slept) make 1,200 tokens last longer than 8 s whatever this machine's speed.
+    config = load_config(str(tiny_llama_dir))
+    vocab, eos = model_shape(config).vocab_size, frozenset(eos_token_ids(config, str(tiny_llama_dir)))
+    spec = ClusterSpec(model=str(tiny_llama_dir), http_port=0, http_args=["--drain-timeout", "600"],
+                       worker_args=["--simulate", "llama-3-8b-h100", "--seed", "5", "--max-model-len", "2048"])
+    with LocalCluster(spec) as cluster:
+        body = {"prompt": PROMPT, "max_tokens": 1200, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
+        with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body, timeout=600) as reply:
+            events = (line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: "))
+            first = next(events)
+            stopped_at = time.monotonic()
+            os.kill(cluster.pid("openai"), signal.SIGTERM)
+            rest = list(events)
+        drained_s = time.monotonic() - stopped_at
+        deadline = time.monotonic() + 120
+        while not cluster.exited() and time.monotonic() < deadline:  # the front exits once the response ended
+            time.sleep(0.05)
+        # uvicorn ends a graceful stop by raising the signal again: -15 with its own "Finished" line.
+        assert cluster.exited().startswith("the openai exited with code -15"), cluster.exited()
+        assert "Finished server process" in cluster.tail("openai"), cluster.tail("openai")
+    assert rest[-1] == "[DONE]", rest[-3:]
+    chunks = [json.loads(e) for e in [first, *rest[:-1]]]
+    assert all("choices" in c for c in chunks), [c for c in chunks if "choices" not in c]  # no error event
+    generated = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert generated == simulated_continuation(PROMPT, 1200, 5, vocab, eos)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert drained_s > 5, drained_s  # longer than the fixed grace period it replaces: the test shows the change
 
 
 def test_the_same_request_twice_is_one_generation_with_two_identical_streams(cluster: LocalCluster) -> None:
