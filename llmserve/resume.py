@@ -22,13 +22,16 @@ from dataclasses import dataclass
 import grpc
 
 from protos import generation_pb2, generation_pb2_grpc
+from shared.grpc_server import CLIENT_KEEPALIVE_MS, CLIENT_PING_TIMEOUT_MS, keepalive_options
 
 log = logging.getLogger(__name__)
 
 
 # A lost replica's channel retries its connection with a backoff that gRPC grows up to 120 s by default;
-# a resuming stream wants to notice within a second that the replica (or its replacement) is back.
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+# a resuming stream wants to notice within a second that the replica (or its replacement) is back, and within
+# seconds that a replica went silent (keepalive, shared/grpc_server.py: a false alarm only re-attaches).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+                     *keepalive_options(CLIENT_KEEPALIVE_MS, CLIENT_PING_TIMEOUT_MS)]
 
 
 @dataclass(frozen=True)

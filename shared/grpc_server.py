@@ -31,6 +31,28 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+# HTTP/2 keepalive between the public API and its clients. A replica (or a client) that vanishes without closing
+# its connection (its node lost, a partition, a stopped process) sends no FIN or RST, and a server-streaming call
+# sends nothing after its request: without pings the other end waited for the call's deadline, or for ever. A
+# client's channel (llmserve/resume.py) pings an open call every CLIENT_KEEPALIVE_MS and breaks it (UNAVAILABLE,
+# on which streams re-attach) when an ack takes longer than CLIENT_PING_TIMEOUT_MS; the public server accepts
+# pings that often and pings its callers more gently (a caller gone for good has its request aborted). The
+# engine loop's calls to workers keep gRPC's defaults: their deadlines (--step-timeout) find a silent worker, and
+# a false alarm there would cost a reset.
+CLIENT_KEEPALIVE_MS = 20_000
+CLIENT_PING_TIMEOUT_MS = 10_000
+_SERVER_KEEPALIVE_MS = 60_000
+_SERVER_PING_TIMEOUT_MS = 20_000
+
+
+def keepalive_options(every_ms: int, ack_within_ms: int) -> list[tuple[str, int]]:
+    """Pings an open call every `every_ms`; no ack within `ack_within_ms` breaks its connection."""
+    return [("grpc.keepalive_time_ms", every_ms), ("grpc.keepalive_timeout_ms", ack_within_ms),
+            # gRPC 1.85 waits this long for any ping's ack (60 s by default), the keepalive's included.
+            ("grpc.http2.ping_timeout_ms", ack_within_ms),
+            # A queued request's stream carries no data for minutes: ping it all the same.
+            ("grpc.http2.max_pings_without_data", 0)]
+
 
 @dataclass(frozen=True)
 class _Malformed:
@@ -126,6 +148,9 @@ def create_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = Fal
                # bind it too, and the kernel would share the connections between two processes, two KV caches.
                ("grpc.so_reuseport", 0)]
     if public:
+        options += [*keepalive_options(_SERVER_KEEPALIVE_MS, _SERVER_PING_TIMEOUT_MS),
+                    # Clients' pings as often as ours (more often than gRPC's default, one in 5 minutes, is GOAWAY).
+                    ("grpc.http2.min_recv_ping_interval_without_data_ms", CLIENT_KEEPALIVE_MS // 2)]
         # gRPC cancels calls that wait to be picked up once more than 1,000 do (3,000 at once), as CANCELLED, which
         # a client reads as its own cancel: a burst of new streams (a 2,000-prompt batch through the HTTP front) lost
         # some. Admission control is the scheduler's own, with a status that says so (RESOURCE_EXHAUSTED,

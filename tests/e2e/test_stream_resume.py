@@ -9,6 +9,8 @@
 (d) The same kill under an HTTP client of the OpenAI front: the front re-attaches its call and the
     client's event stream goes on, each token once.
 (e) The front's own rolling update: SIGTERM while it streams, and the response still ends whole.
+(f) A replica that goes silent without closing its connections: keepalive breaks the stream, which goes on
+    from the other replica.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pytest
 from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2, generation_pb2
-from tests.e2e.cluster_checks import assert_all_blocks_free
+from tests.e2e.cluster_checks import assert_all_blocks_free, start_standby_scheduler
 from worker_service.model_loader import load_config, model_shape
 from worker_service.model_runner import eos_token_ids
 from worker_service.simulation import simulated_continuation
@@ -223,6 +225,34 @@ def test_a_response_outlives_the_fronts_graceful_stop(tiny_llama_dir: Path) -> N
     assert generated == simulated_continuation(PROMPT, 1200, 5, vocab, eos)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert drained_s > 5, drained_s  # longer than the fixed grace period it replaces: the test shows the change
+
+
+def test_a_stream_from_a_replica_gone_silent_goes_on_from_another(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # A replica whose node is lost sends no FIN or RST (here SIGSTOP: the kernel still holds its connections): a
+    # streaming call sends nothing after its request, so its client waited for its deadline. The client's keepalive
+    # ping (20 s, 10 s to answer) now breaks it; the stream re-attaches to the other replica, which took the
+    # worker's lease meanwhile (10 s TTL) and continued the request.
+    config = load_config(str(tiny_llama_dir))
+    vocab, eos = model_shape(config).vocab_size, frozenset(eos_token_ids(config, str(tiny_llama_dir)))
+    spec = ClusterSpec(model=str(tiny_llama_dir),
+                       worker_args=["--simulate", "llama-3-8b-h100", "--seed", "7", "--max-model-len", "1024"])
+    with LocalCluster(spec) as cluster:
+        standby, standby_address = start_standby_scheduler(cluster, tmp_path / "standby.log")
+        primary = cluster.pid("scheduler")
+        try:
+            received: list[generation_pb2.GenerateResponse] = []
+            with GenerationClient(cluster.address, fallback_addresses=[standby_address]) as client:
+                for msg in client.stream(greedy("silent", 600), timeout=600):  # far past the keepalive's 30 s
+                    received.append(msg)
+                    if len(received) == 5:
+                        os.kill(primary, signal.SIGSTOP)
+        finally:
+            os.kill(primary, signal.SIGCONT)
+            standby.terminate()
+            standby.wait(60)
+        assert_one_whole_stream(received)
+        assert received[-1].outputs[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert tokens(received) == simulated_continuation(PROMPT, 600, 7, vocab, eos)
 
 
 def test_the_same_request_twice_is_one_generation_with_two_identical_streams(cluster: LocalCluster) -> None:
