@@ -26,6 +26,8 @@ from pydantic_core import PydanticCustomError
 
 # The validation error type of a string that is not valid Unicode (routes.py names its parameter).
 INVALID_UNICODE = "invalid_unicode"
+# What JSON decodes to that can hold text.
+_TEXT_HOLDERS = frozenset({str, dict, list})
 
 
 def _lone_surrogate(value: object, path: str) -> tuple[str, str] | None:
@@ -37,16 +39,17 @@ def _lone_surrogate(value: object, path: str) -> tuple[str, str] | None:
         except UnicodeEncodeError as exc:
             return path, value[exc.start]
         return None
-    if isinstance(value, dict):  # a key is checked too (logit_bias's are token ids as text)
-        named = [(str(key).encode(errors="backslashreplace").decode(), key, item) for key, item in value.items()]
-        pairs = [(f"{path}.{name}" if path else name, part) for name, key, item in named for part in (key, item)]
-    elif isinstance(value, list):
-        pairs = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
-    else:
-        return None
-    for where, item in pairs:
-        if (found := _lone_surrogate(item, where)) is not None:
-            return found
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = str(key).encode(errors="backslashreplace").decode()
+            where = f"{path}.{name}" if path else name
+            # A key is checked too (logit_bias's are token ids as text).
+            if (found := _lone_surrogate(key, where) or _lone_surrogate(item, where)) is not None:
+                return found
+    elif isinstance(value, list) and not _TEXT_HOLDERS.isdisjoint(map(type, value)):  # token ids: skipped at C speed
+        for i, item in enumerate(value):
+            if type(item) in _TEXT_HOLDERS and (found := _lone_surrogate(item, f"{path}[{i}]")) is not None:
+                return found
     return None
 
 
