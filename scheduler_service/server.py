@@ -68,7 +68,7 @@ async def wait_for_redis(store: RedisStore, url: str, deadline: float) -> None:
     """Waits until Redis answers (it may start after the replicas, as a fresh deployment starts them all at once),
     saying so at the first failure and every WAIT_NEWS_SECONDS; StartupError past `deadline` (loop time)."""
     loop = asyncio.get_running_loop()
-    begun, said = loop.time(), -WAIT_NEWS_SECONDS
+    begun, said = loop.time(), None
     while True:
         try:
             await store.ping()
@@ -77,7 +77,7 @@ async def wait_for_redis(store: RedisStore, url: str, deadline: float) -> None:
             if loop.time() > deadline:
                 raise StartupError(f"Redis at {redact_url(url)} did not answer within "
                                    f"{deadline - begun:.0f} s: {exc}") from None
-            if loop.time() - said >= WAIT_NEWS_SECONDS:
+            if said is None or loop.time() - said >= WAIT_NEWS_SECONDS:  # the first failure at once
                 said = loop.time()
                 log.warning("Redis at %s does not answer yet (%s); retrying for up to %.0f s more", redact_url(url),
                             exc, deadline - loop.time())

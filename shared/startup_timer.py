@@ -157,14 +157,16 @@ class StartupTimer:
         note: why the phase can be slow, logged (from a timer thread) should it still run after `slow_s`.
         """
         begun = self._clock()
-        slow = threading.Timer(slow_s, log.info, ("start-up: %s still running after %.0f s: %s", name, slow_s, note))
-        slow.daemon = True
+        slow = None
         if note:
+            slow = threading.Timer(slow_s, log.info, ("start-up: %s still running after %.0f s: %s", name, slow_s, note))
+            slow.daemon = True
             slow.start()
         try:
             yield
         finally:
-            slow.cancel()
+            if slow is not None:
+                slow.cancel()
             self.add(name, self._clock() - begun)
 
     def add(self, name: str, seconds: float, parallel: bool = False) -> None:
