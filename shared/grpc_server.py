@@ -149,8 +149,11 @@ def create_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = Fal
                ("grpc.so_reuseport", 0)]
     if public:
         options += [*keepalive_options(_SERVER_KEEPALIVE_MS, _SERVER_PING_TIMEOUT_MS),
-                    # Clients' pings as often as ours (more often than gRPC's default, one in 5 minutes, is GOAWAY).
-                    ("grpc.http2.min_recv_ping_interval_without_data_ms", CLIENT_KEEPALIVE_MS // 2)]
+                    # Clients' pings as often as ours: gRPC's default allows one in 5 minutes while the server
+                    # sends nothing (a queued request, a long prefill) and answers the third one sooner with
+                    # GOAWAY "too_many_pings", which broke such a stream after a minute. The name is the one gRPC
+                    # reads (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS); it ignores unknown names.
+                    ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_KEEPALIVE_MS // 2)]
         # gRPC cancels calls that wait to be picked up once more than 1,000 do (3,000 at once), as CANCELLED, which
         # a client reads as its own cancel: a burst of new streams (a 2,000-prompt batch through the HTTP front) lost
         # some. Admission control is the scheduler's own, with a status that says so (RESOURCE_EXHAUSTED,

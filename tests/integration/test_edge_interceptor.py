@@ -125,3 +125,35 @@ def test_a_burst_of_new_streams_is_served_whole() -> None:
 
     outcomes = asyncio.run(go())
     assert outcomes.count("ok") == 3000, {o: outcomes.count(o) for o in set(outcomes)}
+
+
+def test_a_stream_that_sends_nothing_for_a_while_keeps_its_pinging_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A resuming client pings an open call every CLIENT_KEEPALIVE_MS (llmserve/resume.py) also while the server
+    # sends nothing (a queued request); gRPC's default policy allows one such ping in 5 minutes and sent GOAWAY
+    # "too_many_pings" on the third, breaking the stream. Both intervals scaled down 50x: ~9 pings in the silence.
+    every_ms = grpc_server.CLIENT_KEEPALIVE_MS // 50
+    monkeypatch.setattr(grpc_server, "CLIENT_KEEPALIVE_MS", every_ms)
+    silence_s = 9 * every_ms / 1000
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        yield b"first"
+        await asyncio.sleep(silence_s)
+        yield b"second"
+
+    async def go() -> list[bytes] | str:
+        server = grpc_server.create_server(public=True)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Quiet": grpc.unary_stream_rpc_method_handler(handler)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        options = grpc_server.keepalive_options(every_ms, grpc_server.CLIENT_PING_TIMEOUT_MS)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+                try:
+                    return [m async for m in channel.unary_stream(f"/{SERVICE}/Quiet")(b"x", timeout=60)]
+                except grpc.aio.AioRpcError as exc:
+                    return f"{exc.code().name}: {exc.details()}"
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(go()) == [b"first", b"second"]
