@@ -39,9 +39,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model=str(tiny_llama_dir),
-        # A long heartbeat TTL: the frozen worker stays registered, so the scheduler stays ready.
+        # A long heartbeat TTL: the frozen worker stays registered, so the scheduler stays ready. A drain
+        # as long as the requests need: the default 30 s ran out on a loaded machine, and an only worker that
+        # stops before its requests end leaves them nowhere to go.
         worker_args=["--num-gpu-blocks-override", "160", "--max-model-len", "1024", "--num-threads", "1",
-                     "--heartbeat-ttl", "60"],
+                     "--heartbeat-ttl", "60", "--drain-timeout", "600"],
         scheduler_args=["--max-num-seqs", "2", "--step-timeout", str(STEP_TIMEOUT_S),
                         "--liveness-timeout", str(LIVENESS_TIMEOUT_S)],
     )
