@@ -9,6 +9,9 @@ PY := $(VENV)/bin/python
 LLMSERVE := $(VENV)/bin/llmserve
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# `make test` runs this many pytest processes (pytest-xdist), each taking whole files so that a module's
+# cluster is started once; TEST_WORKERS=0 runs everything in one process, in order.
+TEST_WORKERS ?= 2
 export LLMSERVE_CACHE ?= $(HOME)/.cache/llmserve
 
 PROTO_MESSAGES := protos/common.proto protos/state.proto
@@ -41,7 +44,7 @@ run: model
 	$(LLMSERVE) demo
 
 test: model check-protos check-deploy lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
