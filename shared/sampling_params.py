@@ -125,7 +125,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if not (0.0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if self.temperature > 2.0:  # vLLM's (and OpenAI's) bound
+        if self.temperature > 2.0:  # OpenAI's bound (vLLM accepts any non-negative value)
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
