@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -40,16 +41,25 @@ async def _stream(request: generation_pb2.TokenizeRequest, context: grpc.aio.Ser
     raise KeyError(request.prompt)
 
 
-async def _call_all(public: bool) -> dict[str, object]:
+@asynccontextmanager
+async def _serving(handlers: dict[str, grpc.RpcMethodHandler], public: bool = True) -> AsyncIterator[int]:
+    """A server of create_server's with `handlers` under SERVICE, on localhost; yields its port."""
     server = grpc_server.create_server(public=public)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(_unary, _REQUEST.FromString, _RESPONSE.SerializeToString),
-        "Stream": grpc.unary_stream_rpc_method_handler(_stream, _REQUEST.FromString, _RESPONSE.SerializeToString),
-    })])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    seen: dict[str, object] = {}
     try:
+        yield port
+    finally:
+        await server.stop(None)
+
+
+async def _call_all(public: bool) -> dict[str, object]:
+    seen: dict[str, object] = {}
+    async with _serving({
+        "Unary": grpc.unary_unary_rpc_method_handler(_unary, _REQUEST.FromString, _RESPONSE.SerializeToString),
+        "Stream": grpc.unary_stream_rpc_method_handler(_stream, _REQUEST.FromString, _RESPONSE.SerializeToString),
+    }, public=public) as port:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             unary = channel.unary_unary(f"/{SERVICE}/Unary", _REQUEST.SerializeToString, _RESPONSE.FromString)
             raw = channel.unary_unary(f"/{SERVICE}/Unary", lambda b: b, _RESPONSE.FromString)
@@ -69,8 +79,6 @@ async def _call_all(public: bool) -> dict[str, object]:
                 seen["malformed"] = (await raw(b"\x0a\x01\xff", timeout=10)).token_ids
             except grpc.aio.AioRpcError as exc:
                 seen["malformed"] = exc.code()
-    finally:
-        await server.stop(None)
     return seen
 
 
@@ -104,12 +112,7 @@ def test_a_burst_of_new_streams_is_served_whole() -> None:
         yield request
 
     async def go() -> list[str]:
-        server = grpc_server.create_server(public=True)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "Burst": grpc.unary_stream_rpc_method_handler(handler)}),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
+        async with _serving({"Burst": grpc.unary_stream_rpc_method_handler(handler)}) as port:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 call = channel.unary_stream(f"/{SERVICE}/Burst")
 
@@ -120,8 +123,6 @@ def test_a_burst_of_new_streams_is_served_whole() -> None:
                         return exc.code().name
 
                 return await asyncio.gather(*[one() for _ in range(3000)])
-        finally:
-            await server.stop(None)
 
     outcomes = asyncio.run(go())
     assert outcomes.count("ok") == 3000, {o: outcomes.count(o) for o in set(outcomes)}
@@ -141,19 +142,12 @@ def test_a_stream_that_sends_nothing_for_a_while_keeps_its_pinging_client(monkey
         yield b"second"
 
     async def go() -> list[bytes] | str:
-        server = grpc_server.create_server(public=True)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "Quiet": grpc.unary_stream_rpc_method_handler(handler)}),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
         options = grpc_server.keepalive_options(every_ms, grpc_server.CLIENT_PING_TIMEOUT_MS)
-        try:
+        async with _serving({"Quiet": grpc.unary_stream_rpc_method_handler(handler)}) as port:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
                 try:
                     return [m async for m in channel.unary_stream(f"/{SERVICE}/Quiet")(b"x", timeout=60)]
                 except grpc.aio.AioRpcError as exc:
                     return f"{exc.code().name}: {exc.details()}"
-        finally:
-            await server.stop(None)
 
     assert asyncio.run(go()) == [b"first", b"second"]
