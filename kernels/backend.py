@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -77,9 +78,17 @@ class ContextAttentionFn(Protocol):
     ) -> None: ...
 
 
+def _nothing_to_prepare(dtype: torch.dtype) -> None:
+    del dtype
+
+
 @dataclass(frozen=True)
 class KernelBackend:
-    """The five paged KV-cache kernels of one backend."""
+    """The five paged KV-cache kernels of one backend.
+
+    ``prepare(dtype)``: compiles what caches of ``dtype`` need that the backend did not compile when it was built
+    (the CPU kernels' bf16 variants); a worker calls it at its start, so that no step compiles.
+    """
 
     name: str
     reshape_and_cache: ReshapeAndCacheFn
@@ -87,6 +96,7 @@ class KernelBackend:
     swap_blocks: SwapBlocksFn
     paged_attention: PagedAttentionFn
     context_attention: ContextAttentionFn
+    prepare: Callable[[torch.dtype], None] = _nothing_to_prepare
 
 
 def _backend_of(name: str, module: ModuleType) -> KernelBackend:
@@ -115,7 +125,7 @@ def _cpu_backend() -> KernelBackend:
     # per call); all fall back to the torch kernels for inputs they do not cover.
     return dataclasses.replace(_backend_of("cpu", cpu), paged_attention=numba_attention.paged_attention,
                                context_attention=numba_attention.context_attention,
-                               reshape_and_cache=numba_cache_ops.reshape_and_cache)
+                               reshape_and_cache=numba_cache_ops.reshape_and_cache, prepare=numba_attention.prepare)
 
 
 @functools.cache

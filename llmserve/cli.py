@@ -175,7 +175,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 def _start_timeout_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=defaults.LOCAL_START_TIMEOUT_S, metavar="SECONDS",
                    help="seconds the services may take to start before it gives up (a first start on a machine "
-                        "compiles the CPU kernels: ~4 min on 2 cores); while they start it says every "
+                        "compiles the CPU kernels: 2-4 min on 2 cores); while they start it says every "
                         f"{defaults.START_PROGRESS_EVERY_S:.0f} s what it waits for")
 
 

@@ -29,7 +29,7 @@ STEP_TIMEOUT_S = 60.0
 LIVENESS_TIMEOUT_S = 300.0
 LEASE_TTL_S = 10.0
 # How long `llmserve up` (and LocalCluster) lets its services start: a first start on a machine compiles the CPU
-# kernels, ~4 min on an idle 2-core Zen 4, longer on a busy or slower machine.
+# kernels, 2-4 min on an idle 2-core EPYC (float32: 139 s on a Zen 3), longer on a busy or slower machine.
 LOCAL_START_TIMEOUT_S = 900.0
 # While that start-up has no news for this long, it says what it still waits for (rather than minutes of silence).
 START_PROGRESS_EVERY_S = 20.0

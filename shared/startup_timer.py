@@ -28,8 +28,8 @@ _MIN_OTHER_S = 0.05
 # A phase given a note says so in the log once it has run this long: a long start-up explains itself while it
 # runs, not only in its `ready in` line minutes later.
 SLOW_PHASE_S = 10.0
-# Why a worker's phases can take minutes (the CPU kernels' compile: ~4 min on a 2-core Zen 4, most of it the
-# paged decode attention; seconds to load from the cache).
+# Why a worker's phases can take minutes (the CPU kernels' compile: 139 s for a float32 worker on a 2-core Zen 3
+# EPYC, ~200 s for a bf16 one, most of it the paged decode attention; seconds to load from the cache).
 NUMBA_COMPILE_NOTE = ("the first start on a machine (or after a kernel source changed) compiles the Numba kernels "
                       "into their cache, minutes on a small CPU; later starts load them in seconds")
 

@@ -115,6 +115,7 @@ class ModelRunner:
             )
         self.max_model_len = max_len
         self.backend = get_backend(self.device)
+        self.backend.prepare(self.dtype)  # the kernels for this dtype's caches, before any step (its first start compiles)
         if config.num_threads:
             # Loading the CPU kernels starts Numba's OpenMP runtime, which resets the calling thread's
             # OpenMP thread count (torch's too) to Numba's default: --num-threads is applied again.

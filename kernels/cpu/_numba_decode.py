@@ -1,8 +1,9 @@
 """The Numba decode-attention kernel: per sequence (or kv head), the softmax taken over spans of blocks, the cache read in place.
 
-Signatures are explicit, so importing this module compiles the kernel (or,
-with ``cache=True``, loads it from ``__pycache__``: a worker compiles once per
-machine, not per start). It is imported only when a CPU backend is built,
+Signatures are explicit, so importing this module compiles the kernel for float32
+caches (or, with ``cache=True``, loads it from ``__pycache__``: a worker compiles once per
+machine, not per start); the bf16 variant is compiled when a bf16 worker starts
+(:mod:`llmserve.kernels.cpu._numba_variants`). It is imported only when a CPU backend is built,
 which keeps ``import kernels`` free of Numba.
 
 Per work item (a sequence's kv heads: all of them, or one each when there are too few
@@ -70,8 +71,9 @@ _FASTMATH = {"contract"}
 
 # (out, query, key_cache, value_cache, block_tables, context_lens, slopes, scale, sliding_window, threads).
 # Caches are float32, or bf16 viewed as int16 (the caller's choice; the kernel tells them apart by dtype).
-_SIGNATURES = [
-    numba.void(
+# The float32 variant is compiled at import, the bf16 one by `_numba_variants.require` (BF16_SIGNATURES).
+FLOAT32_SIGNATURES, BF16_SIGNATURES = (
+    [numba.void(
         numba.float32[:, :, ::1],
         numba.types.Array(numba.float32, 3, "A"),  # the query: a strided view of the fused q/k/v rows is read in place
         cache_type[:, :, :, ::1],
@@ -82,9 +84,9 @@ _SIGNATURES = [
         numba.float32,
         numba.int64,
         numba.int64,
-    )
+    )]
     for cache_type in (numba.float32, numba.int16)
-]
+)
 
 # Blocks whose softmax is taken in one pass (512 slots of 16): scores of a whole span are computed
 # first, then their maximum, exponentials and sum as long vectorized loops, then the weighted values.
@@ -208,7 +210,7 @@ def _exp_shifted(scores: np.ndarray, at: int, n: int, shift: np.float32) -> None
         row[o] = exp_f32(row[o] - shift)
 
 
-@numba.njit(_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
+@numba.njit(FLOAT32_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
 def decode_attention(
     out: np.ndarray,
     query: np.ndarray,

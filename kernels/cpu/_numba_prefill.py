@@ -1,7 +1,8 @@
 """The Numba prefill (context) attention kernel: flash-attention tiles over the paged cache, one block at a time.
 
 Signatures are explicit and ``cache=True``, as in :mod:`llmserve.kernels.cpu._numba_decode`:
-importing this module compiles the kernel once per machine, later worker starts load it.
+importing this module compiles the float32 kernel once per machine, later worker starts load it (the bf16
+variant: when a bf16 worker starts).
 
 Work items are (sequence, kv head, query tile). An item computes the ``G`` query heads
 of its GQA group for up to ``tq`` consecutive queries together, as the ``G * tq`` rows
@@ -63,9 +64,10 @@ _WIDE_TILES = has_avx512()
 _RESCALE_MARGIN = np.float32(8.0)
 
 # (out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, tiles, slopes, scale,
-#  sliding_window, threads); caches float32, or bf16 viewed as int16, as in the decode kernel.
-_SIGNATURES = [
-    numba.void(
+#  sliding_window, threads); caches float32, or bf16 viewed as int16, as in the decode kernel (the bf16 variant
+#  compiled when a bf16 worker starts: _numba_variants).
+FLOAT32_SIGNATURES, BF16_SIGNATURES = (
+    [numba.void(
         numba.float32[:, :, ::1],
         numba.types.Array(numba.float32, 3, "A"),  # the query: a strided view of the fused q/k/v rows is read in place
         cache_type[:, :, :, ::1],
@@ -78,9 +80,9 @@ _SIGNATURES = [
         numba.float32,
         numba.int64,
         numba.int64,
-    )
+    )]
     for cache_type in (numba.float32, numba.int16)
-]
+)
 
 
 @numba.njit(
@@ -336,7 +338,7 @@ def _attend_tile(
                 out[first_token + i, head0 + g, d] = acc[d, g * tq + i] * inverse[g * tq + i]
 
 
-@numba.njit(_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
+@numba.njit(FLOAT32_SIGNATURES, parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
 def context_attention(
     out: np.ndarray, query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, block_tables: np.ndarray,
     query_start_loc: np.ndarray, seq_lens: np.ndarray, tiles: np.ndarray, slopes: np.ndarray, scale: np.float32,

@@ -11,8 +11,9 @@ the torch kernel for these dtypes. float16 is left to the torch kernel because
 widening it by bit manipulation (subnormals, infinities) is not worth a third
 compiled variant for a dtype CPU workers do not pick by default.
 
-Importing this module compiles the kernels or loads them from Numba's cache
-(see :mod:`llmserve.kernels.cpu._numba_decode`, :mod:`llmserve.kernels.cpu._numba_prefill`).
+Importing this module compiles the kernels for float32 caches or loads them from Numba's cache
+(see :mod:`llmserve.kernels.cpu._numba_decode`, :mod:`llmserve.kernels.cpu._numba_prefill`); ``prepare`` does
+the same for bf16 caches, at the start of a worker that has them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import torch
 
 from llmserve.kernels.attention_checks import check_context_attention_args, check_paged_attention_args
 from llmserve.kernels.cpu import attention as torch_attention
+from llmserve.kernels.cpu import _numba_decode, _numba_prefill
 from llmserve.kernels.cpu._numba_decode import decode_attention
 from llmserve.kernels.cpu._numba_prefill import context_attention as prefill_attention
 from llmserve.kernels.cpu._numba_prefill import plan_tiles
+from llmserve.kernels.cpu._numba_variants import require
 from llmserve.kernels.cpu.numpy_views import numpy_view
 from llmserve.kernels.metadata_memo import arguments_layout, reduce_once
 
@@ -83,6 +86,15 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     )
 
 
+def prepare(dtype: torch.dtype) -> None:
+    """Compiles the kernels for caches of ``dtype``, or loads them from Numba's cache: at a worker's start, so that
+    no step compiles (the float32 variants come with the import; the bf16 ones are compiled here, the first time).
+    Other dtypes run the torch kernels and need nothing."""
+    if dtype == torch.bfloat16:
+        require(decode_attention, _numba_decode.BF16_SIGNATURES)
+        require(prefill_attention, _numba_prefill.BF16_SIGNATURES)
+
+
 def paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -102,6 +114,7 @@ def paged_attention(
     def validate() -> tuple[np.ndarray, np.ndarray, int] | None:
         if not supports(query, key_cache, value_cache):
             return None
+        prepare(key_cache.dtype)  # a no-op once the worker's start has prepared its dtype
         # The checks also read back the block ids the kernel will read, which it then trusts.
         check_paged_attention_args(
             out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, context_lens, block_size,
@@ -210,6 +223,7 @@ def context_attention(
         # The kernel's loops take 4 slots of a block per pass (vLLM's block sizes are 8, 16, 32).
         if not supports(query, key_cache, value_cache) or key_cache.dim() != 5 or key_cache.shape[3] % 4:
             return None
+        prepare(key_cache.dtype)
         # The checks also read back the block ids the kernel will read, which it then trusts.
         check_context_attention_args(
             out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, query_start_loc, seq_lens,

@@ -24,8 +24,10 @@ import numba
 import numpy as np
 
 from llmserve.kernels.cpu._numba_bf16 import widen
+from llmserve.kernels.cpu import _numba_decode
 from llmserve.kernels.cpu._numba_decode import decode_attention
 from llmserve.kernels.cpu._numba_llvm import prefetch
+from llmserve.kernels.cpu._numba_variants import require
 from llmserve.kernels.cpu.host_cpu import is_amd_avx512
 from llmserve.kernels.cpu.numba_cache_ops import PARALLEL_MIN_TOKENS, write_parallel, write_token
 from llmserve.kernels.numba_cache import versioned_cache
@@ -38,15 +40,17 @@ from worker_service.models._numba_panels import panel_matmul
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
 versioned_cache()
 
-# Explicit signatures: importing this module compiles both functions, or loads them from Numba's cache
+# Explicit signatures: importing this module compiles the functions, or loads them from Numba's cache
 # (cache=True), at the worker's start rather than in its first compiled step. Weights, the embedding and the
-# caches are float32, or bf16 viewed as int16 (widened as they are read; activations stay float32).
+# caches are float32, or bf16 viewed as int16 (widened as they are read; activations stay float32); the bf16
+# form of the layers (and of the decode attention it calls) is compiled by `require_bf16`, when a bf16 worker
+# loads its model (kernels/cpu/_numba_variants.py).
 _F32_1D, _F32_2D = numba.float32[::1], numba.float32[:, ::1]
 _I64_1D = numba.int64[::1]
 _ELEMENTS = (numba.float32, numba.int16)
 _GEMVS = [numba.void(_F32_2D, element[:, ::1], _F32_1D, _F32_2D) for element in _ELEMENTS]
-_DECODE_LAYERS = [
-    numba.void(
+_FLOAT32_LAYERS, _BF16_LAYERS = (
+    [numba.void(
         _I64_1D, _I64_1D, element[:, ::1],  # input_ids, positions, embed
         _F32_2D, _F32_2D, _F32_1D,  # input_norms, post_norms, final_norm
         *(element[:, :, ::1], _F32_2D) * 4,  # weights and biases of qkv, o, gate_up, down
@@ -55,9 +59,9 @@ _DECODE_LAYERS = [
         _I64_1D, numba.int32[:, ::1], numba.int32[::1],  # slots, block_tables, context_lens
         numba.int64, numba.int64, numba.float32, numba.float32, numba.int64,  # heads, kv heads, eps, scale, threads
         _F32_2D,  # out
-    )
+    )]
     for element in _ELEMENTS
-]
+)
 # The panel step's arguments: float32 only, each projection's panels flat per layer ([L, N * K]).
 _PANEL_LAYERS = [
     numba.void(
@@ -218,7 +222,7 @@ def _layers(
     _add_rms_norm(x, residual, final_norm, eps, out)
 
 
-@numba.njit(_DECODE_LAYERS, cache=True, nogil=True)
+@numba.njit(_FLOAT32_LAYERS, cache=True, nogil=True)
 def decode_layers(
     input_ids: np.ndarray,
     positions: np.ndarray,
@@ -298,3 +302,10 @@ def decode_layers_panels(
             (p_qkv, b_qkv, no_bias), (p_o, no_bias, b_o), (p_gate_up, b_gate_up, no_bias), (p_down, no_bias, b_down),
             p_qkv.shape[1] // hidden, p_down.shape[1] // hidden, windows, cos, sin, key_caches, value_caches, slots,
             block_tables, context_lens, num_heads, num_kv_heads, eps, scale, attention_threads, threads, out)
+
+
+def require_bf16() -> None:
+    """Compiles the bf16 form of ``decode_layers`` and of the decode attention it calls (or loads them from Numba's
+    cache); the float32 forms come with the import."""
+    require(decode_attention, _numba_decode.BF16_SIGNATURES)
+    require(decode_layers, _BF16_LAYERS)

@@ -41,7 +41,7 @@ from llmserve.kernels.cache_op_checks import check_reshape_and_cache_args
 from llmserve.kernels.cpu.numba_attention import kernel_threads
 from llmserve.kernels.layout import stacked_layers
 from worker_service.attention import AttentionMetadata
-from worker_service.models._numba_decode_step import decode_layers, decode_layers_panels, gemv
+from worker_service.models._numba_decode_step import decode_layers, decode_layers_panels, gemv, require_bf16
 from worker_service.models.fused_ops import full_team
 from worker_service.models.linear import can_use_panels
 from worker_service.models.rotary import RotaryTable
@@ -136,6 +136,8 @@ class CompiledDecode:
         self._final_norm = final_norm.float().contiguous().numpy()
         self._windows = np.array([layer.sliding_window or 0 for layer in layers], dtype=np.int64)
         if self.max_rows:
+            if self._dtype == torch.bfloat16:
+                require_bf16()  # at the model's load, not in the first step
             self._arrays = [a for name in PROJECTIONS for a in (_elements(self._weights[name]), self._biases[name].numpy())]
             self._head = _elements(head)
             self._no_bias = np.empty(0, dtype=np.float32)
