@@ -37,6 +37,7 @@ from scheduler_service.engine_loop import EngineLoop
 from scheduler_service.leases import LeaseLostError, Leases
 from scheduler_service.router import Router
 from shared.errors import UnavailableError
+from shared.outage_log import OutageLog
 from shared.registry_changes import RegistryChanges
 from shared.worker_registry import WorkerEntry, WorkerRegistry
 
@@ -96,15 +97,18 @@ class Supervisor:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Ticks until `stop` is set, then stops every loop cleanly and gives its lease back."""
+        outage = OutageLog(log, "supervisor tick on Redis")
         try:
             while not stop.is_set():
                 try:
                     await self.tick()
                 except (RedisError, OSError, UnavailableError) as exc:
                     # Redis restarting: the loops keep what they hold until their leases lapse; the next tick retries.
-                    log.warning("supervisor tick failed, Redis unavailable: %s", exc)
+                    outage.failed(exc)
                 except Exception:  # noqa: BLE001 - no bug in one tick may end the replica; the next tick retries
                     log.exception("supervisor tick failed")
+                else:
+                    outage.succeeded()
                 # Until the next tick is due, `stop` is set, or a worker registers, drains or leaves.
                 await self._changes.wait(self._next_wait, stop)
         finally:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protos import worker_pb2
+from shared.outage_log import OutageLog
 from shared.redis_client import RedisOptions
 from shared.worker_registry import WorkerRegistry
 
@@ -96,11 +97,14 @@ class Registration:
     async def run(self) -> None:
         """Heartbeats until cancelled; a failed heartbeat is logged and retried (Redis may be restarting)."""
         interval = self._config.heartbeat_ttl_s / 3
+        outage = OutageLog(log, "heartbeat to Redis")
         while True:
             try:
                 await self.beat()
             except Exception as exc:  # noqa: BLE001 - the worker keeps serving its owner while Redis is away
-                log.warning("heartbeat to Redis failed: %s", exc)
+                outage.failed(exc)
+            else:
+                outage.succeeded()
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
