@@ -27,8 +27,9 @@ import torch
 
 from llmserve.kernels.attention_checks import check_context_attention_args, check_paged_attention_args
 from llmserve.kernels.cpu import attention as torch_attention
-from llmserve.kernels.cpu import _numba_decode, _numba_prefill
+from llmserve.kernels.cpu._numba_decode import BF16_SIGNATURES as DECODE_BF16
 from llmserve.kernels.cpu._numba_decode import decode_attention
+from llmserve.kernels.cpu._numba_prefill import BF16_SIGNATURES as PREFILL_BF16
 from llmserve.kernels.cpu._numba_prefill import context_attention as prefill_attention
 from llmserve.kernels.cpu._numba_prefill import plan_tiles
 from llmserve.kernels.cpu._numba_variants import require
@@ -91,8 +92,8 @@ def prepare(dtype: torch.dtype) -> None:
     no step compiles (the float32 variants come with the import; the bf16 ones are compiled here, the first time).
     Other dtypes run the torch kernels and need nothing."""
     if dtype == torch.bfloat16:
-        require(decode_attention, _numba_decode.BF16_SIGNATURES)
-        require(prefill_attention, _numba_prefill.BF16_SIGNATURES)
+        require(decode_attention, DECODE_BF16)
+        require(prefill_attention, PREFILL_BF16)
 
 
 def paged_attention(

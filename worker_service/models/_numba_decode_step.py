@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from llmserve.kernels.cpu._numba_bf16 import widen
-from llmserve.kernels.cpu import _numba_decode
+from llmserve.kernels.cpu._numba_decode import BF16_SIGNATURES as ATTENTION_BF16
 from llmserve.kernels.cpu._numba_decode import decode_attention
 from llmserve.kernels.cpu._numba_llvm import prefetch
 from llmserve.kernels.cpu._numba_variants import require
@@ -307,5 +307,5 @@ def decode_layers_panels(
 def require_bf16() -> None:
     """Compiles the bf16 form of ``decode_layers`` and of the decode attention it calls (or loads them from Numba's
     cache); the float32 forms come with the import."""
-    require(decode_attention, _numba_decode.BF16_SIGNATURES)
+    require(decode_attention, ATTENTION_BF16)
     require(decode_layers, _BF16_LAYERS)
