@@ -5,7 +5,7 @@
 1. llmserve runs on the default model with `--profile-steps`: for each batch
    size B, B requests (32-token prompts, 32 output tokens, ignore_eos) are sent
    at once, and the steady decode steps with B running sequences are split
-   into ingest, schedule, plan (build + protobuf), RPC (the ExecuteStep round
+   into ingest, schedule, plan (build + protobuf), RPC (the step call's round
    trip minus the worker's own time: serialization and gRPC), worker
    (forward + sampling), the part of the Redis commit not hidden behind the
    worker, and postprocess (detokenize, stop checks, stream messages).

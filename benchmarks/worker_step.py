@@ -1,4 +1,4 @@
-"""Host time of one worker step: the ExecuteStep path in-process, without gRPC.
+"""Host time of one worker step: the step call's path in-process, without gRPC.
 
     python -m benchmarks.worker_step [--models tiny default] [--batch-sizes 1 4 16] [--steps 40]
         [--prompt-len 32] [--logprobs K] [--threads N] [--dtype auto|float32|bfloat16|float16]
@@ -190,7 +190,7 @@ def main() -> None:
     result = {
         **run_info(f"torch {torch.__version__}", f"{torch.get_num_threads()} torch threads"),
         "description": (f"Decode steps of B greedy sequences ({args.prompt_len}-token prompts, logprobs={args.logprobs}) "
-                        "driven in-process through the worker's ExecuteStep path (plan bytes in, reply bytes out, "
+                        "driven in-process through the worker's step path (plan bytes in, reply bytes out, "
                         "no gRPC); medians over the steps. tiny: 2-layer hidden-128 Llama with the default "
                         "tokenizer's vocabulary; default: SmolLM2-135M."),
         "dtype": args.dtype,

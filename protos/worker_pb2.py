@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc2\x02\n\x11WorkerDescription\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x1c\n\x14num_cached_sequences\x18\t \x01(\r\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x0c \x01(\r\x12\x16\n\x0esliding_window\x18\r \x01(\r\x12\x1d\n\x15num_recomputed_tokens\x18\x0e \x01(\x04\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xca\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x07 \x01(\r\"\x90\x02\n\rSequenceDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x16\n\x0enum_new_tokens\x18\x03 \x01(\r\x12G\n\x0freplaced_blocks\x18\x04 \x03(\x0b\x32..llmserve.v1.SequenceDelta.ReplacedBlocksEntry\x12\x1a\n\rlast_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x1a\x35\n\x13ReplacedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x10\n\x0e_last_token_id\"\xa4\x02\n\x08StepPlan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\'\n\x07swap_in\x18\x03 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12(\n\x08swap_out\x18\x04 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12$\n\x04\x63opy\x18\x05 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12/\n\rnew_sequences\x18\x06 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x34\n\x10\x63\x61\x63hed_sequences\x18\x07 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x18\n\x10\x66inished_seq_ids\x18\x08 \x03(\x04\"r\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\"\x98\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x07sampled\x18\x02 \x03(\x0b\x32\x19.llmserve.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.llmserve.v1.PromptLogprobs\"1\n\tStepBatch\x12$\n\x05steps\x18\x01 \x03(\x0b\x32\x15.llmserve.v1.StepPlan\";\n\x0fStepBatchResult\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.llmserve.v1.StepResult\"^\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12-\n\tpositions\x18\x03 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\"1\n\x0cResetRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nkeep_cache\x18\x02 \x01(\x08\"S\n\rResetResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12-\n\nlast_steps\x18\x02 \x03(\x0b\x32\x19.llmserve.v1.ExecutedStep\"\x82\x02\n\x0c\x45xecutedStep\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\'\n\x06result\x18\x03 \x01(\x0b\x32\x17.llmserve.v1.StepResult\x12\x30\n\tsequences\x18\x04 \x03(\x0b\x32\x1d.llmserve.v1.ExecutedSequence\x12\'\n\x07swap_in\x18\x05 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12(\n\x08swap_out\x18\x06 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12$\n\x04\x63opy\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\"l\n\x10\x45xecutedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\"\xcd\x01\n\x16ResumeSequencesRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\'\n\x07swap_in\x18\x02 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12(\n\x08swap_out\x18\x03 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12$\n\x04\x63opy\x18\x04 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12+\n\tsequences\x18\x05 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\"E\n\x0fRefusedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nnot_cached\x18\x03 \x01(\x08\"H\n\x17ResumeSequencesResponse\x12-\n\x07refused\x18\x01 \x03(\x0b\x32\x1c.llmserve.v1.RefusedSequence2\xec\x02\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12=\n\x0b\x45xecuteStep\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepResult\x12\x44\n\x0c\x45xecuteSteps\x12\x16.llmserve.v1.StepBatch\x1a\x1c.llmserve.v1.StepBatchResult\x12>\n\x05Reset\x12\x19.llmserve.v1.ResetRequest\x1a\x1a.llmserve.v1.ResetResponse\x12S\n\x06Resume\x12#.llmserve.v1.ResumeSequencesRequest\x1a$.llmserve.v1.ResumeSequencesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc2\x02\n\x11WorkerDescription\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x1c\n\x14num_cached_sequences\x18\t \x01(\r\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x0c \x01(\r\x12\x16\n\x0esliding_window\x18\r \x01(\r\x12\x1d\n\x15num_recomputed_tokens\x18\x0e \x01(\x04\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xca\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x07 \x01(\r\"\x90\x02\n\rSequenceDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x16\n\x0enum_new_tokens\x18\x03 \x01(\r\x12G\n\x0freplaced_blocks\x18\x04 \x03(\x0b\x32..llmserve.v1.SequenceDelta.ReplacedBlocksEntry\x12\x1a\n\rlast_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x1a\x35\n\x13ReplacedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x10\n\x0e_last_token_id\"\xa4\x02\n\x08StepPlan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\'\n\x07swap_in\x18\x03 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12(\n\x08swap_out\x18\x04 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12$\n\x04\x63opy\x18\x05 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12/\n\rnew_sequences\x18\x06 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x34\n\x10\x63\x61\x63hed_sequences\x18\x07 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x18\n\x10\x66inished_seq_ids\x18\x08 \x03(\x04\"r\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\"\x98\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x07sampled\x18\x02 \x03(\x0b\x32\x19.llmserve.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.llmserve.v1.PromptLogprobs\"\xa7\x01\n\tStepBatch\x12$\n\x05steps\x18\x01 \x03(\x0b\x32\x15.llmserve.v1.StepPlan\x12?\n\rtrace_context\x18\x02 \x03(\x0b\x32(.llmserve.v1.StepBatch.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\";\n\x0fStepBatchResult\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.llmserve.v1.StepResult\"^\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12-\n\tpositions\x18\x03 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\"1\n\x0cResetRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nkeep_cache\x18\x02 \x01(\x08\"S\n\rResetResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12-\n\nlast_steps\x18\x02 \x03(\x0b\x32\x19.llmserve.v1.ExecutedStep\"\x82\x02\n\x0c\x45xecutedStep\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\'\n\x06result\x18\x03 \x01(\x0b\x32\x17.llmserve.v1.StepResult\x12\x30\n\tsequences\x18\x04 \x03(\x0b\x32\x1d.llmserve.v1.ExecutedSequence\x12\'\n\x07swap_in\x18\x05 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12(\n\x08swap_out\x18\x06 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12$\n\x04\x63opy\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\"l\n\x10\x45xecutedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\"\xcd\x01\n\x16ResumeSequencesRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\'\n\x07swap_in\x18\x02 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12(\n\x08swap_out\x18\x03 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12$\n\x04\x63opy\x18\x04 \x03(\x0b\x32\x16.llmserve.v1.BlockPair\x12+\n\tsequences\x18\x05 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\"E\n\x0fRefusedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nnot_cached\x18\x03 \x01(\x08\"H\n\x17ResumeSequencesResponse\x12-\n\x07refused\x18\x01 \x03(\x0b\x32\x1c.llmserve.v1.RefusedSequence2\xb0\x02\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12G\n\x0bStreamSteps\x12\x16.llmserve.v1.StepBatch\x1a\x1c.llmserve.v1.StepBatchResult(\x01\x30\x01\x12>\n\x05Reset\x12\x19.llmserve.v1.ResetRequest\x1a\x1a.llmserve.v1.ResetResponse\x12S\n\x06Resume\x12#.llmserve.v1.ResumeSequencesRequest\x1a$.llmserve.v1.ResumeSequencesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SEQUENCEDELTA_REPLACEDBLOCKSENTRY']._loaded_options = None
   _globals['_SEQUENCEDELTA_REPLACEDBLOCKSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPBATCH_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_STEPBATCH_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DESCRIBEREQUEST']._serialized_start=57
   _globals['_DESCRIBEREQUEST']._serialized_end=74
   _globals['_WORKERDESCRIPTION']._serialized_start=77
@@ -52,26 +54,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLEDTOKEN']._serialized_end=1329
   _globals['_STEPRESULT']._serialized_start=1332
   _globals['_STEPRESULT']._serialized_end=1484
-  _globals['_STEPBATCH']._serialized_start=1486
-  _globals['_STEPBATCH']._serialized_end=1535
-  _globals['_STEPBATCHRESULT']._serialized_start=1537
-  _globals['_STEPBATCHRESULT']._serialized_end=1596
-  _globals['_PROMPTLOGPROBS']._serialized_start=1598
-  _globals['_PROMPTLOGPROBS']._serialized_end=1692
-  _globals['_RESETREQUEST']._serialized_start=1694
-  _globals['_RESETREQUEST']._serialized_end=1743
-  _globals['_RESETRESPONSE']._serialized_start=1745
-  _globals['_RESETRESPONSE']._serialized_end=1828
-  _globals['_EXECUTEDSTEP']._serialized_start=1831
-  _globals['_EXECUTEDSTEP']._serialized_end=2089
-  _globals['_EXECUTEDSEQUENCE']._serialized_start=2091
-  _globals['_EXECUTEDSEQUENCE']._serialized_end=2199
-  _globals['_RESUMESEQUENCESREQUEST']._serialized_start=2202
-  _globals['_RESUMESEQUENCESREQUEST']._serialized_end=2407
-  _globals['_REFUSEDSEQUENCE']._serialized_start=2409
-  _globals['_REFUSEDSEQUENCE']._serialized_end=2478
-  _globals['_RESUMESEQUENCESRESPONSE']._serialized_start=2480
-  _globals['_RESUMESEQUENCESRESPONSE']._serialized_end=2552
-  _globals['_WORKER']._serialized_start=2555
-  _globals['_WORKER']._serialized_end=2919
+  _globals['_STEPBATCH']._serialized_start=1487
+  _globals['_STEPBATCH']._serialized_end=1654
+  _globals['_STEPBATCH_TRACECONTEXTENTRY']._serialized_start=1603
+  _globals['_STEPBATCH_TRACECONTEXTENTRY']._serialized_end=1654
+  _globals['_STEPBATCHRESULT']._serialized_start=1656
+  _globals['_STEPBATCHRESULT']._serialized_end=1715
+  _globals['_PROMPTLOGPROBS']._serialized_start=1717
+  _globals['_PROMPTLOGPROBS']._serialized_end=1811
+  _globals['_RESETREQUEST']._serialized_start=1813
+  _globals['_RESETREQUEST']._serialized_end=1862
+  _globals['_RESETRESPONSE']._serialized_start=1864
+  _globals['_RESETRESPONSE']._serialized_end=1947
+  _globals['_EXECUTEDSTEP']._serialized_start=1950
+  _globals['_EXECUTEDSTEP']._serialized_end=2208
+  _globals['_EXECUTEDSEQUENCE']._serialized_start=2210
+  _globals['_EXECUTEDSEQUENCE']._serialized_end=2318
+  _globals['_RESUMESEQUENCESREQUEST']._serialized_start=2321
+  _globals['_RESUMESEQUENCESREQUEST']._serialized_end=2526
+  _globals['_REFUSEDSEQUENCE']._serialized_start=2528
+  _globals['_REFUSEDSEQUENCE']._serialized_end=2597
+  _globals['_RESUMESEQUENCESRESPONSE']._serialized_start=2599
+  _globals['_RESUMESEQUENCESRESPONSE']._serialized_end=2671
+  _globals['_WORKER']._serialized_start=2674
+  _globals['_WORKER']._serialized_end=2978
 # @@protoc_insertion_point(module_scope)

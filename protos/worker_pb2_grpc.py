@@ -41,13 +41,8 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerDescription.FromString,
                 _registered_method=True)
-        self.ExecuteStep = channel.unary_unary(
-                '/llmserve.v1.Worker/ExecuteStep',
-                request_serializer=protos_dot_worker__pb2.StepPlan.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.StepResult.FromString,
-                _registered_method=True)
-        self.ExecuteSteps = channel.unary_unary(
-                '/llmserve.v1.Worker/ExecuteSteps',
+        self.StreamSteps = channel.stream_stream(
+                '/llmserve.v1.Worker/StreamSteps',
                 request_serializer=protos_dot_worker__pb2.StepBatch.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.StepBatchResult.FromString,
                 _registered_method=True)
@@ -75,18 +70,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ExecuteStep(self, request, context):
-        """Executes one step plan: block operations, then the forward pass, then sampling.
-        Rejects (FAILED_PRECONDITION) a plan whose epoch is older than the newest seen.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ExecuteSteps(self, request, context):
-        """Executes several step plans back to back, in order, as one call (multi-step scheduling): a
-        decode of a later plan reads the token that the plan before it sampled, as a step sent behind
-        another under async scheduling does. Fails as a whole when one of them fails.
+    def StreamSteps(self, request_iterator, context):
+        """Executes step plans, on one stream for as long as an engine loop drives the worker. Each StepBatch
+        is one call, answered by one StepBatchResult, in order: one plan (block operations, then the forward
+        pass, then sampling), or several back to back (multi-step scheduling: a decode of a later plan reads
+        the token that the plan before it sampled, as a step sent behind another under async scheduling
+        does). A call starts as soon as it arrives, behind the one before it, and runs to its end even when
+        the stream ends meanwhile. A failed call (a plan whose epoch is older than the newest seen:
+        FAILED_PRECONDITION) ends the stream with its status. One stream rather than a call per step: a
+        step is then one message each way (scheduler_service/step_stream.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,13 +109,8 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_worker__pb2.DescribeRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerDescription.SerializeToString,
             ),
-            'ExecuteStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.ExecuteStep,
-                    request_deserializer=protos_dot_worker__pb2.StepPlan.FromString,
-                    response_serializer=protos_dot_worker__pb2.StepResult.SerializeToString,
-            ),
-            'ExecuteSteps': grpc.unary_unary_rpc_method_handler(
-                    servicer.ExecuteSteps,
+            'StreamSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamSteps,
                     request_deserializer=protos_dot_worker__pb2.StepBatch.FromString,
                     response_serializer=protos_dot_worker__pb2.StepBatchResult.SerializeToString,
             ),
@@ -178,7 +165,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def ExecuteStep(request,
+    def StreamSteps(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -188,37 +175,10 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/llmserve.v1.Worker/ExecuteStep',
-            protos_dot_worker__pb2.StepPlan.SerializeToString,
-            protos_dot_worker__pb2.StepResult.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ExecuteSteps(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/llmserve.v1.Worker/ExecuteSteps',
+            '/llmserve.v1.Worker/StreamSteps',
             protos_dot_worker__pb2.StepBatch.SerializeToString,
             protos_dot_worker__pb2.StepBatchResult.FromString,
             options,

@@ -29,7 +29,7 @@ class SchedulerServiceConfig(SchedulingFlags):
       beyond it Generate answers RESOURCE_EXHAUSTED at once.
     max_queued_tokens: per worker, the most prompt tokens of those requests (0 = unbounded); a request is
       always admitted into an empty queue, so one prompt above the bound is not refused forever.
-    step_timeout_s: deadline of one worker step (ExecuteStep); a step past it counts as a worker failure.
+    step_timeout_s: deadline of one worker step (a call on its step stream); a step past it counts as a worker failure.
     async_scheduling: plan and send step N+1 while the worker runs step N (the worker decodes on its own
       samples of N; a sequence that N ends by a stop token runs one step more, its token dropped); off,
       each step waits for the previous result. Beam search always waits. Off by default: on the 2-core

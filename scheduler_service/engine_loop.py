@@ -43,6 +43,7 @@ from scheduler_service.multi_step import is_steady_decode, plan_call
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.planner import Planner, build_step
 from scheduler_service.step_profile import StepProfile, StepProfileWriter
+from scheduler_service.step_stream import StepStream
 from scheduler_service.step_telemetry import StepTelemetry
 from scheduler_service.resume import RESET_TIMEOUT_SECONDS, WorkerResume
 from scheduler_service.sent_step import SentStep
@@ -50,7 +51,7 @@ from scheduler_service.state_journal import StateJournal, step_record
 from scheduler_service.store import Pickup, RedisStore, RestoredRequest, StepCommit
 from shared import defaults
 from shared.metrics import EngineMetrics
-from shared.tracing import PerfClock, metadata_for
+from shared.tracing import PerfClock, trace_carrier
 from shared.worker_registry import WorkerEntry
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class EngineLoop:
         self._drained_instance = ""
         self._step_timeout_s = step_timeout_s
         self._stub = stub
+        # Every step goes out on one stream (step_stream.py); Describe, Reset and Resume are unary calls.
+        self._steps_out = StepStream(stub)
         self._store = store
         self._scheduler = scheduler
         self._processor = processor
@@ -227,6 +230,7 @@ class EngineLoop:
             self._telemetry.close()
             if self._profiles is not None:
                 self._profiles.close()
+            self._steps_out.close()
             if self._channel is not None:
                 await self._channel.close()
 
@@ -326,17 +330,11 @@ class EngineLoop:
             for out in outs:
                 self._processor.mark_scheduled(out, time.time())
         span = self._telemetry.start_step(outs[0], clock, started)
-        # The RPC starts (and runs by itself) when the call is created: time it from here to the loop
-        # holding its result. Awaited as is: a Task around it cost the loop one more turn per answer.
+        # Timed from here to the loop holding the call's answer.
         sent = time.perf_counter()
-        timeout, metadata = self._step_timeout_s * len(plans), metadata_for(span)  # the deadline is per step
-        if len(plans) == 1:
-            call = self._stub.ExecuteStep(plans[0], timeout=timeout, metadata=metadata)
-        else:
-            call = self._stub.ExecuteSteps(worker_pb2.StepBatch(steps=plans), timeout=timeout, metadata=metadata)
-        # The call's task serializes and sends the plans when the loop next runs: let it, before this step's
-        # records and the commit of the step before are built (~0.4 ms at 64 sequences, while the worker waits).
-        await asyncio.sleep(0)
+        # Written before this step's records and the commit of the step before are built (~0.4 ms at 64
+        # sequences, while the worker waits). The deadline is per step.
+        call = await self._steps_out.send(plans, self._step_timeout_s * len(plans), trace_carrier(span))
         records = [step_record(plan, out) for plan, out in zip(plans, outs)]
         self._unlanded = SentStep(outs, call, span, clock, profile, started, ingested, sent, records,
                                   planned.num_advanced)
@@ -375,7 +373,7 @@ class EngineLoop:
             await self._on_worker_failure(failure, pending, stop)
             return False, pickup
         processing = time.perf_counter()
-        results = step.results(answer)
+        results = answer.results
         if len(results) != len(step.outs):
             raise RuntimeError(f"worker {self.worker_id} answered {len(results)} results to {len(step.outs)} plans")
         for i, (out, result) in enumerate(zip(step.outs, results)):

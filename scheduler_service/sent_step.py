@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 from opentelemetry import trace
 
-from protos import state_pb2, worker_pb2
+from protos import state_pb2
 from scheduler_service.core.scheduler_output import SchedulerOutput
 from scheduler_service.step_profile import StepProfile
+from scheduler_service.step_stream import StepCall
 from shared.tracing import PerfClock
 
 
@@ -19,8 +19,8 @@ class SentStep:
     carrying their plans, and what its telemetry needs."""
 
     outs: list[SchedulerOutput]
-    # ExecuteStep, or ExecuteSteps for more than one plan.
-    call: grpc.aio.UnaryUnaryCall
+    # The call on the worker's step stream: one plan, or several under multi-step scheduling.
+    call: StepCall
     span: trace.Span
     clock: PerfClock | None
     profile: StepProfile | None
@@ -33,8 +33,3 @@ class SentStep:
     # How many of `outs`, from the first, the scheduler counts as run (Scheduler.advance): their samples are
     # tokens in flight until they land.
     num_advanced: int = 0
-
-    @staticmethod
-    def results(answer: worker_pb2.StepResult | worker_pb2.StepBatchResult) -> list[worker_pb2.StepResult]:
-        """The call's answer as one result per step."""
-        return list(answer.results) if isinstance(answer, worker_pb2.StepBatchResult) else [answer]

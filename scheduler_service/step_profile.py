@@ -29,7 +29,7 @@ class StepProfile:
     ingest_s: float = 0.0
     schedule_s: float = 0.0
     plan_s: float = 0.0
-    # ExecuteStep round trip as the loop saw it (async scheduling: from the answer to the step ahead, which
+    # The step call's round trip as the loop saw it (async scheduling: from the answer to the step ahead, which
     # can be less than worker_s: the worker starts the step while that answer travels); worker_s ran in the worker.
     rpc_s: float = 0.0
     worker_s: float = 0.0

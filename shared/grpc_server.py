@@ -79,6 +79,17 @@ def _malformed_message(request: _Malformed) -> str:
             "string fields must be valid UTF-8, send arbitrary bytes as token ids instead")
 
 
+async def _statuses(messages: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """A streaming handler's messages; the exception that ends it becomes the call's status."""
+    try:
+        async for msg in messages:
+            yield msg
+    except grpc.aio.AbortError:
+        raise  # the handler chose its status itself
+    except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server stays up
+        await abort_with(context, exc)
+
+
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
     """Every RPC's edge: exceptions become statuses (shared.errors, in one place), bad bytes INVALID_ARGUMENT.
 
@@ -86,8 +97,8 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
     (InvalidRequestError, AlreadyExistsError, ...) get their codes, and anything else is INTERNAL,
     logged with its traceback. With `tolerate_malformed` (public servers), a request that fails to
     parse (e.g. a string field with invalid UTF-8) gets INVALID_ARGUMENT; grpc's Python server would
-    answer UNKNOWN ("Unexpected DecodeError"). RPCs with a single request message only (every RPC of
-    this project).
+    answer UNKNOWN ("Unexpected DecodeError"). A stream of requests (the worker's StreamSteps, an
+    internal API) gets its errors mapped, not that tolerance.
     """
 
     def __init__(self, tolerate_malformed: bool = False) -> None:
@@ -98,7 +109,17 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
+        if handler is None:
+            return handler
+        if handler.stream_stream is not None:
+            streams = handler.stream_stream
+
+            async def bidi(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for msg in _statuses(streams(requests, context), context):
+                    yield msg
+
+            return handler._replace(stream_stream=bidi)
+        if handler.request_streaming:
             return handler
         deserializer = _tolerant(handler.request_deserializer) if self._tolerate_malformed else handler.request_deserializer
         if handler.unary_unary is not None:
@@ -122,13 +143,8 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, _Malformed):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
-                try:
-                    async for msg in stream_behavior(request, context):
-                        yield msg
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await abort_with(context, exc)
+                async for msg in _statuses(stream_behavior(request, context), context):
+                    yield msg
 
             return handler._replace(unary_stream=stream, request_deserializer=deserializer)
         return handler

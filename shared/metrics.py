@@ -181,7 +181,7 @@ class WorkerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r, labels = self.registry, ("model_name",)
         self.step_time = Histogram("llmserve:worker_step_seconds",
-                                   "ExecuteStep time in the worker: block operations, forward pass, sampling.",
+                                   "Step time in the worker: block operations, forward pass, sampling.",
                                    labels, buckets=STEP_BUCKETS, registry=r).labels(model_name)
         self.tokens = Counter("llmserve:worker_tokens", "Tokens computed by forward passes (prefill and decode).",
                               labels, registry=r).labels(model_name)

@@ -163,13 +163,13 @@ def context_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) ->
     return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
-def metadata_for(span: Span) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata that makes the callee's spans children of `span` (empty when not recording)."""
-    if not span.get_span_context().is_valid:
-        return ()
+def trace_carrier(span: Span) -> dict[str, str]:
+    """The W3C trace context (traceparent, tracestate) that makes the callee's spans children of `span`, as
+    gRPC metadata pairs or a message's map carry it (empty when not recording)."""
     carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    return tuple(carrier.items())
+    if span.get_span_context().is_valid:
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
 
 
 def to_traceparent(span: Span) -> str:
@@ -218,5 +218,5 @@ def remote_parent(span_context: SpanContext) -> Context:
 
 __all__ = [
     "TRACEPARENT", "JsonLinesSpanExporter", "PerfClock", "TracingConfig", "child_span", "context_from_metadata",
-    "from_traceparent", "make_tracer", "metadata_for", "remote_parent", "span_to_dict", "to_traceparent",
+    "from_traceparent", "make_tracer", "remote_parent", "span_to_dict", "to_traceparent", "trace_carrier",
 ]

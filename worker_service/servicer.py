@@ -6,6 +6,8 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from itertools import repeat
 
 import grpc
@@ -25,10 +27,23 @@ from worker_service.plan import StepPlanData, plan_from_proto
 log = logging.getLogger(__name__)
 
 
-def _log_orphan_failure(step: asyncio.Future[StepOutput]) -> None:
-    """A step whose caller left ran to its end; a failure of it has no one else to tell."""
-    if not step.cancelled() and step.exception() is not None:
-        log.warning("a step whose caller had gone failed: %s", step.exception())
+@dataclass
+class _Call:
+    """A call of the step stream: its plans, its span, and the steps running them (or waiting for their turn)."""
+
+    plans: list[worker_pb2.StepPlan]
+    span: trace.Span
+    steps: asyncio.Task[list[StepOutput]]
+
+    def abandon(self) -> None:
+        """No one will answer the call: its steps run to their end, and a failure of theirs is only logged."""
+        self.steps.add_done_callback(self._ended_unanswered)
+
+    def _ended_unanswered(self, steps: asyncio.Task[list[StepOutput]]) -> None:
+        if not steps.cancelled() and steps.exception() is not None:
+            log.warning("a step whose caller had gone failed: %s", steps.exception())
+            self.span.set_status(Status(StatusCode.ERROR, str(steps.exception())))
+        self.span.end()
 
 
 def step_result(out: StepOutput) -> worker_pb2.StepResult:
@@ -90,7 +105,7 @@ def executed_step(step: ExecutedStepData, runner: ModelRunner, with_tables: bool
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves Describe / ExecuteStep / Reset over one ModelRunner.
+    """Serves Describe / StreamSteps / Reset / Resume over one ModelRunner.
 
     The forward pass runs on the model thread (the one that loaded the model: model_thread.py) so
     Describe and health checks stay responsive during a long step; a lock keeps steps strictly sequential.
@@ -138,39 +153,63 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """What the worker is and holds (Describe, and its registration in Redis)."""
         return describe_runner(self._runner, self._model_name, self.instance_id, self._epoch)
 
-    async def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
-        return step_result((await self._run_call([request], context))[0])
+    async def StreamSteps(self, request_iterator: AsyncIterator[worker_pb2.StepBatch],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepBatchResult]:
+        """The engine loop's calls on one stream (scheduler_service/step_stream.py), answered in order.
 
-    async def ExecuteSteps(self, request: worker_pb2.StepBatch, context: grpc.aio.ServicerContext
-                           ) -> worker_pb2.StepBatchResult:
-        if not request.steps:
-            raise InvalidRequestError("a step batch holds no plan")
-        outs = await self._run_call(list(request.steps), context)
-        return worker_pb2.StepBatchResult(results=[step_result(out) for out in outs])
+        Each call starts when it arrives, not when the one before it has been answered: under async
+        scheduling the next call is sent while one runs, and a call that reached the worker runs even if
+        the stream ends before its turn (resume.py counts on it)."""
+        calls: asyncio.Queue[_Call | None] = asyncio.Queue()
 
-    async def _run_call(self, plans: list[worker_pb2.StepPlan], context: grpc.aio.ServicerContext) -> list[StepOutput]:
-        """Runs a call's plans in order; its span is a child of the engine loop's step span (the call's metadata)."""
-        span = self._tracer.start_span("llmserve.worker.execute_step", kind=SpanKind.SERVER,
-                                       context=context_from_metadata(context.invocation_metadata()))
-        # Shielded from the caller: plans that reached the worker run in their turn even if their caller is gone
-        # (a scheduler replica killed while this call waited behind the one before it). The next owner lands
-        # their kept results (Reset with keep_cache reports the last steps); dropped, they would leave the stored
-        # state, which already counts them as run under async or multi-step scheduling, ahead of the cache, and
-        # the next owner would recompute every sequence.
-        steps = asyncio.ensure_future(self._run_steps(plans))
+        async def receive() -> None:
+            try:
+                async for batch in request_iterator:
+                    calls.put_nowait(self._start_call(batch))
+            finally:
+                calls.put_nowait(None)
+
+        receiver = asyncio.ensure_future(receive())
         try:
-            outs = await asyncio.shield(steps)
+            while (call := await calls.get()) is not None:
+                outs = await self._answer(call)
+                yield worker_pb2.StepBatchResult(results=[step_result(out) for out in outs])
+        finally:
+            receiver.cancel()
+            # Calls not answered (the stream ended, or a call before them failed) run all the same.
+            while not calls.empty():
+                if (left := calls.get_nowait()) is not None:
+                    left.abandon()
+
+    def _start_call(self, batch: worker_pb2.StepBatch) -> _Call:
+        """Starts a call's plans, behind the calls before it (the lock is first come, first served). Its span
+        is a child of the engine loop's step span (the batch's trace context)."""
+        plans = list(batch.steps)
+        span = self._tracer.start_span("llmserve.worker.execute_step", kind=SpanKind.SERVER,
+                                       context=context_from_metadata(batch.trace_context.items()))
+        return _Call(plans, span, asyncio.ensure_future(self._run_steps(plans)))
+
+    async def _answer(self, call: _Call) -> list[StepOutput]:
+        """A started call's outputs. Shielded from the stream: plans that reached the worker run in their turn
+        even if their caller is gone (a scheduler replica killed while its call waited behind the one before).
+        The next owner lands their kept results (Reset with keep_cache reports the last steps); dropped, they
+        would leave the stored state, which already counts them as run under async or multi-step scheduling,
+        ahead of the cache, and the next owner would recompute every sequence."""
+        try:
+            outs = await asyncio.shield(call.steps)
         except asyncio.CancelledError:
-            steps.add_done_callback(_log_orphan_failure)
+            call.abandon()
             raise
         except Exception as exc:
-            span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
-            span.end()
+            call.span.set_status(Status(StatusCode.ERROR, f"{status_for(exc).name}: {exc}"))
+            call.span.end()
             raise  # the status: shared.grpc_server.EdgeInterceptor
-        self._observe(plans, outs, span)
+        self._observe(call.plans, outs, call.span)
         return outs
 
     async def _run_steps(self, requests: list[worker_pb2.StepPlan]) -> list[StepOutput]:
+        if not requests:
+            raise InvalidRequestError("a step batch holds no plan")
         async with self._lock:
             for request in requests:
                 self._fence(request.epoch)

@@ -1,6 +1,6 @@
 """A simulated worker: the real Worker API, plan validation and sequence bookkeeping, no model.
 
-`llmserve worker --simulate PROFILE` serves exactly what a worker serves (Describe, ExecuteStep,
+`llmserve worker --simulate PROFILE` serves exactly what a worker serves (Describe, StreamSteps,
 Reset, Resume, registration, leases, metrics) through the same servicer and ModelRunner bookkeeping:
 block ids checked against the cache's size, sequences learned, updated, forked, resumed and dropped
 as on a GPU. Only the forward pass is replaced: each step takes the time a roofline model of the

@@ -210,7 +210,7 @@ def test_metrics_count_a_known_workload(observed: Observed) -> None:
     assert d["vllm:inter_token_latency_seconds_count"] == (4 - 1) + (6 - 1) + (8 - 1)
     assert after_s["vllm:kv_cache_usage_perc"] == 0
     assert d["vllm:prefix_cache_queries_total"] == d["vllm:prefix_cache_hits_total"] == 0  # no prefix caching here
-    # Every engine step is one ExecuteStep on the worker. The plan that lets the worker drop the
+    # Every engine step is one call on the worker. The plan that lets the worker drop the
     # finished sequences comes after the engine went idle, and the engine records a step only once
     # its answer is back: compare once both sides have counted it.
     worker_steps = delta(after_w, before_w, "llmserve:worker_step_seconds_count")

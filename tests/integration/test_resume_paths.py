@@ -48,6 +48,7 @@ from scheduler_service.planner import Planner, build_step
 from scheduler_service.resume import WorkerResume
 from scheduler_service.scheduling import SchedulingFlags, scheduler_for
 from scheduler_service.state_journal import StateJournal, step_record
+from scheduler_service.step_stream import StepCall, StepStream
 from scheduler_service.store import RedisStore, StepCommit
 from shared.redis_server import RedisServer, free_port
 from tests.hf_reference import HFReference, compare_greedy
@@ -82,6 +83,7 @@ class Owner:
     def __init__(self, epoch: int, stub: worker_pb2_grpc.WorkerStub, store: RedisStore, tokenizer: object,
                  desc: worker_pb2.WorkerDescription) -> None:
         self.stub, self.store = stub, store
+        self.steps = StepStream(stub)
         self.scheduler = scheduler_for(SchedulingFlags(enable_prefix_caching=True, max_num_seqs=8), desc)
         self.processor = OutputProcessor(tokenizer, self.scheduler)
         self.planner = Planner(epoch)
@@ -89,7 +91,7 @@ class Owner:
         self.journal.restart(desc.instance_id)
         self.pending = StepCommit(W)
         # Async loop: the step counted as run and not landed, with its call.
-        self.inflight: tuple[SchedulerOutput, worker_pb2.StepPlan, object] | None = None
+        self.inflight: tuple[SchedulerOutput, worker_pb2.StepPlan, StepCall] | None = None
         # Multi-step loop: the steps of the call whose commit runs beside it.
         self.call_steps: list[state_pb2.StepRecord] = []
 
@@ -117,7 +119,7 @@ class Owner:
         if stop_at == "before_send":
             await self.commit(plan, out)
             return stop_at
-        result = await self.stub.ExecuteStep(plan, timeout=60)
+        result = (await (await self.steps.send([plan], 60, {}))).results[0]
         if stop_at == "unlanded_next":
             return stop_at  # sent and run, its commit never made
         await self.commit(plan, out)
@@ -140,7 +142,7 @@ class Owner:
             assert self.inflight is not None
             await self.inflight[2]  # the worker ran the step in flight, never the planned one
             return stop_at
-        call = self.stub.ExecuteStep(plan, timeout=60)
+        call = await self.steps.send([plan], 60, {})
         if stop_at == "unlanded_next":
             await call
             return stop_at  # sent and run, its commit never made
@@ -164,10 +166,7 @@ class Owner:
             return "idle"
         if call.num_advanced:
             self.call_steps = [step_record(plan, out) for plan, out in zip(call.plans, call.outs)]
-            answer = await self.stub.ExecuteSteps(worker_pb2.StepBatch(steps=call.plans), timeout=60)
-            results = list(answer.results)
-        else:
-            results = [await self.stub.ExecuteStep(call.plans[0], timeout=60)]
+        results = list((await (await self.steps.send(call.plans, 60, {}))).results)
         if stop_at == "unlanded_next":
             return stop_at  # sent and run, its commit never made
         if call.num_advanced:
@@ -184,7 +183,7 @@ class Owner:
     async def land_inflight(self) -> None:
         assert self.inflight is not None
         (out, _, call), self.inflight = self.inflight, None
-        self.processor.process(out, await call, self.pending, advanced=True)
+        self.processor.process(out, (await call).results[0], self.pending, advanced=True)
 
 
 def _fork_copies(owner: Owner) -> bool:

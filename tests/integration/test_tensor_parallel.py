@@ -25,6 +25,7 @@ from llmserve.local_cluster import wait_serving
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.redis_server import free_port
 from tests.hf_reference import HFReference, compare_greedy
+from tests.worker_steps import execute_step
 from worker_service.sharding import TensorParallelError, check_tensor_parallel
 
 BLOCK = 16
@@ -137,7 +138,7 @@ def _run(stub: worker_pb2_grpc.WorkerStub, epoch: int) -> list[Seq]:
                 num_new_tokens=len(s.prompt), sampling=s.sampling) for s in joining],
             cached_sequences=[worker_pb2.SequenceDelta(seq_id=s.seq_id, num_new_tokens=1) for s in running],
         )
-        result = stub.ExecuteStep(plan, timeout=RPC_TIMEOUT)
+        result = execute_step(stub, plan, timeout=RPC_TIMEOUT)
         by_id = {s.seq_id: s for s in seqs}
         for sampled in result.sampled:
             by_id[sampled.seq_id].tokens.append(sampled.token_id)
@@ -147,7 +148,7 @@ def _run(stub: worker_pb2_grpc.WorkerStub, epoch: int) -> list[Seq]:
         running += joining
         finished = [s.seq_id for s in running if len(s.tokens) == MAX_NEW]
         running = [s for s in running if len(s.tokens) < MAX_NEW]
-    stub.ExecuteStep(worker_pb2.StepPlan(epoch=epoch, step_id=step + 1, finished_seq_ids=finished),
+    execute_step(stub, worker_pb2.StepPlan(epoch=epoch, step_id=step + 1, finished_seq_ids=finished),
                      timeout=RPC_TIMEOUT)
     return seqs
 
@@ -200,7 +201,7 @@ def test_bad_plans_and_resets_keep_the_ranks_in_step(workers: dict[int, Worker],
     stub = workers[2].stub
     stub.Reset(worker_pb2.ResetRequest(epoch=5), timeout=RPC_TIMEOUT)
     seq = _sequences(stub.Describe(worker_pb2.DescribeRequest(), timeout=RPC_TIMEOUT).vocab_size)[0]
-    stub.ExecuteStep(worker_pb2.StepPlan(epoch=5, step_id=1, new_sequences=[worker_pb2.NewSequence(
+    execute_step(stub, worker_pb2.StepPlan(epoch=5, step_id=1, new_sequences=[worker_pb2.NewSequence(
         seq_id=seq.seq_id, prompt_token_ids=seq.prompt, block_table=seq.blocks, num_computed_tokens=0,
         num_new_tokens=len(seq.prompt), sampling=seq.sampling)]), timeout=RPC_TIMEOUT)
     stub.Reset(worker_pb2.ResetRequest(epoch=6), timeout=RPC_TIMEOUT)
@@ -211,7 +212,7 @@ def test_bad_plans_and_resets_keep_the_ranks_in_step(workers: dict[int, Worker],
     }
     for fragment, plan in bad_plans.items():
         with pytest.raises(grpc.RpcError) as info:
-            stub.ExecuteStep(plan, timeout=RPC_TIMEOUT)
+            execute_step(stub, plan, timeout=RPC_TIMEOUT)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fragment
         assert fragment in info.value.details()
     _assert_same(_run(stub, epoch=7), tp1_run)

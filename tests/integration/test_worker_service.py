@@ -13,6 +13,7 @@ import pytest
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from llmserve.local_cluster import wait_serving
 from shared.redis_server import free_port
+from tests.worker_steps import execute_step, execute_steps
 
 BLOCKS = 32
 
@@ -58,7 +59,7 @@ def test_describe_reports_the_cache(worker: worker_pb2_grpc.WorkerStub) -> None:
 def test_fencing_rejects_older_epochs(worker: worker_pb2_grpc.WorkerStub) -> None:
     worker.Reset(worker_pb2.ResetRequest(epoch=10), timeout=10)
     with pytest.raises(grpc.RpcError) as info:
-        worker.ExecuteStep(worker_pb2.StepPlan(epoch=9, step_id=1), timeout=10)
+        execute_step(worker, worker_pb2.StepPlan(epoch=9, step_id=1), timeout=10)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "older than the current epoch 10" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
@@ -76,36 +77,36 @@ def test_bad_plans_are_invalid_argument_and_the_worker_stays_up(worker: worker_p
     }
     for fragment, plan in bad_plans.items():
         with pytest.raises(grpc.RpcError) as info:
-            worker.ExecuteStep(plan, timeout=10)
+            execute_step(worker, plan, timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fragment
         assert fragment in info.value.details()
     # After a reset the same worker serves a valid plan: prefill then a decode delta.
     worker.Reset(worker_pb2.ResetRequest(epoch=21), timeout=10)
-    first = worker.ExecuteStep(worker_pb2.StepPlan(epoch=21, step_id=1, new_sequences=[_new_seq(1, [5, 6, 7], [2])]), timeout=30)
+    first = execute_step(worker, worker_pb2.StepPlan(epoch=21, step_id=1, new_sequences=[_new_seq(1, [5, 6, 7], [2])]), timeout=30)
     assert [s.seq_id for s in first.sampled] == [1]
     # A delta whose count of the sequence's tokens is not the worker's (3 prompt tokens + 1 sampled) is refused
     # and changes nothing: the scheduler and the worker no longer see the same sequence.
     with pytest.raises(grpc.RpcError) as info:
-        worker.ExecuteStep(worker_pb2.StepPlan(epoch=21, step_id=2, cached_sequences=[
+        execute_step(worker, worker_pb2.StepPlan(epoch=21, step_id=2, cached_sequences=[
             worker_pb2.SequenceDelta(seq_id=1, num_new_tokens=1, num_tokens=5)]), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sequence 1: the scheduler counts 5 tokens, the worker holds 4" in info.value.details()
-    second = worker.ExecuteStep(worker_pb2.StepPlan(
+    second = execute_step(worker, worker_pb2.StepPlan(
         epoch=21, step_id=2, cached_sequences=[worker_pb2.SequenceDelta(seq_id=1, num_new_tokens=1, num_tokens=4)]),
         timeout=30)
     assert [s.seq_id for s in second.sampled] == [1]
     desc = worker.Describe(worker_pb2.DescribeRequest(), timeout=10)
     assert desc.num_cached_sequences == 1 and desc.num_used_blocks == 1
-    worker.ExecuteStep(worker_pb2.StepPlan(epoch=21, step_id=3, finished_seq_ids=[1]), timeout=10)
+    execute_step(worker, worker_pb2.StepPlan(epoch=21, step_id=3, finished_seq_ids=[1]), timeout=10)
     assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_cached_sequences == 0
 
 
 def test_a_step_batch_runs_its_plans_in_order_as_single_steps_would(worker: worker_pb2_grpc.WorkerStub) -> None:
-    """ExecuteSteps: each decode reads the token the plan before sampled; the tokens are those of one plan a
+    """A call of several plans (multi-step): each decode reads the token the plan before sampled; the tokens are those of one plan a
     call, and an empty batch or a stale epoch is refused before anything runs."""
     def prefill(epoch: int) -> worker_pb2.StepResult:
         worker.Reset(worker_pb2.ResetRequest(epoch=epoch), timeout=10)
-        return worker.ExecuteStep(worker_pb2.StepPlan(epoch=epoch, step_id=1, new_sequences=[
+        return execute_step(worker, worker_pb2.StepPlan(epoch=epoch, step_id=1, new_sequences=[
             _new_seq(1, list(range(40, 50)), [3])]), timeout=30)
 
     def decode(epoch: int, step_id: int, num_tokens: int) -> worker_pb2.StepPlan:
@@ -114,20 +115,20 @@ def test_a_step_batch_runs_its_plans_in_order_as_single_steps_would(worker: work
 
     first = prefill(24)
     one_a_call = [first.sampled[0].token_id]
-    one_a_call += [worker.ExecuteStep(decode(24, 2 + i, 11 + i), timeout=30).sampled[0].token_id for i in range(3)]
+    one_a_call += [execute_step(worker, decode(24, 2 + i, 11 + i), timeout=30).sampled[0].token_id for i in range(3)]
     again = prefill(25)
-    batch = worker.ExecuteSteps(worker_pb2.StepBatch(steps=[decode(25, 2 + i, 11 + i) for i in range(3)]), timeout=30)
+    batch = execute_steps(worker, [decode(25, 2 + i, 11 + i) for i in range(3)], timeout=30)
     assert [r.step_id for r in batch.results] == [2, 3, 4]
     assert [again.sampled[0].token_id] + [r.sampled[0].token_id for r in batch.results] == one_a_call
     with pytest.raises(grpc.RpcError) as info:
-        worker.ExecuteSteps(worker_pb2.StepBatch(), timeout=10)
+        execute_steps(worker, [], timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no plan" in info.value.details()
     # A stale plan anywhere in the batch refuses it whole: the sequence's next decode is still the 5th token.
     with pytest.raises(grpc.RpcError) as info:
-        worker.ExecuteSteps(worker_pb2.StepBatch(steps=[decode(25, 5, 14), decode(22, 6, 15)]), timeout=10)
+        execute_steps(worker, [decode(25, 5, 14), decode(22, 6, 15)], timeout=10)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert worker.ExecuteStep(decode(25, 5, 14), timeout=30).sampled[0].seq_id == 1
-    worker.ExecuteStep(worker_pb2.StepPlan(epoch=25, step_id=6, finished_seq_ids=[1]), timeout=10)
+    assert execute_step(worker, decode(25, 5, 14), timeout=30).sampled[0].seq_id == 1
+    execute_step(worker, worker_pb2.StepPlan(epoch=25, step_id=6, finished_seq_ids=[1]), timeout=10)
 
 
 def test_prompt_logprobs_over_two_prefill_chunks_match_transformers(
@@ -144,12 +145,12 @@ def test_prompt_logprobs_over_two_prefill_chunks_match_transformers(
         seq_id=5, prompt_token_ids=prompt, block_table=[0, 1], num_computed_tokens=0, num_new_tokens=12,
         sampling=common_pb2.SamplingParams(temperature=0.0, prompt_logprobs=2),
     )
-    first = worker.ExecuteStep(worker_pb2.StepPlan(epoch=30, step_id=1, new_sequences=[new]), timeout=30)
-    second = worker.ExecuteStep(worker_pb2.StepPlan(
+    first = execute_step(worker, worker_pb2.StepPlan(epoch=30, step_id=1, new_sequences=[new]), timeout=30)
+    second = execute_step(worker, worker_pb2.StepPlan(
         epoch=30, step_id=2, cached_sequences=[worker_pb2.SequenceDelta(seq_id=5, num_new_tokens=18)]), timeout=30)
-    third = worker.ExecuteStep(worker_pb2.StepPlan(
+    third = execute_step(worker, worker_pb2.StepPlan(
         epoch=30, step_id=3, cached_sequences=[worker_pb2.SequenceDelta(seq_id=5, num_new_tokens=1)]), timeout=30)
-    worker.ExecuteStep(worker_pb2.StepPlan(epoch=30, step_id=4, finished_seq_ids=[5]), timeout=10)
+    execute_step(worker, worker_pb2.StepPlan(epoch=30, step_id=4, finished_seq_ids=[5]), timeout=10)
     assert [(p.seq_id, p.start, len(p.positions)) for p in first.prompt_logprobs] == [(5, 1, 12)]
     assert [(p.seq_id, p.start, len(p.positions)) for p in second.prompt_logprobs] == [(5, 13, 17)]
     assert not third.prompt_logprobs and not first.sampled and [s.seq_id for s in second.sampled] == [5]
@@ -173,9 +174,9 @@ def test_a_fence_only_reset_keeps_the_cache_and_resume_checks_each_view(worker: 
     """A new owner fences without a reset, gets the last steps' results, and resumes what matches the cache."""
     prompt = list(range(5, 21))  # one full block
     worker.Reset(worker_pb2.ResetRequest(epoch=100), timeout=10)
-    first = worker.ExecuteStep(worker_pb2.StepPlan(epoch=100, step_id=1, new_sequences=[_new_seq(77, prompt, [0, 1])]),
+    first = execute_step(worker, worker_pb2.StepPlan(epoch=100, step_id=1, new_sequences=[_new_seq(77, prompt, [0, 1])]),
                                timeout=30)
-    second = worker.ExecuteStep(worker_pb2.StepPlan(epoch=100, step_id=2, cached_sequences=[
+    second = execute_step(worker, worker_pb2.StepPlan(epoch=100, step_id=2, cached_sequences=[
         worker_pb2.SequenceDelta(seq_id=77, num_new_tokens=1)]), timeout=30)
     recomputed = worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_recomputed_tokens
 
@@ -198,7 +199,7 @@ def test_a_fence_only_reset_keeps_the_cache_and_resume_checks_each_view(worker: 
                                       sampling=common_pb2.SamplingParams(temperature=0.0))
     resumed = worker.Resume(worker_pb2.ResumeSequencesRequest(epoch=101, sequences=[view, stranger]), timeout=10)
     assert [(r.seq_id, r.reason, r.not_cached) for r in resumed.refused] == [(78, "not cached on this worker", True)]
-    third = worker.ExecuteStep(worker_pb2.StepPlan(epoch=101, step_id=1, cached_sequences=[
+    third = execute_step(worker, worker_pb2.StepPlan(epoch=101, step_id=1, cached_sequences=[
         worker_pb2.SequenceDelta(seq_id=77, num_new_tokens=1)]), timeout=30)
     assert len(third.sampled) == 1
     assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_recomputed_tokens == recomputed
@@ -213,5 +214,5 @@ def test_a_fence_only_reset_keeps_the_cache_and_resume_checks_each_view(worker: 
         (77, "block 1 of its table is 2 in the view, 1 on the worker", False)]
     assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_cached_sequences == 0
     again = _new_seq(77, prompt + outputs, [0, 2])
-    worker.ExecuteStep(worker_pb2.StepPlan(epoch=102, step_id=1, new_sequences=[again]), timeout=30)
+    execute_step(worker, worker_pb2.StepPlan(epoch=102, step_id=1, new_sequences=[again]), timeout=30)
     assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_recomputed_tokens == recomputed + 18

@@ -69,6 +69,15 @@ class _Context:
         raise RuntimeError(details)
 
 
+async def _call(servicer: WorkerServicer, step_id: int) -> None:
+    """One call of one plan on a stream of its own, as an engine loop sends it."""
+    async def requests() -> Any:
+        yield worker_pb2.StepBatch(steps=[worker_pb2.StepPlan(step_id=step_id, epoch=1)])
+
+    async for _ in servicer.StreamSteps(requests(), _Context()):  # type: ignore[arg-type]
+        pass
+
+
 def test_servicer_runs_steps_on_the_model_thread_it_was_given() -> None:
     model_thread = ModelThread()
     loaded_on = model_thread.run(threading.get_ident)  # as serve() loads the model there
@@ -78,7 +87,7 @@ def test_servicer_runs_steps_on_the_model_thread_it_was_given() -> None:
     async def scenario() -> None:
         for step in range(3):
             with pytest.raises(RuntimeError):
-                await servicer.ExecuteStep(worker_pb2.StepPlan(step_id=step, epoch=1), _Context())  # type: ignore[arg-type]
+                await _call(servicer, step)
 
     try:
         asyncio.run(scenario())
@@ -103,27 +112,37 @@ class _GatedRunner:
         raise RuntimeError("no model here")  # what the servicer returns is not what this test is about
 
 
-def test_a_step_whose_caller_left_while_it_waited_still_runs_in_its_turn(caplog: pytest.LogCaptureFixture) -> None:
-    # A scheduler replica killed with step 2 queued behind step 1 (async scheduling): its calls are cancelled, but
-    # the stored state counts step 2 as run, so the worker must run it for the next owner to land its result.
+def test_a_call_that_reached_the_worker_runs_in_its_turn_after_the_stream_ends(caplog: pytest.LogCaptureFixture) -> None:
+    # A scheduler replica killed with step 2 sent behind step 1 (async scheduling) and step 1 unanswered: its stream
+    # ends, but the stored state counts step 1 as run and step 2 as planned, and the worker had received both: it
+    # runs them, for the next owner to land their results.
     model_thread = ModelThread()
     runner = _GatedRunner()
     servicer = WorkerServicer(runner, model_name="m", model_thread=model_thread)  # type: ignore[arg-type]
 
     async def scenario() -> None:
-        first = asyncio.ensure_future(servicer.ExecuteStep(worker_pb2.StepPlan(step_id=1, epoch=1), _Context()))  # type: ignore[arg-type]
+        delivered = asyncio.Event()
+
+        async def requests() -> Any:
+            for step_id in (1, 2):
+                yield worker_pb2.StepBatch(steps=[worker_pb2.StepPlan(step_id=step_id, epoch=1)])
+            delivered.set()  # asked for a third: the second has been taken
+            await asyncio.Event().wait()  # the stream stays open until its caller goes
+
+        async def consume() -> None:
+            async for _ in servicer.StreamSteps(requests(), _Context()):  # type: ignore[arg-type]
+                pass
+
+        stream = asyncio.ensure_future(consume())
+        # A worker that took step 2 only after answering step 1 never asks for a third.
+        await asyncio.wait_for(delivered.wait(), 60)
         assert await asyncio.to_thread(runner.started.wait, 60)
-        second = asyncio.ensure_future(servicer.ExecuteStep(worker_pb2.StepPlan(step_id=2, epoch=1), _Context()))  # type: ignore[arg-type]
-        await asyncio.sleep(0)  # step 2 now waits for step 1
-        first.cancel()
-        second.cancel()
-        for call in (first, second):
-            with pytest.raises(asyncio.CancelledError):
-                await call
+        stream.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stream
         runner.gate.set()
-        # The servicer's next call queues behind both orphans, so when it returns they have run.
         with pytest.raises(RuntimeError):
-            await servicer.ExecuteStep(worker_pb2.StepPlan(step_id=3, epoch=1), _Context())  # type: ignore[arg-type]
+            await _call(servicer, 3)
 
     try:
         asyncio.run(scenario())

@@ -16,8 +16,8 @@ from shared.tracing import (
     context_from_metadata,
     from_traceparent,
     make_tracer,
-    metadata_for,
     to_traceparent,
+    trace_carrier,
 )
 from shared.tracing_view import load_spans, render_html, render_text, request_waterfall
 
@@ -29,7 +29,7 @@ def test_no_exporter_means_a_noop_tracer() -> None:
     tracer, provider = make_tracer(TracingConfig("svc"))
     assert provider is None and isinstance(tracer, trace.NoOpTracer)
     span = tracer.start_span("x")
-    assert to_traceparent(span) == "" and metadata_for(span) == ()
+    assert to_traceparent(span) == "" and trace_carrier(span) == {}
 
 
 def test_otel_environment_variable_turns_on_otlp() -> None:
@@ -50,7 +50,7 @@ def test_context_travels_in_metadata_and_records(tmp_path: Path) -> None:
     parent = from_traceparent(to_traceparent(request))
     assert parent is not None and parent.span_id == request.get_span_context().span_id
     step = tracer.start_span("llmserve.step", links=[trace.Link(parent)], start_time=10 * MS)
-    remote = tracer.start_span("worker", context=context_from_metadata(metadata_for(step)))
+    remote = tracer.start_span("worker", context=context_from_metadata(trace_carrier(step).items()))
     remote.end()
     child_span(tracer, "llmserve.schedule", step, 11 * MS, 12 * MS, {"a": 1})
     step.end(end_time=20 * MS)
