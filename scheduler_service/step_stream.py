@@ -68,7 +68,7 @@ class StepCall:
             # cancellation of whoever reads next.
             raise self._gave_up or _rpc_error(grpc.StatusCode.CANCELLED, "the step stream was cancelled") from None
         if answer is grpc.aio.EOF:
-            # The worker ended the stream without an error, with this call unanswered (it never does).
+            # The stream ended without an error and this call unanswered: only after the caller half-closes it.
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker closed the step stream")
         return answer
 
