@@ -13,7 +13,7 @@ on the thread that loaded the model, as the worker's model thread
 
     parse  StepPlan.FromString + plan_from_proto
     run    ModelRunner.execute (sequence cache, inputs, forward pass, LM head, sampling)
-    reply  the StepResult protobuf, serialized
+    reply  the StepBatchResult protobuf (the stream's answer), serialized
 
 Reported: median wall and CPU (process time, every thread) milliseconds per
 step. On the tiny model (hidden 128, 2 layers, the default tokenizer's 49k
@@ -55,7 +55,7 @@ from worker_service.config import WorkerConfig  # noqa: E402
 from worker_service.model_runner import ModelRunner  # noqa: E402
 from worker_service.model_thread import ModelThread  # noqa: E402
 from worker_service.plan import plan_from_proto  # noqa: E402
-from worker_service.servicer import step_result  # noqa: E402
+from worker_service.servicer import batch_result  # noqa: E402
 
 RESULTS = Path("benchmarks/results/worker_step.json")
 DEFAULT_PROMPT_LEN = 32
@@ -93,7 +93,7 @@ def _step(runner: ModelRunner, wire: bytes) -> tuple[bytes, dict[str, float]]:
     t1 = time.perf_counter()
     out = runner.execute(plan, request)
     t2 = time.perf_counter()
-    reply = step_result(out).SerializeToString()
+    reply = batch_result([out]).SerializeToString()
     t3 = time.perf_counter()
     return reply, {"parse": t1 - t0, "run": t2 - t1, "reply": t3 - t2}
 
@@ -121,7 +121,7 @@ def measure(runner: ModelRunner, batch: int, prompt_len: int, steps: int, logpro
         cpu.append(time.process_time() - c0)
         for name, seconds in split.items():
             phases[name].append(seconds)
-        result = worker_pb2.StepResult.FromString(reply)
+        result = worker_pb2.StepBatchResult.FromString(reply).results[0]
         result.execute_seconds = 0.0  # a timing, not an output
         digest.update(result.SerializeToString(deterministic=True))
     if profiler is not None:

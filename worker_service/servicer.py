@@ -46,13 +46,15 @@ class _Call:
         self.span.end()
 
 
-def step_result(out: StepOutput) -> worker_pb2.StepResult:
-    """The wire form of a step's output.
+def step_result(out: StepOutput, result: worker_pb2.StepResult | None = None) -> worker_pb2.StepResult:
+    """The wire form of a step's output, written into `result` (a field of the message that carries it) or a new one.
 
     Built in place with `add()`: constructing each sub-message and then the repeated field
     from a list copies every message once more, 3x the cost at batch 64 (~75 us -> ~25 us).
     """
-    result = worker_pb2.StepResult(step_id=out.step_id, execute_seconds=out.execute_seconds)
+    if result is None:
+        result = worker_pb2.StepResult()
+    result.step_id, result.execute_seconds = out.step_id, out.execute_seconds
     add_sampled = result.sampled.add
     for s in out.sampled:
         token = add_sampled(seq_id=s.seq_id, token_id=s.token_id, logprob=s.logprob)
@@ -67,6 +69,14 @@ def step_result(out: StepOutput) -> worker_pb2.StepResult:
             for token_id, top_logprob in top:
                 add_position_top(token_id=token_id, logprob=top_logprob)
     return result
+
+
+def batch_result(outs: list[StepOutput]) -> worker_pb2.StepBatchResult:
+    """The answer to a call of the step stream (each result written in place, not copied in: ~10 us at batch 64)."""
+    answer = worker_pb2.StepBatchResult()
+    for out in outs:
+        step_result(out, answer.results.add())
+    return answer
 
 
 def describe_runner(r: ModelRunner, model_name: str, instance_id: str, epoch: int) -> worker_pb2.WorkerDescription:
@@ -92,7 +102,8 @@ def describe_runner(r: ModelRunner, model_name: str, instance_id: str, epoch: in
 def executed_step(step: ExecutedStepData, runner: ModelRunner, with_tables: bool) -> worker_pb2.ExecutedStep:
     """The wire form of a step the worker ran (Reset with keep_cache); `with_tables`: the newest step."""
     plan = step.plan
-    msg = worker_pb2.ExecutedStep(epoch=plan.epoch, step_id=plan.step_id, result=step_result(step.output))
+    msg = worker_pb2.ExecutedStep(epoch=plan.epoch, step_id=plan.step_id)
+    step_result(step.output, msg.result)
     for seq_id, computed, new in step.scheduled:
         entry = msg.sequences.add(seq_id=seq_id, num_computed_tokens=computed, num_new_tokens=new)
         cached = runner.seqs.get(seq_id) if with_tables else None
@@ -173,7 +184,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             while (call := await calls.get()) is not None:
                 outs = await self._answer(call)
-                yield worker_pb2.StepBatchResult(results=[step_result(out) for out in outs])
+                yield batch_result(outs)
         finally:
             receiver.cancel()
             # Calls not answered (the stream ended, or a call before them failed) run all the same.
