@@ -105,7 +105,11 @@ class ResumingStream(Iterator[generation_pb2.GenerateResponse]):
             try:
                 msg = next(self._call)
             except grpc.RpcError as exc:
-                if self._cancelled or self._finished or exc.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                if self._finished:
+                    # The final message (the one with usage) came: the response is whole, whatever ended the call
+                    # after it (a scheduler that died before sending the call's status).
+                    raise StopIteration from None
+                if self._cancelled or exc.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
                     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
                         self._abandon()
                     raise

@@ -128,6 +128,14 @@ def test_a_message_seen_before_the_break_is_not_repeated() -> None:
     assert [m.index for m in stream] == [0, 1]
 
 
+def test_a_call_that_breaks_after_its_final_message_ends_the_stream_whole() -> None:
+    # The scheduler died after sending the last message (the one with usage) but before the call's status:
+    # the response is complete, so the stream ends without an error and without a re-attachment.
+    stream, log, clock = make([[FakeCall([msg(0, 1), msg(1, 2, final=True), UNAVAILABLE])]])
+    assert [m.index for m in stream] == [0, 1]
+    assert len(log) == 1 and clock.slept == []
+
+
 def test_other_errors_are_raised_at_once() -> None:
     stream, log, clock = make([[FakeCall([msg(0, 1), FakeError(grpc.StatusCode.NOT_FOUND)])]])
     assert next(stream).index == 0
