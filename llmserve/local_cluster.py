@@ -171,7 +171,12 @@ class LocalCluster:
         return f"{self.spec.host}:{self.worker_port}"
 
     def pid(self, role: str) -> int:
-        """Process id of a running service ("worker", "scheduler", "openai"), e.g. to sample its memory."""
+        """Process id of a running service ("worker", "scheduler", "openai") or of the cluster's own "redis", e.g. to
+        sample its memory."""
+        if role == "redis":
+            if self._redis is None:
+                raise KeyError("redis: this cluster uses a Redis server it did not start")
+            return self._redis.pid
         return self._procs[role].pid
 
     def log_path(self, role: str) -> Path:

@@ -103,6 +103,13 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (launched)."""
+        if self._proc is None:
+            raise RuntimeError("the Redis server has not been launched")
+        return self._proc.pid
+
     def exit_code(self) -> int | None:
         """The server's exit code once it has exited; None while it runs (or before it is launched)."""
         return self._proc.poll() if self._proc is not None else None

@@ -130,6 +130,15 @@ def test_step_profiles_split_each_step(cluster: LocalCluster, profile_path: Path
     assert any(p.num_prefill_tokens for p in profiles) and any(p.num_decode_tokens for p in profiles)
 
 
+def test_the_cluster_names_each_of_its_processes(cluster: LocalCluster) -> None:
+    """What benchmarks sample (CPU time, memory) by process id: every role's id is its own running process."""
+    names = {role: Path(f"/proc/{cluster.pid(role)}/cmdline").read_bytes().split(b"\0") for role in
+             ("worker", "scheduler", "redis")}
+    assert any(b"redis-server" in part for part in names["redis"])
+    for role in ("worker", "scheduler"):
+        assert role.encode() in names[role], names[role]
+
+
 def test_text_prompt_streams_text_and_stops_on_string(cluster: LocalCluster, reference: HFReference) -> None:
     with GenerationClient(cluster.address) as client:
         full = client.generate(make_request(prompt="The quick brown fox", max_tokens=12, temperature=0.0, ignore_eos=True))
