@@ -40,7 +40,9 @@ from benchmarks.llmserve_driver import run_llmserve  # noqa: E402
 from benchmarks.report import DEFAULT_MODEL_PARAMS  # noqa: E402
 from benchmarks.run_info import run_info, write_results  # noqa: E402
 from benchmarks.serving import bench_cluster, warm_up  # noqa: E402
+from llmserve.local_cluster import LocalCluster  # noqa: E402
 from protos import common_pb2, generation_pb2  # noqa: E402
+from scheduler_service.core.scheduler_output import SchedulerOutput  # noqa: E402
 from scheduler_service.step_profile import read_profiles  # noqa: E402
 from shared.default_model import prepare_default_model  # noqa: E402
 
@@ -88,10 +90,11 @@ def _in_process(model: str, requests: list[BenchRequest]) -> list[tuple[int, int
     planned: list[tuple[int, int]] = []
     schedule = engine._scheduler.schedule
 
-    def counted() -> object:  # what the step planned, as the scheduler service's profile counts it
+    # The engine has no step hook: its scheduler's schedule() is wrapped to count what each step planned, as the
+    # scheduler service's step profile counts it.
+    def counted() -> SchedulerOutput:
         out = schedule()
-        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
-        planned.append((prefill, out.num_batched_tokens - prefill))
+        planned.append((out.num_prefill_tokens, out.num_batched_tokens - out.num_prefill_tokens))
         return out
 
     engine._scheduler.schedule = counted  # type: ignore[method-assign]
@@ -122,19 +125,21 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _services(cluster: object, profile: Path, requests: list[BenchRequest]) -> tuple[list, dict[str, float], float]:
+def _services(cluster: LocalCluster, profile: Path, requests: list[BenchRequest]
+              ) -> tuple[list[tuple[int, int, float, float]], dict[str, float], float]:
     """Steps (as _in_process), CPU seconds per process and the client's wall seconds of one run through the
     services."""
-    pids = {role: cluster.pid(role) for role in ("worker", "scheduler", "redis")}  # type: ignore[attr-defined]
+    pids = {role: cluster.pid(role) for role in ("worker", "scheduler", "redis")}
     seen = len(read_profiles(profile))
     before = {role: _cpu_s(pid) for role, pid in pids.items()}
     client_before = sum(os.times()[:2])
-    _, wall = run_llmserve(cluster.address, requests, label="services")  # type: ignore[attr-defined]
+    _, wall = run_llmserve(cluster.address, requests, label="services")
     cpu = {role: _cpu_s(pid) - before[role] for role, pid in pids.items()}
     cpu["client"] = sum(os.times()[:2]) - client_before
+    # Every prompt token is computed once, and every output token but the last (nothing reads its KV).
+    computed = sum(len(r.prompt_token_ids) + r.output_len - 1 for r in requests)
     deadline = time.monotonic() + 60
-    while sum(p.num_prefill_tokens + p.num_decode_tokens for p in read_profiles(profile)[seen:]) < sum(
-            len(r.prompt_token_ids) + r.output_len - 1 for r in requests):
+    while sum(p.num_prefill_tokens + p.num_decode_tokens for p in read_profiles(profile)[seen:]) < computed:
         if time.monotonic() > deadline:
             raise RuntimeError("the scheduler did not write the run's step profiles within 60 s")
         time.sleep(0.2)  # the loop flushes its profile file every few steps and when idle

@@ -156,7 +156,7 @@ class EngineLoop:
             profile.schedule_s = scheduled - started
             profile.plan_s = time.perf_counter() - scheduled
             profile.num_seqs = len(out.scheduled)
-            profile.num_prefill_tokens = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+            profile.num_prefill_tokens = out.num_prefill_tokens
             profile.num_decode_tokens = out.num_batched_tokens - profile.num_prefill_tokens
             if self._profiles is not None:  # O(allocated blocks): only the profile file reports it
                 profile.kv_slots, profile.kv_tokens = self._scheduler.kv_occupancy()

@@ -109,6 +109,11 @@ class SchedulerOutput:
     released_seq_ids: list[int] = field(default_factory=list)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens computed this step (the rest of num_batched_tokens: one per decoding sequence)."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
     def is_empty(self) -> bool:
         """True when the workers have nothing to do this step (ignored, swap_failed and preempted groups may
         still need the engine's attention)."""

@@ -163,14 +163,14 @@ def test_prefill_then_decode_exact_blocks() -> None:
     out = step(sched)
     assert plan(out) == [("a", 5), ("b", 3)]
     assert all(s.is_prefill and s.samples for s in out.scheduled)
-    assert out.num_batched_tokens == 8
+    assert out.num_batched_tokens == out.num_prefill_tokens == 8
     assert (table(sched, a), table(sched, b)) == ([0, 1], [2])
     assert ids(sched.running) == ["a", "b"] and not sched.waiting
     assert a.seqs[0].output_token_ids == [TOKEN] and a.seqs[0].num_computed_tokens == 5
 
     out = step(sched)  # a: 6 tokens fit in 2 blocks; b: 4 tokens fit in 1 block
     assert plan(out) == [("a", 1), ("b", 1)]
-    assert not any(s.is_prefill for s in out.scheduled)
+    assert not any(s.is_prefill for s in out.scheduled) and out.num_prefill_tokens == 0
     assert (table(sched, a), table(sched, b)) == ([0, 1], [2])
     out = step(sched)  # b's 5th token needs a new block
     assert (table(sched, a), table(sched, b)) == ([0, 1], [2, 3])
@@ -187,7 +187,7 @@ def test_token_budget_is_respected_and_fcfs_is_kept() -> None:
     assert ids(sched.waiting) == ["r2", "r3"]
     out = step(sched)
     assert plan(out) == [("r0", 1), ("r1", 1), ("r2", 2), ("r3", 1)]
-    assert out.num_batched_tokens == 5
+    assert (out.num_batched_tokens, out.num_prefill_tokens) == (5, 3)  # two decodes, two prompts
 
 
 def test_max_num_seqs_limits_admission() -> None:
