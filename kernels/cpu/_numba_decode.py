@@ -57,7 +57,7 @@ import numpy as np
 
 from llmserve.kernels.cpu._numba_blocks import flat_block, head_tile, weighted_sum, weighted_sums
 from llmserve.kernels.cpu._numba_exp import exp_f32
-from llmserve.kernels.cpu._numba_llvm import fetch_add, row_sums
+from llmserve.kernels.cpu._numba_llvm import fetch_add, max_lanes, row_sums
 from llmserve.kernels.numba_cache import versioned_cache
 
 # Before any decorator below: the cache of these kernels is invalidated by a change to any kernel source.
@@ -139,17 +139,14 @@ def _sum(values: np.ndarray, at: int, n: int) -> np.float32:
     return total
 
 
-@numba.njit(fastmath={"reassoc", "nnan"}, cache=True)
+@numba.njit(cache=True)
 def max_of(values: np.ndarray, at: int, n: int) -> np.float32:
-    """``max(values[at:at + n])``, vectorized: it assumes no NaN (a NaN gives an arbitrary value, not a fault).
+    """``max(values[at:at + n])`` in vector lanes (``max_lanes``); ``-inf`` for ``n == 0``, a NaN skipped.
 
-    Here the scores it reads are masked with -inf, never NaN; the CPU sampler's race takes it for its rows too.
+    Here the scores it reads are masked with -inf, never NaN; the CPU sampler takes it for its rows too (the
+    log-normaliser's and the race's row maxima, NaN rows sent to torch before).
     """
-    row = values[at:at + n]
-    largest = np.float32(-np.inf)
-    for j in range(row.shape[0]):
-        largest = max(largest, row[j])
-    return largest
+    return max_lanes(values, at, n)
 
 
 @numba.njit(inline="always", cache=True)
