@@ -38,6 +38,8 @@ WAITING_FOR_A_WORKER = "waiting for a worker"
 # A connection attempt to a server that is not listening yet is retried after this long at most: gRPC's
 # default backoff grows to seconds while a service imports, and the first check after it starts waited for it.
 _RECONNECT_BACKOFF_MS = 100
+# How messages name a service: by its role, except the HTTP front ("the openai exited" read as a typo).
+_ROLE_NAMES = {"openai": "OpenAI front"}
 
 
 def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None], tls_ca_file: str = "") -> bool:
@@ -285,7 +287,7 @@ class LocalCluster:
                 proc.wait(timeout=10)  # its pipe closed as it exited: the exit code follows at once
             except subprocess.TimeoutExpired:
                 pass
-            raise ClusterStartError(f"the {exc.role} exited with code {proc.poll()} during start-up:\n"
+            raise ClusterStartError(f"the {_named(exc.role)} exited with code {proc.poll()} during start-up:\n"
                                     f"{self.tail(exc.role)}") from None
         missing = [f"{role} {event}" for role, event in wanted if self._pipes.notice(role, event) is None]
         raise ClusterStartError(
@@ -299,7 +301,7 @@ class LocalCluster:
         # The first one only: the scheduler waits for the worker, and its log would only say so.
         role = next(role for role, event in wanted if self._pipes.notice(role, event) is None)
         last = self.tail(role, 1).strip()[:400] or "nothing yet"
-        line = f"still starting after {time.monotonic() - self._begun:.0f} s, waiting for the {role}"
+        line = f"still starting after {time.monotonic() - self._begun:.0f} s, waiting for the {_named(role)}"
         if last != self._last_reported:  # the same line again would only repeat itself
             line += f" (logs in {self.log_dir}); its log's last line: {last}"
             self._last_reported = last
@@ -310,7 +312,7 @@ class LocalCluster:
         tail; "" while all run."""
         for role, proc in self._procs.items():
             if proc.poll() is not None:
-                return f"the {role} exited with code {proc.returncode}:\n{self.tail(role)}"
+                return f"the {_named(role)} exited with code {proc.returncode}:\n{self.tail(role)}"
         code = self._redis.exit_code() if self._redis is not None else None
         return f"the embedded Redis exited with code {code}" if code is not None else ""
 
@@ -352,7 +354,7 @@ class LocalCluster:
         running = self._procs.get(role)
         if running is not None and running.poll() is None:
             # A second process of the role would be untracked, and outlive stop().
-            raise RuntimeError(f"the {role} is still running: kill or terminate it before restarting it")
+            raise RuntimeError(f"the {_named(role)} is still running: kill or terminate it before restarting it")
         self._spawn(role, self._args[role])
         if role == "openai":
             self._wait_http_ready()
@@ -422,3 +424,7 @@ def _phase_s(report: StartupReport, name: str) -> float:
         return report.seconds(name)
     except KeyError:
         return 0.0
+
+
+def _named(role: str) -> str:
+    return _ROLE_NAMES.get(role, role)

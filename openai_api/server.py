@@ -17,7 +17,7 @@ from openai_api.auth import require_api_key
 from openai_api.engine_client import EngineClient
 from openai_api.logprobs import TokenNamer
 from openai_api.routes import FrontState, build_app
-from shared.tls import ClientTLS
+from shared.tls import ClientTLS, listen_socket
 from shared.tokenizer_loading import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,9 @@ def make_app(config: FrontConfig) -> FastAPI:
 
 
 def serve(config: FrontConfig, log_level: str = "info") -> None:
-    """Serves until SIGINT / SIGTERM (uvicorn handles both)."""
-    uvicorn.run(make_app(config), host=config.host, port=config.port, log_level=log_level.lower(),
-                timeout_graceful_shutdown=config.drain_timeout_s)
+    """Serves until SIGINT / SIGTERM (uvicorn handles both); BindError when the port cannot be listened on."""
+    sock = listen_socket(config.host, config.port, "OpenAI front", "--port (`llmserve up`: --http-port)")
+    server = uvicorn.Server(uvicorn.Config(make_app(config), host=config.host, port=config.port,
+                                           log_level=log_level.lower(),
+                                           timeout_graceful_shutdown=config.drain_timeout_s))
+    server.run(sockets=[sock])

@@ -148,16 +148,47 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None, r
     return bound
 
 
-def _bind_failure(host: str, port: int) -> str:
-    """Why binding host:port fails, as a plain socket finds out (SO_REUSEADDR, as gRPC binds)."""
+def listen_socket(host: str, port: int, role: str, flag: str = "--port") -> socket.socket:
+    """A TCP socket bound to host:port for a server to listen on (an HTTP front); BindError saying why it cannot.
+
+    Bound here rather than by the server itself, so that a port in use reads as the gRPC services' does;
+    ``flag`` names the option that picks another port.
+    """
     try:
-        family, kind, proto, _, where = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(where)
+        return _bound_socket(host, port)
     except OSError as exc:
-        hint = " (another process serves it: stop it or pick another --port)" if exc.errno == errno.EADDRINUSE else ""
-        return f"{exc.strerror or exc}{hint}"
+        raise BindError(f"the {role} could not listen on {host}:{port}: {_bind_reason(exc, flag)}") from None
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEADDR (as gRPC and uvicorn bind); OSError when it cannot be.
+
+    IPv6 only for an address with a colon, as uvicorn decides: "localhost" binds 127.0.0.1, not ::1.
+    """
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family, kind, proto, _, where = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_reason(exc: OSError, flag: str = "--port") -> str:
+    hint = f" (another process serves it: stop it or pick another {flag})" if exc.errno == errno.EADDRINUSE else ""
+    return f"{exc.strerror or exc}{hint}"
+
+
+def _bind_failure(host: str, port: int) -> str:
+    """Why binding host:port fails, as a plain socket finds out."""
+    try:
+        _bound_socket(host, port).close()
+    except OSError as exc:
+        return _bind_reason(exc)
     return "gRPC refused it (GRPC_VERBOSITY=debug says why)"
 
 

@@ -216,7 +216,7 @@ def test_a_response_outlives_the_fronts_graceful_stop(tiny_llama_dir: Path) -> N
         while not cluster.exited() and time.monotonic() < deadline:  # the front exits once the response ended
             time.sleep(0.05)
         # uvicorn ends a graceful stop by raising the signal again: -15 with its own "Finished" line.
-        assert cluster.exited().startswith("the openai exited with code -15"), cluster.exited()
+        assert cluster.exited().startswith("the OpenAI front exited with code -15"), cluster.exited()
         assert "Finished server process" in cluster.tail("openai"), cluster.tail("openai")
     assert rest[-1] == "[DONE]", rest[-3:]
     chunks = [json.loads(e) for e in [first, *rest[:-1]]]
