@@ -141,23 +141,19 @@ def max_lanes(typingctx: object, values: types.Type, at: types.Type, count: type
         with cgutils.for_range(builder, builder.udiv(left, ir.Constant(int64, _MAX_LANES))) as loop:
             index = builder.add(builder.add(first, done), builder.mul(loop.index, ir.Constant(int64, _MAX_LANES)))
             builder.store(builder.call(vmax, [builder.load(running), load(index)]), running)
-        # The 16 lanes to one: each level takes the maximum of the two halves.
+        # The 16 lanes to one: each level takes the maximum of the two halves (the last, of two 1-lane vectors).
         level = builder.load(running)
         width = _MAX_LANES
         while width > 1:
             width //= 2
-            low = builder.shuffle_vector(level, level, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                    list(range(width))))
-            high = builder.shuffle_vector(level, level, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                     list(range(width, 2 * width))))
-            level_type = ir.VectorType(flt, width)
-            if width > 1:
-                half_max = cgutils.get_or_insert_function(builder.module, ir.FunctionType(level_type, [level_type] * 2),
-                                                          f"llvm.maxnum.v{width}f32")
-                level = builder.call(half_max, [low, high])
-            else:
-                level = builder.call(smax, [builder.extract_element(low, ir.Constant(ir.IntType(32), 0)),
-                                            builder.extract_element(high, ir.Constant(ir.IntType(32), 0))])
+            half = ir.VectorType(flt, width)
+            halves = [builder.shuffle_vector(level, level, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                                       list(range(start, start + width))))
+                      for start in (0, width)]
+            half_max = cgutils.get_or_insert_function(builder.module, ir.FunctionType(half, [half, half]),
+                                                      f"llvm.maxnum.v{width}f32")
+            level = builder.call(half_max, halves)
+        level = builder.extract_element(level, ir.Constant(ir.IntType(32), 0))
         largest = cgutils.alloca_once_value(builder, level)
         done = builder.add(done, builder.mul(builder.udiv(left, ir.Constant(int64, _MAX_LANES)),
                                              ir.Constant(int64, _MAX_LANES)))
