@@ -444,10 +444,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
         http_args=_passthrough(args, _HTTP_PASS) + _engine_metrics_flags(args.host, args.metrics_port),
         tls_ca_file=args.tls_ca_file, start_timeout_s=args.start_timeout,
     )
-    stop = threading.Event()
+    stop, started = threading.Event(), threading.Event()
     cluster = LocalCluster(spec, startup=timer, progress=_say_progress)
 
     def _stop(signum: int, frame: object) -> None:
+        if not started.is_set():
+            # Start-up can wait minutes (kernels compiling, a Redis that does not answer): a service manager's
+            # SIGTERM ends it now, and cluster.start() stops what it started on the way out.
+            raise _StopSignal(signum)
         if stop.is_set():  # a second Ctrl-C: no more waiting for the orderly stop
             cluster.kill_all()
         stop.set()
@@ -457,11 +461,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, _stop)
     try:
         cluster.start()  # stops whatever it started when one service fails
-    except ClusterStartError as exc:
-        # A service that refused its flags (or died starting) says why in its log's tail: no traceback of `up`'s.
-        print(f"llmserve up: error: {exc}", file=sys.stderr)
-        return 1
-    try:
+        started.set()
         # From here on Ctrl-C (SIGINT, the terminal's: the services run in sessions of their own and do
         # not get it) stops the cluster in order, however soon it comes. An Event, not a flag tested
         # before signal.pause(): a signal between the test and the pause would be missed.
@@ -477,9 +477,25 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 print(f"llmserve up: error: {gone}\nstopping the other services", file=sys.stderr, flush=True)
                 return 1
         print("stopping (the worker drains first; Ctrl-C again kills)...", flush=True)
+    except ClusterStartError as exc:
+        # A service that refused its flags (or died starting) says why in its log's tail: no traceback of `up`'s.
+        print(f"llmserve up: error: {exc}", file=sys.stderr)
+        return 1
+    except _StopSignal as exc:
+        print(f"llmserve up: stopped by {signal.Signals(exc.signum).name} during start-up", file=sys.stderr)
+        return 128 + exc.signum
     finally:
         cluster.stop()
     return 0
+
+
+class _StopSignal(BaseException):
+    """SIGTERM or SIGHUP while `up` starts its services, or during `demo`. A BaseException, as KeyboardInterrupt
+    is: no handler of ordinary errors on the way catches it, and the cluster's stop() runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -545,6 +561,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from llmserve.demo import run_demo  # noqa: PLC0415
 
     _check_start_timeout(args)
+
+    def _stop(signum: int, frame: object) -> None:
+        raise _StopSignal(signum)  # as Ctrl-C does: the demo's services stop on the way out
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
     return run_demo(_resolve_model(args.model), args.max_tokens, args.max_model_len, args.log_dir,
                     args.start_timeout, _say_progress)
 
@@ -573,6 +595,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handlers[args.command](args)
     except KeyboardInterrupt:
         return 130
+    except _StopSignal as exc:  # `demo`'s, or a second one while `up` stopped what its start-up began
+        print(f"llmserve {args.command}: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
     except (ValueError, FileNotFoundError) as exc:
         print(f"llmserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
