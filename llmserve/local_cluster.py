@@ -27,7 +27,7 @@ from types import TracebackType
 
 from llmserve.ready_pipe import READY, SERVING, PipeClosedError, ReadyPipes
 from shared import defaults
-from shared.processes import terminate
+from shared.processes import signals_deferred, terminate
 from shared.redis_server import RedisServer, free_port
 from shared.startup_timer import StartupReport, StartupTimer
 
@@ -198,9 +198,10 @@ class LocalCluster:
         try:
             # A session of its own: Ctrl-C in the terminal reaches only this process, whose stop() then
             # ends the services in order (the worker drains while the scheduler and Redis still run).
-            self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                 start_new_session=True,
-                                                 pass_fds=(ready_fd,) if ready_fd is not None else ())
+            with signals_deferred():
+                self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                     start_new_session=True,
+                                                     pass_fds=(ready_fd,) if ready_fd is not None else ())
         finally:
             log.close()
             if ready_fd is not None:

@@ -1,8 +1,39 @@
-"""Stopping child processes: a clean shutdown first, a kill after a grace period."""
+"""Starting and stopping child processes: no child lost to a signal while it starts; a clean shutdown first, a
+kill after a grace period."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
+import threading
+from collections.abc import Iterator
+
+# The signals whose handlers may raise (KeyboardInterrupt, `llmserve up`'s start-up stop).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Holds SIGINT / SIGTERM / SIGHUP for the block and delivers the first one that came after it.
+
+    Around a ``subprocess.Popen`` whose object must reach its owner: a handler that raises inside Popen (it waits
+    for the child's exec) leaves a forked child that nothing holds, and a service started in a session of its own
+    would then outlive the command that was told to stop. Only the main thread has signal handlers; elsewhere the
+    block runs as is. The child's own handlers are untouched (it starts with the defaults).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if came:
+            signal.raise_signal(came[0])
 
 
 def terminate(proc: subprocess.Popen, grace_s: float) -> None:  # type: ignore[type-arg]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from shared.processes import terminate
+from shared.processes import signals_deferred, terminate
 
 
 def find_redis_server() -> str:
@@ -135,8 +135,9 @@ class RedisServer:
             "--save", "", "--appendonly", "yes" if self._appendonly else "no", "--protected-mode", "yes",
         ]
         # Own session: a terminal's Ctrl-C goes to the owner, which stops Redis last (see LocalCluster.stop).
-        self._proc = subprocess.Popen(args + ["--logfile", str(self._log_path)], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, start_new_session=True)
+        with signals_deferred():
+            self._proc = subprocess.Popen(args + ["--logfile", str(self._log_path)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, start_new_session=True)
         return self
 
     @property
