@@ -19,14 +19,16 @@ def signals_deferred() -> Iterator[None]:
 
     Around a ``subprocess.Popen`` whose object must reach its owner: a handler that raises inside Popen (it waits
     for the child's exec) leaves a forked child that nothing holds, and a service started in a session of its own
-    would then outlive the command that was told to stop. Only the main thread has signal handlers; elsewhere the
-    block runs as is. The child's own handlers are untouched (it starts with the defaults).
+    would then outlive the command that was told to stop. Only Python handlers are held (an ignored signal stays
+    ignored, and so inherited by the child); only the main thread has them, elsewhere the block runs as is.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     came: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in _STOP_SIGNALS}
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, lambda signum, frame: came.append(signum))
+                for sig, handler in previous.items() if callable(handler)}
     try:
         yield
     finally:

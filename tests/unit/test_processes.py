@@ -21,6 +21,7 @@ def _raise(signum: int, frame: object) -> None:
 
 def test_a_signal_in_the_block_is_delivered_after_it_and_the_handlers_are_restored() -> None:
     previous = signal.signal(signal.SIGTERM, _raise)
+    interrupt = signal.getsignal(signal.SIGINT)  # Python's default, or ignored (a process started by nohup)
     try:
         done = []
         with pytest.raises(_Stopped):
@@ -31,7 +32,7 @@ def test_a_signal_in_the_block_is_delivered_after_it_and_the_handlers_are_restor
         # What the block made (a child process, in use) was in the owner's hands before the handler raised.
         assert done == ["the block ran to its end"]
         assert signal.getsignal(signal.SIGTERM) is _raise
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is interrupt
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -59,3 +60,15 @@ def test_off_the_main_thread_the_block_runs_as_is() -> None:
     thread.start()
     thread.join()
     assert ran == [True]
+
+
+def test_an_ignored_signal_stays_ignored() -> None:
+    # Not held, so not turned into a caught one that the child would then get back as the default (nohup's SIGINT).
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with signals_deferred():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
