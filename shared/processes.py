@@ -26,9 +26,8 @@ def signals_deferred() -> Iterator[None]:
         yield
         return
     came: list[int] = []
-    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
-    previous = {sig: signal.signal(sig, lambda signum, frame: came.append(signum))
-                for sig, handler in previous.items() if callable(handler)}
+    held = [sig for sig in _STOP_SIGNALS if callable(signal.getsignal(sig))]
+    previous = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in held}
     try:
         yield
     finally:

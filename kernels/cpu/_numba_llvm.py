@@ -126,8 +126,13 @@ def max_lanes(typingctx: object, values: types.Type, at: types.Type, count: type
             pointer = builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
             return builder.load(pointer, align=4)
 
-        chains = [cgutils.alloca_once_value(builder, lowest) for _ in range(_MAX_CHAINS)]
+        def rounded_down(multiple: int) -> ir.Value:  # total rounded down to a multiple
+            return builder.mul(builder.udiv(total, ir.Constant(int64, multiple)), ir.Constant(int64, multiple))
+
+        # 64-element steps up to `whole`, 16-lane pieces up to `pieces`, then one element at a time.
         wide = _MAX_LANES * _MAX_CHAINS
+        whole, pieces = rounded_down(wide), rounded_down(_MAX_LANES)
+        chains = [cgutils.alloca_once_value(builder, lowest) for _ in range(_MAX_CHAINS)]
         with cgutils.for_range(builder, builder.udiv(total, ir.Constant(int64, wide))) as loop:
             base = builder.add(first, builder.mul(loop.index, ir.Constant(int64, wide)))
             for k, chain in enumerate(chains):
@@ -136,10 +141,9 @@ def max_lanes(typingctx: object, values: types.Type, at: types.Type, count: type
         joined = builder.call(vmax, [builder.call(vmax, [builder.load(chains[0]), builder.load(chains[1])]),
                                      builder.call(vmax, [builder.load(chains[2]), builder.load(chains[3])])])
         running = cgutils.alloca_once_value(builder, joined)
-        done = builder.mul(builder.udiv(total, ir.Constant(int64, wide)), ir.Constant(int64, wide))
-        left = builder.sub(total, done)
-        with cgutils.for_range(builder, builder.udiv(left, ir.Constant(int64, _MAX_LANES))) as loop:
-            index = builder.add(builder.add(first, done), builder.mul(loop.index, ir.Constant(int64, _MAX_LANES)))
+        left = builder.udiv(builder.sub(pieces, whole), ir.Constant(int64, _MAX_LANES))
+        with cgutils.for_range(builder, left) as loop:
+            index = builder.add(builder.add(first, whole), builder.mul(loop.index, ir.Constant(int64, _MAX_LANES)))
             builder.store(builder.call(vmax, [builder.load(running), load(index)]), running)
         # The 16 lanes to one: each level takes the maximum of the two halves (the last, of two 1-lane vectors).
         level = builder.load(running)
@@ -155,10 +159,8 @@ def max_lanes(typingctx: object, values: types.Type, at: types.Type, count: type
             level = builder.call(half_max, halves)
         level = builder.extract_element(level, ir.Constant(ir.IntType(32), 0))
         largest = cgutils.alloca_once_value(builder, level)
-        done = builder.add(done, builder.mul(builder.udiv(left, ir.Constant(int64, _MAX_LANES)),
-                                             ir.Constant(int64, _MAX_LANES)))
-        with cgutils.for_range(builder, builder.sub(total, done)) as loop:
-            value = builder.load(builder.gep(data, [builder.add(builder.add(first, done), loop.index)]))
+        with cgutils.for_range(builder, builder.sub(total, pieces)) as loop:
+            value = builder.load(builder.gep(data, [builder.add(builder.add(first, pieces), loop.index)]))
             builder.store(builder.call(smax, [builder.load(largest), value]), largest)
         return builder.load(largest)
 
