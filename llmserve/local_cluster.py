@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from llmserve.lifeline import Lifeline
 from llmserve.ready_pipe import READY, SERVING, PipeClosedError, ReadyPipes
 from shared import defaults
 from shared.processes import signals_deferred, terminate
@@ -152,6 +153,7 @@ class LocalCluster:
         self.worker_port = free_port(spec.host)
         self.http_port = None if spec.http_port is None else spec.http_port or free_port(spec.host)
         self._redis: RedisServer | None = None
+        self._lifeline: Lifeline | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._args: dict[str, list[str]] = {}
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -199,13 +201,18 @@ class LocalCluster:
             # A session of its own: Ctrl-C in the terminal reaches only this process, whose stop() then
             # ends the services in order (the worker drains while the scheduler and Redis still run).
             with signals_deferred():
-                self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                     start_new_session=True,
-                                                     pass_fds=(ready_fd,) if ready_fd is not None else ())
+                proc = self._procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                            start_new_session=True,
+                                                            pass_fds=(ready_fd,) if ready_fd is not None else ())
+                self._watch(proc.pid, role)
         finally:
             log.close()
             if ready_fd is not None:
                 os.close(ready_fd)  # the child's now: its exit must read as end-of-file here
+
+    def _watch(self, pid: int, role: str) -> None:
+        if self._lifeline is not None:
+            self._lifeline.watch(pid, role)
 
     def start(self) -> "LocalCluster":
         # The services run in sessions of their own: stop them at interpreter exit too, should the
@@ -219,10 +226,15 @@ class LocalCluster:
         self._startup = timer
         try:
             begun = self._begun = time.monotonic()
+            # Stops the services should this process end without stop() (a SIGKILL, say): llmserve/lifeline.py.
+            self._lifeline = Lifeline(self.log_path("lifeline"))
             if not self.redis_url:
                 # Launched, not waited for: the services need it only after their imports, seconds later.
-                self._redis = RedisServer(host=self.spec.host, password=self.spec.redis_password).launch()
+                # Held before it is launched: a signal's exception in launch() leaves it for stop() to stop.
+                self._redis = RedisServer(host=self.spec.host, password=self.spec.redis_password)
+                self._redis.launch()
                 self.redis_url = self._redis.url
+                self._watch(self._redis.pid, "redis")
             self._spawn("worker", ["--model", self.spec.model, "--host", self.spec.host,
                                    "--port", str(self.worker_port), "--redis-url", self.redis_url,
                                    *self.spec.worker_args])
@@ -400,6 +412,9 @@ class LocalCluster:
             if self._redis is not None:
                 self._redis.stop()
                 self._redis = None
+            if self._lifeline is not None:
+                self._lifeline.release()
+                self._lifeline = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

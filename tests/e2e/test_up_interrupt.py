@@ -9,15 +9,17 @@ once and the worker waiting out its drain timeout. A second Ctrl-C kills what is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from shared.redis_server import free_port
-from tests.e2e.up_process import alive, children, up
+from tests.e2e.up_process import alive, lifeline_watcher, services_of, up
 
 # Well below the worker's default --drain-timeout (30 s): an exit this fast means the drain completed.
 STOP_WITHIN_S = 20.0
@@ -70,19 +72,22 @@ def test_up_stops_and_says_so_when_a_service_dies(tiny_llama_dir: Path, tmp_path
         assert [pid for pid in services if alive(pid)] == []
 
 
-def _sigterm_once_started(cmd: list[str], services: int) -> tuple[int, str, list[int]]:
-    """Runs `cmd` in a session of its own and SIGTERMs it once its `services` children run; returns its exit code,
-    its output and the children's pids, which must be gone by then (whatever is left is killed afterwards)."""
+def _gone_within(pids: list[int], deadline_s: float) -> list[int]:
+    """Waits until none of `pids` runs; the ones still running at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@contextlib.contextmanager
+def _running(cmd: list[str]) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    """`cmd` in a session of its own, and a list for the pids of its children; what is left of either is killed
+    afterwards."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     started: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while len(started := children(proc.pid)) < services and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(started) == services, (started, proc.poll())
-        os.kill(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-        return proc.returncode, out, [pid for pid in started if alive(pid)]
+        yield proc, started
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -90,6 +95,20 @@ def _sigterm_once_started(cmd: list[str], services: int) -> tuple[int, str, list
         for pid in started:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _sigterm_once_started(cmd: list[str], services: int) -> tuple[int, str, list[int]]:
+    """Runs `cmd` and SIGTERMs it once its `services` children run; returns its exit code, its output and those of
+    its children (the lifeline's watcher too) still running when it exited."""
+    with _running(cmd) as (proc, started):
+        deadline = time.monotonic() + 120
+        while len(services_of(proc.pid)) < services and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started += [*services_of(proc.pid), lifeline_watcher(proc.pid)]
+        assert len(started) == services + 1, (started, proc.poll())
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        return proc.returncode, out, [pid for pid in started if alive(pid)]
 
 
 def test_sigterm_during_start_up_stops_what_up_started(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -115,3 +134,47 @@ def test_sigterm_stops_the_demo_and_its_services(tiny_llama_dir: Path, tmp_path:
     assert code == 128 + signal.SIGTERM, out
     assert "llmserve demo: stopped by SIGTERM" in out, out
     assert left == []
+
+
+def test_sigkill_of_up_still_stops_its_services(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`up` killed outright (SIGKILL, the OOM killer) runs no handler of its own: the lifeline's watcher sees it go
+    and stops the services in stop()'s order, the worker draining while the scheduler still runs."""
+    with up(tiny_llama_dir, tmp_path) as running:
+        watcher = lifeline_watcher(running.proc.pid)
+        running.proc.kill()
+        running.proc.wait(timeout=60)
+        # The watcher waits up to 15 s for each of three services before it kills one.
+        left = _gone_within([*running.services, watcher], deadline_s=120)
+    lifeline_log = (tmp_path / "lifeline.log").read_text()
+    assert left == [], lifeline_log
+    assert f"(pid {running.proc.pid}) ended without stopping it: stopping worker, scheduler, redis" in lifeline_log
+    assert "killing" not in lifeline_log, lifeline_log
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert any(line.rstrip().endswith(" drained") for line in worker_log.splitlines()), worker_log[-2000:]
+
+
+_LIBRARY_OWNER = """
+import sys, time
+from llmserve.local_cluster import ClusterSpec, LocalCluster
+cluster = LocalCluster(ClusterSpec(model=sys.argv[1], log_dir=sys.argv[2], worker_args=["--num-threads", "1"]))
+cluster.start()
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_script_ended_by_sigterm_leaves_no_service_running(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A program using the local cluster as a library (the benchmarks, the offline API's services mode) installs
+    no signal handler: a SIGTERM (a job's time limit) ends it at once, and the watcher stops what it started."""
+    with _running([sys.executable, "-c", _LIBRARY_OWNER, str(tiny_llama_dir), str(tmp_path)]) as (proc, started):
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "started\n", proc.stdout.read()
+        started += [*services_of(proc.pid), lifeline_watcher(proc.pid)]
+        assert len(started) == 4, started  # Redis, the worker, the scheduler, the watcher
+        proc.terminate()
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+        # The watcher gives each service up to 15 s.
+        left = _gone_within(started, deadline_s=120)
+    lifeline_log = (tmp_path / "lifeline.log").read_text()
+    assert left == [], lifeline_log
+    assert "ended without stopping it: stopping worker, scheduler, redis" in lifeline_log, lifeline_log

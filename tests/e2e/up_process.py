@@ -29,6 +29,23 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+def services_of(pid: int) -> list[int]:
+    """The local cluster's processes started by `pid`: its children but the lifeline's watcher."""
+    return [child for child in children(pid) if b"llmserve.lifeline" not in _cmdline(child)]
+
+
+def lifeline_watcher(pid: int) -> int:
+    """The lifeline's watcher that `pid` started (llmserve/lifeline.py)."""
+    return next(child for child in children(pid) if b"llmserve.lifeline" in _cmdline(child))
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # exited meanwhile
+        return b""
+
+
 def alive(pid: int) -> bool:
     """Whether pid is still one of the cluster's processes (a pid may have been reused)."""
     try:
@@ -52,7 +69,7 @@ def up(model_dir: Path, log_dir: Path) -> Iterator[UpProcess]:
         # Up to the banner (or the end of the output, when up failed).
         while not lines or ("llmserve is up" not in lines[-1] and lines[-1]):
             lines.append(proc.stdout.readline())
-        services = children(proc.pid)  # Redis, the worker, the scheduler: in sessions of their own
+        services = services_of(proc.pid)  # Redis, the worker, the scheduler: in sessions of their own
         assert "llmserve is up" in lines[-1], "".join(lines) + proc.stdout.read()
         assert len(services) == 3, services
         yield UpProcess(proc, services, lines)
