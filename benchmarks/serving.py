@@ -33,7 +33,7 @@ from benchmarks.llmserve_driver import Target, run_llmserve
 from benchmarks.memory_rate import memory_read_gbs
 from benchmarks.metrics import RequestTiming, Summary, summarize
 from benchmarks.run_info import run_info
-from llmserve.cli import env_defaults
+from llmserve.cli import bad_env_values, env_defaults
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from scheduler_service.step_profile import read_profiles
 from shared.default_model import prepare_default_model
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --address: bearer token file of the scheduler (or LLMSERVE_AUTH_TOKEN)")
     env_defaults(parser)  # LLMSERVE_<FLAG>, as for every llmserve command
     args = parser.parse_args(argv)
+    if bad := bad_env_values(args):
+        parser.error(bad[0])
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = args.model or str(prepare_default_model())

@@ -31,14 +31,62 @@ def env_defaults(parser: argparse.ArgumentParser) -> None:
         value = os.environ.get(ENV_PREFIX + action.dest.upper())
         if value is None:
             continue
-        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):  # noqa: SLF001
-            action.default = value.lower() in ("1", "true", "yes")
-        elif isinstance(action, argparse._AppendAction):  # noqa: SLF001
-            action.default = [v for v in value.split(",") if v]
-        else:
-            action.default = action.type(value) if action.type else value
+        action.default = _env_value(action, ENV_PREFIX + action.dest.upper(), value)
         action.required = False
         action.help = f"{action.help} [env {ENV_PREFIX + action.dest.upper()}]"
+
+
+class BadEnvValue:
+    """A LLMSERVE_* variable holding a value its flag would refuse, in place of the flag's default: argparse takes a
+    default as it is, and every command's parser reads the variables, so only the command that uses the flag
+    reports it (`bad_env_values`), as argparse would a bad flag, rather than failing later with a traceback."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __repr__(self) -> str:  # --help's %(default)s
+        return f"<{self.message}>"
+
+
+def bad_env_values(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the LLMSERVE_* variables this command's flags were given."""
+    return [value.message for value in vars(args).values() if isinstance(value, BadEnvValue)]
+
+
+def _env_value(action: argparse.Action, name: str, value: str) -> object:
+    """A flag's value from its LLMSERVE_* variable, converted and checked as argparse does a flag's."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):  # noqa: SLF001
+        if value.lower() not in _TRUE + _FALSE:
+            return BadEnvValue(f"{name}={value!r}: expected {'/'.join(_TRUE)} or {'/'.join(_FALSE[:-1])} (or empty)")
+        return value.lower() in _TRUE
+    appends = isinstance(action, argparse._AppendAction)  # noqa: SLF001
+    converted = []
+    for item in [v for v in value.split(",") if v] if appends else [value]:
+        try:
+            one = action.type(item) if callable(action.type) else item
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            name_of_type = getattr(action.type, "__name__", "value")
+            reason = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else f"not a valid {name_of_type}"
+            return BadEnvValue(f"{name}={item!r}: {reason}")
+        if action.choices is not None and one not in action.choices:
+            return BadEnvValue(f"{name}={item!r}: expected one of {', '.join(map(str, action.choices))}")
+        converted.append(one)
+    return converted if appends else converted[0]
+
+
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no", "")
+
+
+def _port(text: str) -> int:
+    """A TCP port flag's value: 0..65535. Larger numbers are not refused by the sockets below: gRPC keeps the low 16
+    bits (`--port 99999` served on 34463 while `up` said 99999)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
+    return value
 
 
 def _model_flag(p: argparse.ArgumentParser) -> None:
@@ -146,7 +194,7 @@ def _observability_flags(p: argparse.ArgumentParser) -> None:
                         "also works)")
     g.add_argument("--trace-file", default="", metavar="PATH",
                    help="append OpenTelemetry spans to this JSON-lines file (read by `llmserve trace show`)")
-    g.add_argument("--metrics-port", type=int, default=0,
+    g.add_argument("--metrics-port", type=_port, default=0,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off; `up` gives the worker PORT+1)")
 
 
@@ -186,11 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run Redis, one worker and one scheduler on localhost")
     _model_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address the services bind")
-    p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
+    p.add_argument("--port", type=_port, default=50051, help="port of the public Generation API")
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded redis-server")
     p.add_argument("--log-dir", default="", help="where the services write their logs (default: a temp dir)")
     _start_timeout_flag(p)
-    p.add_argument("--http-port", type=int, default=None,
+    p.add_argument("--http-port", type=_port, default=None,
                    help="also start the OpenAI-compatible HTTP API (`llmserve openai`) on this port")
     _liveness_flag(p, "the engine loop holds requests but completes no step, or a worker step runs")
     _worker_flags(p), _scheduler_flags(p), _common_flags(p), _observability_flags(p)
@@ -206,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a worker (model + paged KV cache)")
     _model_flag(p)
     p.add_argument("--host", default="0.0.0.0", help="address to bind")
-    p.add_argument("--port", type=int, default=50061, help="port of the Worker API")
+    p.add_argument("--port", type=_port, default=50061, help="port of the Worker API")
     p.add_argument("--redis-url", default="", help="register in this Redis so that schedulers find the worker "
                    "(without it the worker serves only callers that know its address)")
     p.add_argument("--advertise-address", default="", help="host:port schedulers dial (default: this host's name "
@@ -224,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scheduler", help="run a scheduler replica (public API + engine loops)")
     _model_flag(p)
     p.add_argument("--host", default="0.0.0.0", help="address to bind")
-    p.add_argument("--port", type=int, default=50051, help="port of the public Generation API")
+    p.add_argument("--port", type=_port, default=50051, help="port of the public Generation API")
     p.add_argument("--redis-url", required=True, help="Redis holding the scheduling state (redis://host:port/db)")
     p.add_argument("--lease-ttl", type=float, default=defaults.LEASE_TTL_S, metavar="SECONDS",
                    help="a worker's engine loop moves to another replica this long after its owner stops renewing")
@@ -251,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("openai", help="run the OpenAI-compatible HTTP API, a client of a scheduler's gRPC API")
     p.add_argument("--host", default="0.0.0.0", help="address to bind")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--port", type=_port, default=8000, help="HTTP port")
     p.add_argument("--scheduler", default="127.0.0.1:50051", help="scheduler (or its load balancer) host:port")
     p.add_argument("--served-model-name", action="append", default=[],
                    help="model name clients send (repeatable; the first is the default); default: the name of the "
@@ -582,6 +630,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_bench(argv[1:])
     started_at = time.monotonic()  # a service's start-up line counts from here
     args = build_parser().parse_args(argv)
+    if bad := bad_env_values(args):
+        print(f"llmserve {args.command}: error: {bad[0]}", file=sys.stderr)
+        return 2
     args.started_at = started_at
     from shared.logging_setup import setup_logging  # noqa: PLC0415
 

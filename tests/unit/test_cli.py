@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from llmserve.cli import _SCHEDULER_PASS, _WORKER_PASS, _passthrough, build_parser, main
+from llmserve.cli import _SCHEDULER_PASS, _WORKER_PASS, _passthrough, bad_env_values, build_parser, main
 
 
 def test_every_command_is_there() -> None:
@@ -102,3 +102,45 @@ def test_a_start_timeout_that_is_not_positive_is_refused(command: str, capsys: p
     assert build_parser().parse_args([command]).start_timeout == 900  # a first start compiles the kernels: minutes
     assert main([command, "--start-timeout", "0"]) == 2
     assert f"llmserve {command}: error: {command}: --start-timeout must be positive, got 0.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["up", "--port", "99999"], ["worker", "--metrics-port", "-1"],
+                                   ["up", "--http-port", "65536"], ["openai", "--port", "http"]])
+def test_a_port_outside_0_to_65535_is_refused(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """gRPC would keep a larger port's low 16 bits: `up --port 99999` served on 34463 while it said 99999."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(flags)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"llmserve {flags[0]}: error: argument {flags[1]}: " in err
+    assert ("a port is 0..65535" if flags[2].lstrip("-").isdigit() else "not a port number: 'http'") in err
+    assert build_parser().parse_args([flags[0], flags[1], "65535"])
+
+
+@pytest.mark.parametrize(("command", "variable", "value", "reason"), [
+    ("scheduler", "LLMSERVE_MAX_NUM_SEQS", "abc", "not a valid int"),
+    ("scheduler", "LLMSERVE_PORT", "99999", "a port is 0..65535, got 99999"),
+    ("worker", "LLMSERVE_BLOCK_SIZE", "7", "expected one of 8, 16, 32"),
+    ("scheduler", "LLMSERVE_ENABLE_PREFIX_CACHING", "ture", "expected 1/true/yes or 0/false/no (or empty)"),
+])
+def test_a_bad_environment_value_is_refused_by_the_command_that_reads_it(
+        command: str, variable: str, value: str, reason: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A Kubernetes ConfigMap's typo ends the command with the variable named (exit 2, as a bad flag does), not a
+    traceback; a command without that flag is not concerned, and the flag given on the command line wins."""
+    monkeypatch.setenv(variable, value)
+    assert main([command, "--redis-url", "redis://127.0.0.1:1"]) == 2
+    assert f"llmserve {command}: error: {variable}='{value}': {reason}" in capsys.readouterr().err
+    assert bad_env_values(build_parser().parse_args(["generate"])) == []
+    flag = "--" + variable.removeprefix("LLMSERVE_").lower().replace("_", "-")
+    given = ["--enable-prefix-caching"] if flag == "--enable-prefix-caching" else [flag, "16"]
+    assert bad_env_values(build_parser().parse_args([command, "--redis-url", "redis://x", *given])) == []
+
+
+def test_environment_values_are_converted_and_checked_item_by_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVE_STOP", "a,b")
+    monkeypatch.setenv("LLMSERVE_DTYPE", "bfloat16")
+    monkeypatch.setenv("LLMSERVE_ENABLE_CHUNKED_PREFILL", "")
+    assert build_parser().parse_args(["generate"]).stop == ["a", "b"]
+    args = build_parser().parse_args(["up"])
+    assert args.dtype == "bfloat16" and args.enable_chunked_prefill is False
