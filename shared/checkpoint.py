@@ -5,6 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def require_local(path: str, what: str) -> None:
+    """ValueError unless `path` is a directory or a `.gguf` file: nothing is downloaded at run time, and transformers
+    would take any other string for a Hub repository id (and fail on its syntax, or offline)."""
+    is_gguf = path.lower().endswith(".gguf") and Path(path).is_file()
+    if not (Path(path).is_dir() or is_gguf):
+        raise ValueError(f"{what} must be a local checkpoint directory or .gguf file, got {path!r} (neither exists).")
+
+
 def pretrained_source(path: str) -> tuple[str, dict[str, str]]:
     """(path for from_pretrained, extra from_pretrained kwargs) for a checkpoint directory or a `.gguf` file.
 

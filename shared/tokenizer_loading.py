@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from shared.checkpoint import pretrained_source
+from shared.checkpoint import pretrained_source, require_local
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,29 @@ def loads_directly(directory: Path) -> bool:
     )
 
 
+# A tokenizer's own files in a checkpoint directory (a fast tokenizer's, SentencePiece's, a BPE vocabulary's).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str) -> Any:
-    """The tokenizer of a checkpoint directory or GGUF file (what AutoTokenizer.from_pretrained returns)."""
+    """The tokenizer of a checkpoint directory or GGUF file (what AutoTokenizer.from_pretrained returns).
+
+    ValueError, naming the path, for anything else or a directory without a tokenizer: transformers' own errors
+    there speak of Hub repository ids or of slow-tokenizer conversions.
+    """
+    require_local(path, "tokenizer")
     source, kwargs = pretrained_source(path)
     if not kwargs and loads_directly(Path(source)):
         from transformers import TokenizersBackend  # noqa: PLC0415 - imports no torch
 
         return TokenizersBackend.from_pretrained(source)
+    if not kwargs and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): give the directory the "
+                         "checkpoint was saved to with its tokenizer (save_pretrained of both), or a .gguf file")
     from transformers import AutoTokenizer  # noqa: PLC0415 - imports torch
 
     log.debug("tokenizer of %s through AutoTokenizer", path)
-    return AutoTokenizer.from_pretrained(source, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"the tokenizer in {path} could not be loaded: {exc}") from exc

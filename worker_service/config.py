@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from shared import defaults
+from shared.checkpoint import require_local
 from shared.tls import ServerTLS
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -67,11 +67,7 @@ class WorkerConfig:
     cpu_matmul: str = defaults.CPU_MATMULS[0]
 
     def __post_init__(self) -> None:
-        is_gguf = self.model.lower().endswith(".gguf") and os.path.isfile(self.model)
-        if not (os.path.isdir(self.model) or is_gguf):
-            raise ValueError(
-                f"model must be a local checkpoint directory or .gguf file, got {self.model!r} (neither exists)."
-            )
+        require_local(self.model, "model")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
         if self.block_size not in (8, 16, 32):

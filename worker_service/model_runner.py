@@ -15,7 +15,15 @@ from llmserve.kernels import get_backend
 from protos import worker_pb2
 from shared import defaults
 from shared.checkpoint import pretrained_source
-from worker_service.cache_engine import CacheEngine, CacheSizing, gpu_cache_bytes, size_cache
+from shared.host_memory import available_bytes
+from worker_service.cache_engine import (
+    CacheEngine,
+    CacheSizing,
+    block_bytes,
+    check_host_memory,
+    gpu_cache_bytes,
+    size_cache,
+)
 from worker_service.config import WorkerConfig
 from worker_service.grammar_masks import GrammarMasks
 from worker_service.input_builder import ModelInputs, build_inputs
@@ -138,6 +146,8 @@ class ModelRunner:
             self.cache_shape, config.block_size, self.dtype, device_bytes,
             config.swap_space_bytes, max_len, config.num_gpu_blocks_override, memory_flag,
         )
+        check_host_memory(sizing, block_bytes(self.cache_shape, config.block_size, self.dtype),
+                          cache_on_host=self.device.type == "cpu", available=available_bytes())
         if tp is not None:
             # Block tables are shared by all shards: each holds the fewest blocks any GPU has room for.
             sizing = CacheSizing(tp.min_over_ranks(sizing.num_gpu_blocks), tp.min_over_ranks(sizing.num_cpu_blocks))

@@ -216,3 +216,15 @@ def test_a_fence_only_reset_keeps_the_cache_and_resume_checks_each_view(worker: 
     again = _new_seq(77, prompt + outputs, [0, 2])
     execute_step(worker, worker_pb2.StepPlan(epoch=102, step_id=1, new_sequences=[again]), timeout=30)
     assert worker.Describe(worker_pb2.DescribeRequest(), timeout=10).num_recomputed_tokens == recomputed + 18
+
+
+def test_a_cache_larger_than_the_memory_left_stops_the_worker_at_start(tiny_llama_dir: Path) -> None:
+    """`--kv-cache-memory` beyond what the host has: refused before the cache is allocated (with zeroed pages
+    reserved, not backed, it would start and be OOM-killed once requests filled it), naming the flag; exit 2."""
+    done = subprocess.run([sys.executable, "-m", "llmserve", "worker", "--model", str(tiny_llama_dir), "--host",
+                           "127.0.0.1", "--port", str(free_port()), "--kv-cache-memory", "1000000"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "llmserve worker: error: the KV cache needs 1000000.00 GiB of host memory (the cache 1000000.00 GiB) " \
+           "but only " in done.stderr, done.stderr
+    assert "lower --kv-cache-memory" in done.stderr and "Traceback" not in done.stderr, done.stderr

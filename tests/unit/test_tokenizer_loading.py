@@ -107,3 +107,27 @@ def test_the_default_model_loads_without_torch(default_model_dir: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.split() == [DIRECT_CLASS, "False"]
+
+
+@pytest.mark.parametrize("given", ["missing", "HuggingFaceTB/SmolLM2-135M", "missing.gguf"])
+def test_only_a_local_checkpoint_is_read(given: str, tmp_path: Path) -> None:
+    """Nothing is downloaded at run time: a name that is no local directory or GGUF file is refused, named, before
+    transformers takes it for a Hub repository id."""
+    path = str(tmp_path / given) if given.startswith("missing") else given
+    with pytest.raises(ValueError, match=r"tokenizer must be a local checkpoint directory or \.gguf file, got "
+                                         rf"'{path}' \(neither exists\)"):
+        load_tokenizer(path)
+
+
+def test_a_directory_without_a_tokenizer_says_so(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=rf"{tmp_path} holds no tokenizer \(none of tokenizer.json, tokenizer.model, "
+                                         r"vocab.json\)"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_transformers_errors_name_the_checkpoint(tmp_path: Path) -> None:
+    """A tokenizer file transformers cannot read: its own message, with the directory it came from."""
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"the tokenizer in {tmp_path} could not be loaded: "):
+        load_tokenizer(str(tmp_path))
