@@ -144,3 +144,18 @@ def test_environment_values_are_converted_and_checked_item_by_item(monkeypatch: 
     assert build_parser().parse_args(["generate"]).stop == ["a", "b"]
     args = build_parser().parse_args(["up"])
     assert args.dtype == "bfloat16" and args.enable_chunked_prefill is False
+
+
+@pytest.mark.parametrize(("flag", "value", "reason"), [
+    ("--max-tokens", "-5", "must be in 0..4294967295, got -5"),
+    ("--sampling-seed", "-1", "must be in 0..18446744073709551615, got -1"),
+    ("--sampling-seed", "x", "not an integer: 'x'"),
+])
+def test_generate_refuses_what_its_request_cannot_hold(flag: str, value: str, reason: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before a connection is made, naming the flag (protobuf's own error said "Value out of range: -5")."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["generate", "--prompt", "hi", flag, value])
+    assert exited.value.code == 2
+    assert f"llmserve generate: error: argument {flag}: {reason}" in capsys.readouterr().err
+    assert build_parser().parse_args(["generate", flag, "0"]) is not None
