@@ -77,34 +77,26 @@ def _env_value(action: argparse.Action, name: str, value: str) -> object:
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no", "")
 
 
-def _unsigned(bits: int) -> Callable[[str], int]:
-    """An argparse type: an integer a protobuf uint32 / uint64 field holds (its own error says only "Value out of
-    range")."""
-    top = (1 << bits) - 1
+def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer in low..high, `what` naming it when the text is none."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not 0 <= value <= top:
-            raise argparse.ArgumentTypeError(f"must be in 0..{top}, got {value}")
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
         return value
 
-    parse.__name__ = f"uint{bits}"
     return parse
 
 
-def _port(text: str) -> int:
-    """A TCP port flag's value: 0..65535. Larger numbers are not refused by the sockets below: gRPC keeps the low 16
-    bits (`--port 99999` served on 34463 while `up` said 99999)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
-    return value
+# Larger ports are not refused by the sockets below: gRPC keeps the low 16 bits (`up --port 99999` served on 34463
+# while it said 99999).
+_port = _int_in(0, 65535, "a port number")
+# What the request's protobuf uint32 / uint64 fields hold (protobuf's own error says only "Value out of range").
+_uint32, _uint64 = _int_in(0, (1 << 32) - 1, "an integer"), _int_in(0, (1 << 64) - 1, "an integer")
 
 
 def _model_flag(p: argparse.ArgumentParser) -> None:
@@ -229,12 +221,12 @@ def _up_security_flags(p: argparse.ArgumentParser) -> None:
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=_unsigned(32), default=128,
+    g.add_argument("--max-tokens", type=_uint32, default=128,
                    help="tokens to generate at most (0 = up to the model's context length)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    g.add_argument("--sampling-seed", type=_unsigned(64), default=None, help="per-request seed")
+    g.add_argument("--sampling-seed", type=_uint64, default=None, help="per-request seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
 

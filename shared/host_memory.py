@@ -1,8 +1,8 @@
 """How much host memory this process may still take: the kernel's estimate, or less under a container's limit.
 
 A CPU worker allocates its KV cache (and every worker its swap space) in host memory at start-up. Allocated with
-``torch.zeros``, the pages are only reserved: a cache larger than the memory left passes that call and the worker is
-killed by the OOM killer later, once requests fill it. So the worker compares the cache's size with this first.
+``torch.zeros``, the pages are only reserved: a cache larger than the memory left can pass that call, and the worker
+is then killed by the OOM killer once requests fill it. So the worker compares the cache's size with this first.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ _NO_LIMIT_V1 = 1 << 60
 
 
 def available_bytes(root: Path = Path("/")) -> int | None:
-    """MemAvailable, lowered to a cgroup's limit minus its usage where that is smaller; None where neither is known
+    """MemAvailable, lowered to what a cgroup's limit leaves of it where that is smaller; None where neither is known
     (not Linux). ``root``: a directory laid out as ``/`` (tests)."""
     found = [value for value in (_meminfo_available(root), _cgroup_room(root)) if value is not None]
     return min(found) if found else None

@@ -113,13 +113,13 @@ def test_a_port_outside_0_to_65535_is_refused(flags: list[str], capsys: pytest.C
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert f"llmserve {flags[0]}: error: argument {flags[1]}: " in err
-    assert ("a port is 0..65535" if flags[2].lstrip("-").isdigit() else "not a port number: 'http'") in err
+    assert ("must be in 0..65535" if flags[2].lstrip("-").isdigit() else "not a port number: 'http'") in err
     assert build_parser().parse_args([flags[0], flags[1], "65535"])
 
 
 @pytest.mark.parametrize(("command", "variable", "value", "reason"), [
     ("scheduler", "LLMSERVE_MAX_NUM_SEQS", "abc", "not a valid int"),
-    ("scheduler", "LLMSERVE_PORT", "99999", "a port is 0..65535, got 99999"),
+    ("scheduler", "LLMSERVE_PORT", "99999", "must be in 0..65535, got 99999"),
     ("worker", "LLMSERVE_BLOCK_SIZE", "7", "expected one of 8, 16, 32"),
     ("scheduler", "LLMSERVE_ENABLE_PREFIX_CACHING", "ture", "expected 1/true/yes or 0/false/no (or empty)"),
 ])
