@@ -66,10 +66,8 @@ def test_up_stops_and_says_so_when_a_service_dies(tiny_llama_dir: Path, tmp_path
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 1, out
         assert "llmserve up: error: the worker exited with code -9" in out
-        deadline = time.monotonic() + 30  # stop() waits for each service; the reaping may lag a little
-        while [pid for pid in services if alive(pid)] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [pid for pid in services if alive(pid)] == []
+        # stop() waits for each service; the reaping may lag a little.
+        assert _gone_within(services, deadline_s=30) == []
 
 
 def _gone_within(pids: list[int], deadline_s: float) -> list[int]:

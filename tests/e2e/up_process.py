@@ -48,8 +48,8 @@ def _cmdline(pid: int) -> bytes:
 
 def alive(pid: int) -> bool:
     """Whether pid is still one of the cluster's processes (a pid may have been reused)."""
+    cmdline = _cmdline(pid)
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
     except OSError:
         return False
