@@ -176,12 +176,20 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.
     logprobs = (_non_negative(req.top_logprobs, "top_logprobs") or 0) if req.logprobs else None
     msg = _prompt_options(req, generation_pb2.GenerateRequest(
         request_id=request_id,
-        messages=[_chat_message(m, i) for i, m in enumerate(req.messages)],
+        messages=_chat_messages(req.messages),
         sampling=sampling_params(req, max_tokens, logprobs, req.prompt_logprobs),
     ))
     # The scheduler checks that the pair makes sense.
     msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message))
     return msg
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[generation_pb2.ChatMessage]:
+    # Checked here: an empty list would reach the scheduler as no prompt at all, whose message names
+    # Generate's fields (prompt, prompt_token_ids), not the HTTP request's.
+    if not messages:
+        raise invalid_request("messages must hold at least one message", "messages")
+    return [_chat_message(m, i) for i, m in enumerate(messages)]
 
 
 def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessage:
@@ -205,7 +213,7 @@ def tokenize_request(req: TokenizeRequest) -> generation_pb2.TokenizeRequest:
     if (req.prompt is None) == (req.messages is None):
         raise invalid_request("set exactly one of prompt or messages", "prompt")
     if req.messages is not None:
-        msg = generation_pb2.TokenizeRequest(messages=[_chat_message(m, i) for i, m in enumerate(req.messages)])
+        msg = generation_pb2.TokenizeRequest(messages=_chat_messages(req.messages))
         msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message))
     elif not req.add_generation_prompt or req.continue_final_message:
         field = "add_generation_prompt" if not req.add_generation_prompt else "continue_final_message"

@@ -243,10 +243,43 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
                                                None))
     if first.get("type") == INVALID_UNICODE:  # found by the top model: its loc is the body, ctx names the field
         return _error_response(invalid_request(str(first.get("msg")), (first.get("ctx") or {}).get("param")))
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    union = _union_branch(loc)
+    if union is not None:  # each of the union's forms failed: say which forms it takes, not the first one's complaint
+        forms = _union_forms(exc.errors(), loc[:union])
+        param = _param_path(loc[:union])
+        return _error_response(invalid_request(f"{param} must be {' or '.join(forms)}", param))
+    param = _param_path(loc) or None
     message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid request"))
+    if not loc and first.get("type") == "model_attributes_type":
+        message = "the request body must be a JSON object"
     return _error_response(invalid_request(message, param))
+
+
+def _param_path(loc: list) -> str:
+    """A location as the request writes it: messages[0].content."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _is_type_tag(part: object) -> bool:
+    # Pydantic names a union's branch in the location by its type (str, list[int], ContentPart); the request
+    # models' own fields are snake_case.
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list")
+                                      or part[:1].isupper())
+
+
+def _union_branch(loc: list) -> int | None:
+    return next((i for i, part in enumerate(loc) if i and _is_type_tag(part)), None)
+
+
+def _union_forms(errors: list, prefix: list) -> list[str]:
+    forms: list[str] = []
+    for error in errors:
+        loc = [p for p in error.get("loc", ()) if p != "body"]
+        if loc[:len(prefix)] == prefix and len(loc) > len(prefix) and _is_type_tag(loc[len(prefix)]):
+            if loc[len(prefix)] not in forms:
+                forms.append(loc[len(prefix)])
+    return forms
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -130,7 +130,7 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+            raise ValueError(f"top_k must be 0 or -1 (all tokens), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         bad_bias = {t: b for t, b in self.logit_bias.items() if t < 0 or not -100.0 <= b <= 100.0}
@@ -149,7 +149,7 @@ class SamplingParams:
         if self.top_p < 1.0:
             raise ValueError("top_p must be 1 when using beam search.")
         if self.top_k != 0:
-            raise ValueError("top_k must be -1 when using beam search.")
+            raise ValueError("top_k must be 0 or -1 (all tokens) when using beam search.")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False, or 'never', got {self.early_stopping}.")
         if not (-float("inf") < self.length_penalty < float("inf")):

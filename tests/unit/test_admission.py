@@ -221,7 +221,7 @@ def test_negative_temperature(admission: Admission) -> None:
 
 
 def test_top_k_below_minus_one(admission: Admission) -> None:
-    rejects(admission, make_request("hi", top_k=-2), "top_k must be -1 (disable), or at least 1, got -2")
+    rejects(admission, make_request("hi", top_k=-2), "top_k must be 0 or -1 (all tokens), or at least 1, got -2")
 
 
 def test_empty_stop_string(admission: Admission) -> None:
@@ -281,7 +281,7 @@ def test_logprobs_range(admission: Admission) -> None:
         (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5."),
         (dict(min_p=-0.5), "min_p must be in [0, 1], got -0.5."),
         (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
-        (dict(top_k=-3), "top_k must be -1 (disable), or at least 1, got -3."),
+        (dict(top_k=-3), "top_k must be 0 or -1 (all tokens), or at least 1, got -3."),
         (dict(temperature=-1.0), "temperature must be non-negative, got -1.0."),
         (dict(temperature=2.5), "temperature must be in [0, 2], got 2.5."),
         (dict(max_tokens=4, min_tokens=5), "min_tokens must be less than or equal to max_tokens=4, got 5."),

@@ -132,7 +132,7 @@ def test_beam_params_from_a_request() -> None:
         ({"use_beam_search": True, "best_of": 1, "temperature": 0.0}, "best_of must be greater than 1 when using beam search"),
         ({"use_beam_search": True, "best_of": 2, "temperature": 0.7}, "temperature must be 0 when using beam search"),
         ({"use_beam_search": True, "best_of": 2, "temperature": 0.0, "top_p": 0.5}, "top_p must be 1"),
-        ({"use_beam_search": True, "best_of": 2, "temperature": 0.0, "top_k": 5}, "top_k must be -1"),
+        ({"use_beam_search": True, "best_of": 2, "temperature": 0.0, "top_k": 5}, "top_k must be 0 or -1"),
         ({"use_beam_search": True, "best_of": 2, "temperature": 0.0, "early_stopping": "soon"}, "early_stopping must be"),
         ({"use_beam_search": True, "best_of": 2, "temperature": 0.0, "stop": ["x"]}, "stop strings are not supported"),
         ({"early_stopping": True}, "early_stopping is not effective"),

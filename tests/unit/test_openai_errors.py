@@ -67,7 +67,9 @@ def _post(path: str, body: object) -> httpx.Response:
         # A parameter the front does not serve is refused by name, never ignored.
         ("/v1/completions", {"model": "m", "prompt": "hi", "guided_whitespace_pattern": " *"}, 400,
          "guided_whitespace_pattern"),
-        ("/v1/chat/completions", {"model": "m", "messages": [], "priority": 1}, 400, "priority"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "priority": 1}, 400,
+         "priority"),
+        ("/v1/chat/completions", {"model": "m", "messages": []}, 400, "messages"),
         # Integers past their protobuf field: a 400 naming the parameter, never a 500.
         ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2**32}, 400, "max_tokens"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "top_k": 2**31}, 400, "top_k"),
@@ -75,7 +77,8 @@ def _post(path: str, body: object) -> httpx.Response:
         ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 2**32}, 400, "logprobs"),
         ("/v1/completions", {"model": "m", "prompt": [1, 2**32]}, 400, "prompt"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "stop_token_ids": [2**33]}, 400, "stop_token_ids"),
-        ("/v1/chat/completions", {"model": "m", "messages": [], "max_completion_tokens": 2**32}, 400,
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                 "max_completion_tokens": 2**32}, 400,
          "max_completion_tokens"),
     ],
 )
@@ -84,6 +87,28 @@ def test_app_errors_use_openais_format(path: str, body: dict, status: int, param
     assert reply.status_code == status
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("/v1/completions", {"model": "m", "prompt": ["hi", [1, 2]]}, "prompt",
+         "prompt must be str or list[str] or list[int] or list[list[int]]"),
+        ("/v1/completions", {"model": "m", "prompt": 3}, "prompt",
+         "prompt must be str or list[str] or list[int] or list[list[int]]"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+         "messages[0].content must be str or list[ContentPart]"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"content": "hi"}]}, "messages[0].role",
+         "messages[0].role: Field required"),
+        ("/v1/completions", [1, 2], None, "the request body must be a JSON object"),
+    ],
+)
+def test_a_malformed_field_is_named_as_the_request_writes_it(path: str, body: object, param: str | None,
+                                                             message: str) -> None:
+    reply = _post(path, body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert (error["param"], error["message"]) == (param, message), error
 
 
 def test_a_body_that_is_not_json_is_a_400_that_says_so() -> None:

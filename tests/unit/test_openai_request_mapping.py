@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from openai_api.errors import OpenAIError
-from openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from openai_api.request_mapping import chat_request, completion_requests
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from openai_api.request_mapping import chat_request, completion_requests, tokenize_request
 from shared.sampling_proto import sampling_from_proto
 
 
@@ -129,6 +129,7 @@ def test_chat_logprobs() -> None:
         (_completion, dict(structured_outputs={"regex": "a", "structural_tag": "{}"}),
          "structured_outputs.structural_tag"),
         (_chat, dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
+        (_chat, dict(messages=[]), "messages"),
     ],
 )
 def test_fields_the_front_rejects_are_400(build, fields: dict, param: str) -> None:
@@ -136,6 +137,13 @@ def test_fields_the_front_rejects_are_400(build, fields: dict, param: str) -> No
         build(**fields)
     assert info.value.status == 400 and info.value.param == param
     assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_tokenize_refuses_an_empty_message_list_as_chat_does() -> None:
+    with pytest.raises(OpenAIError) as info:
+        tokenize_request(TokenizeRequest(messages=[]))
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "at least one message" in info.value.body()["error"]["message"]
 
 
 def test_unknown_fields_are_accepted_and_named() -> None:
