@@ -100,23 +100,27 @@ def size_cache(
     return CacheSizing(num_gpu_blocks=num_gpu, num_cpu_blocks=swap_bytes // per_block)
 
 
-def check_host_memory(sizing: CacheSizing, per_block: int, cache_on_host: bool, available: int | None) -> None:
+def check_host_memory(sizing: CacheSizing, per_block: int, cache_on_host: bool, available: int | None,
+                      ranks: int = 1) -> None:
     """CacheSizeError when the blocks kept in host memory (a CPU worker's cache, any worker's swap space) are more
     than the host has left (``available``: shared/host_memory.py, None: unknown), measured after the model loaded.
 
     The cache is allocated as reserved pages that are only backed as requests fill them: too large a cache would
-    start, and the worker would be killed by the OOM killer under load instead of refusing to start.
+    start, and the worker would be killed by the OOM killer under load instead of refusing to start. For the same
+    reason the ``ranks`` of a tensor-parallel worker (processes of one host, each with its own shard of every block)
+    do not see each other's caches in ``available``: each counts all of them.
     """
     blocks = sizing.num_cpu_blocks + (sizing.num_gpu_blocks if cache_on_host else 0)
-    if available is None or blocks * per_block <= available:
+    if available is None or blocks * per_block * ranks <= available:
         return
     parts = ([f"the cache {sizing.num_gpu_blocks * per_block / _GIB:.2f} GiB"] if cache_on_host else []) + (
         [f"the swap space {sizing.num_cpu_blocks * per_block / _GIB:.2f} GiB"] if sizing.num_cpu_blocks else [])
     flags = (["--kv-cache-memory"] if cache_on_host else []) + (["--swap-space"] if sizing.num_cpu_blocks else [])
+    each = f" on each of {ranks} tensor-parallel ranks" if ranks > 1 else ""
     raise CacheSizeError(
-        f"the KV cache needs {blocks * per_block / _GIB:.2f} GiB of host memory ({' and '.join(parts)}) but only "
-        f"{available / _GIB:.2f} GiB is available with the model loaded (the machine's, or its container's limit): "
-        f"lower {' or '.join(flags)}"
+        f"the KV cache needs {blocks * per_block * ranks / _GIB:.2f} GiB of host memory ({' and '.join(parts)}{each}) "
+        f"but only {available / _GIB:.2f} GiB is available with the model loaded (the machine's, or its container's "
+        f"limit): lower {' or '.join(flags)}"
     )
 
 

@@ -147,7 +147,7 @@ class ModelRunner:
             config.swap_space_bytes, max_len, config.num_gpu_blocks_override, memory_flag,
         )
         check_host_memory(sizing, block_bytes(self.cache_shape, config.block_size, self.dtype),
-                          cache_on_host=self.device.type == "cpu", available=available_bytes())
+                          cache_on_host=self.device.type == "cpu", available=available_bytes(), ranks=tp_size)
         if tp is not None:
             # Block tables are shared by all shards: each holds the fewest blocks any GPU has room for.
             sizing = CacheSizing(tp.min_over_ranks(sizing.num_gpu_blocks), tp.min_over_ranks(sizing.num_cpu_blocks))

@@ -78,3 +78,14 @@ def test_a_gpu_worker_counts_only_its_swap_space() -> None:
     with pytest.raises(CacheSizeError, match=r"needs 2.00 GiB of host memory \(the swap space 2.00 GiB\) .* lower "
                                              r"--swap-space$"):
         check_host_memory(sizing, 1 << 20, cache_on_host=False, available=GIB)
+
+
+def test_tensor_parallel_ranks_on_one_host_count_each_others_caches() -> None:
+    # Each rank's pages are reserved, not backed: the memory left does not show the other ranks' caches.
+    sizing = CacheSizing(num_gpu_blocks=1024, num_cpu_blocks=0)  # 1 MiB blocks: 1 GiB a rank
+    check_host_memory(sizing, 1 << 20, cache_on_host=True, available=3 * GIB, ranks=2)
+    with pytest.raises(CacheSizeError) as info:
+        check_host_memory(sizing, 1 << 20, cache_on_host=True, available=3 * GIB, ranks=4)
+    assert str(info.value).startswith(
+        "the KV cache needs 4.00 GiB of host memory (the cache 1.00 GiB on each of 4 tensor-parallel ranks) but only "
+        "3.00 GiB is available")
