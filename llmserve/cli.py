@@ -8,12 +8,13 @@ a flag given on the command line wins.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from llmserve import security_flags as sec
 from shared import defaults
@@ -46,6 +47,36 @@ class BadEnvValue:
 
     def __repr__(self) -> str:  # --help's %(default)s
         return f"<{self.message}>"
+
+
+# LLMSERVE_* variables that are not flags: secrets kept out of argv, the model cache, and the test suite's settings
+# (which reach the services its tests start).
+_OTHER_VARIABLES = (sec.AUTH_TOKEN_ENV, sec.REDIS_PASSWORD_ENV, sec.API_KEY_ENV, "LLMSERVE_CACHE",
+                    "LLMSERVE_HYPOTHESIS", "LLMSERVE_FAULT_TABLE", "LLMSERVE_SOAK_SECONDS", "LLMSERVE_SOAK_REPORT",
+                    "LLMSERVE_TOKENIZER_DIR")
+
+
+def unknown_env_names(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:
+    """Warnings for the LLMSERVE_* variables that no flag of any command reads, with the likeliest meant name.
+
+    A misspelt key in a ConfigMap would otherwise be ignored without a word and its flag left at its default.
+    Variables of the other commands' flags are not named: one ConfigMap often serves several commands.
+    """
+    known = set(_OTHER_VARIABLES)
+    parsers = [parser]
+    while parsers:
+        for action in parsers.pop()._actions:  # noqa: SLF001 - argparse has no public iterator over actions
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+                parsers.extend(action.choices.values())
+            elif action.option_strings:
+                known.add(ENV_PREFIX + action.dest.upper())
+    warnings = []
+    for name in sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known):
+        # Matched without the prefix, which every name shares.
+        near = difflib.get_close_matches(name[len(ENV_PREFIX):], sorted(k[len(ENV_PREFIX):] for k in known), n=1)
+        hint = f" (did you mean {ENV_PREFIX}{near[0]}?)" if near else ""
+        warnings.append(f"{name} is set but no llmserve flag reads it{hint}; it is ignored")
+    return warnings
 
 
 def bad_env_values(args: argparse.Namespace) -> list[str]:
@@ -640,10 +671,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return _cmd_bench(argv[1:])
     started_at = time.monotonic()  # a service's start-up line counts from here
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if bad := bad_env_values(args):
         print(f"llmserve {args.command}: error: {bad[0]}", file=sys.stderr)
         return 2
+    for warning in unknown_env_names(parser, os.environ):
+        print(f"llmserve {args.command}: warning: {warning}", file=sys.stderr)
     args.started_at = started_at
     from shared.logging_setup import setup_logging  # noqa: PLC0415
 

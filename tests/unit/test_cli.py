@@ -6,7 +6,15 @@ import socket
 
 import pytest
 
-from llmserve.cli import _SCHEDULER_PASS, _WORKER_PASS, _passthrough, bad_env_values, build_parser, main
+from llmserve.cli import (
+    _SCHEDULER_PASS,
+    _WORKER_PASS,
+    _passthrough,
+    bad_env_values,
+    build_parser,
+    main,
+    unknown_env_names,
+)
 
 
 def test_every_command_is_there() -> None:
@@ -144,6 +152,34 @@ def test_environment_values_are_converted_and_checked_item_by_item(monkeypatch: 
     assert build_parser().parse_args(["generate"]).stop == ["a", "b"]
     args = build_parser().parse_args(["up"])
     assert args.dtype == "bfloat16" and args.enable_chunked_prefill is False
+
+
+def test_a_variable_no_flag_reads_is_named_with_the_likeliest_meant_one() -> None:
+    environ = {
+        "LLMSERVE_MAX_NUM_SEQ": "8",  # a ConfigMap typo: --max-num-seqs stays at its default
+        "LLMSERVE_COLOUR": "blue",  # nothing like it
+        "LLMSERVE_DEVICE": "cpu",  # a worker's flag: one ConfigMap may serve every command
+        "LLMSERVE_CACHE": "/cache",  # not a flag, read by the model preparation
+        "LLMSERVE_AUTH_TOKEN": "t",  # a secret kept out of argv
+        "OTHER_MAX_NUM_SEQ": "1",
+    }
+    assert unknown_env_names(build_parser(), environ) == [
+        "LLMSERVE_COLOUR is set but no llmserve flag reads it; it is ignored",
+        "LLMSERVE_MAX_NUM_SEQ is set but no llmserve flag reads it (did you mean LLMSERVE_MAX_NUM_SEQS?); it is ignored",
+    ]
+
+
+def test_every_command_warns_of_an_unknown_variable_and_goes_on(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("LLMSERVE_REDISURL", "redis://elsewhere")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        rc = main(["generate", "--address", f"127.0.0.1:{taken.getsockname()[1]}", "--prompt", "hi",
+                   "--connect-timeout", "0.5"])
+    assert rc == 1  # it ran: no scheduler there, as in the test above
+    err = capsys.readouterr().err
+    assert ("llmserve generate: warning: LLMSERVE_REDISURL is set but no llmserve flag reads it (did you mean "
+            "LLMSERVE_REDIS_URL?); it is ignored") in err
 
 
 @pytest.mark.parametrize(("flag", "value", "reason"), [
