@@ -26,6 +26,7 @@ async def chat_chunks(
     req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer
 ) -> AsyncIterator[dict[str, Any]]:
     """A role chunk per choice, then one chunk per engine response with progress, then usage if asked."""
+    header.count(len(prompt.token_ids), 0)
     yield header.chunk([
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         for i in range(req.n)
@@ -37,6 +38,7 @@ async def chat_chunks(
             reason = finish_reason(delta)
             if not (delta.text or delta.token_ids or reason):
                 continue
+            header.count(0, len(delta.token_ids))
             logprobs = chat_logprobs(namer, list(delta.token_ids), list(delta.logprobs)) if req.logprobs else None
             choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
                       "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason_of(delta)}

@@ -30,6 +30,7 @@ async def completion_chunks(
 ) -> AsyncIterator[dict[str, Any]]:
     """One chunk per engine response with progress; a usage chunk last when include_usage is set."""
     usage = Usage()
+    header.count(sum(len(prompt.token_ids) for prompt in prompts), 0)
     # Per choice: characters of text sent so far (logprobs' text_offset); a choice in it has had its first chunk.
     offsets: dict[int, int] = defaultdict(int)
     async for prompt_index, msg in merge(streams):
@@ -39,6 +40,7 @@ async def completion_chunks(
             reason = finish_reason(delta)
             if not (delta.text or delta.token_ids or reason):
                 continue
+            header.count(0, len(delta.token_ids))
             prompt = None if index in offsets else prompts[prompt_index]
             choice = _choice(req, namer, index, prompt, delta.text, list(delta.token_ids), list(delta.logprobs),
                              offsets[index])

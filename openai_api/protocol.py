@@ -74,9 +74,11 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    """`stream_options`: include_usage adds a last chunk with usage and no choices."""
+    """`stream_options`: include_usage adds a last chunk with usage and no choices; with it, vLLM's
+    continuous_usage_stats also gives every other chunk the counts so far."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class StructuredOutputsRequest(OpenAIBaseModel):

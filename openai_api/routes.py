@@ -83,6 +83,9 @@ def _model_name(state: FrontState, req: SamplingRequest | TokenizeRequest | Deto
 def _reject_unknown(req: OpenAIBaseModel) -> None:
     """A field the front does not serve is a 400 naming it: ignoring it would answer a different request."""
     unknown = req.unknown_fields()
+    stream_options = getattr(req, "stream_options", None)
+    if stream_options is not None:
+        unknown += [f"stream_options.{name}" for name in stream_options.unknown_fields()]
     if unknown:
         raise invalid_request(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
 
@@ -133,7 +136,8 @@ def _trace_metadata(request: Request) -> tuple[tuple[str, str], ...]:
 
 def _header(request_id: str, model: str, obj: str, req: SamplingRequest) -> ChunkHeader:
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    return ChunkHeader(request_id, int(time.time()), model, obj, include_usage)
+    continuous = include_usage and req.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    return ChunkHeader(request_id, int(time.time()), model, obj, include_usage, continuous)
 
 
 async def create_completion(req: CompletionRequest, request: Request) -> Response:

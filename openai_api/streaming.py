@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from openai_api.errors import OpenAIError
+from openai_api.protocol import Usage
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +47,29 @@ async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str
 class ChunkHeader:
     """The fields every chunk (and the full response) of one request repeats."""
 
-    def __init__(self, request_id: str, created: int, model: str, obj: str, include_usage: bool) -> None:
+    def __init__(self, request_id: str, created: int, model: str, obj: str, include_usage: bool,
+                 continuous_usage: bool = False) -> None:
         self.request_id = request_id
         self.created = created
         self.model = model
         self.object = obj
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self._so_far = Usage()
+
+    def count(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Adds tokens to the counts continuous_usage reports (the prompts once, then each chunk's tokens)."""
+        self._so_far.add(prompt_tokens, completion_tokens)
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A chunk; with include_usage every chunk has a `usage` key, null but in the last one. `extra`: more
-        top-level fields (vLLM's prompt_token_ids in a chat stream's first chunk)."""
+        """A chunk; with include_usage every chunk has a `usage` key, null but in the last one (and where
+        continuous_usage gives the counts so far). `extra`: more top-level fields (vLLM's prompt_token_ids in a
+        chat stream's first chunk)."""
         out: dict[str, Any] = {
             "id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
             "choices": choices, **(extra or {}),
         }
         if self.include_usage:
-            out["usage"] = usage
+            out["usage"] = self._so_far.model_dump() if usage is None and self.continuous_usage else usage
         return out

@@ -62,6 +62,9 @@ def _post(path: str, body: object) -> httpx.Response:
         ("/v1/completions", {"model": "m"}, 400, "prompt"),  # missing field: 400, not FastAPI's 422
         ("/v1/completions", {"model": "m", "prompt": "hi", "n": "two"}, 400, "n"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
+        # Inside stream_options as at the top: refused by name, not ignored.
+        ("/v1/completions", {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usge": True}}, 400,
+         "stream_options.include_usge"),
         ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": "other", "messages": []}, 404, "model"),
         # A parameter the front does not serve is refused by name, never ignored.

@@ -159,3 +159,21 @@ def test_without_the_fields_responses_have_none_of_the_keys() -> None:
     assert set(body["choices"][0]) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
     body, _ = _post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert "prompt_logprobs" not in body and "prompt_token_ids" not in body and "token_ids" not in body["choices"][0]
+
+
+def test_continuous_usage_stats_gives_every_chunk_the_counts_so_far() -> None:
+    # vLLM's stream option: the prompt's tokens from the first chunk, the generated ones as they come.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks, _ = _post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": options})
+    assert [c["usage"] for c in chunks] == [
+        {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},  # the last, choices empty: the engine's count
+    ]
+    chunks, _ = _post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                               "stream_options": options})
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 2] and chunks[0]["usage"]["prompt_tokens"] == 3
+    # Without it only the last chunk counts, as OpenAI's include_usage.
+    chunks, _ = _post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True,
+                                          "stream_options": {"include_usage": True}})
+    assert [c["usage"] is None for c in chunks] == [True, True, False]
