@@ -88,6 +88,13 @@ def test_completion_with_usage_logprobs_and_batch(client: "openai.OpenAI") -> No
     assert [c.index for c in out.choices] == [0, 1]
     assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 10
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    # The same batch streamed with vLLM's continuous usage: each chunk's counts so far, the last the engine's.
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=[[5, 6, 7, 8], [9, 10, 11]], max_tokens=5, temperature=0.0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == 7 for c in chunks) and counts == sorted(counts) and counts[-1] == 10
+    assert counts[-2] == 10 and chunks[-1].choices == []  # the last choices' chunk had counted every token
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     # The two most likely tokens, and the sampled one where it is not among them (OpenAI's "up to logprobs+1").
