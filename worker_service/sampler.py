@@ -158,7 +158,11 @@ def _constrain(
     if early:
         rows = torch.tensor(early, device=logits.device)
         stops = [[*eos_token_ids, *params[i].stop_token_ids] for i in early]
-        logits[rows] = mask_tokens(logits[rows], stops)
+        masked = mask_tokens(logits[rows], stops)  # indexing by a tensor copies the rows
+        # Where allowed_token_ids (or bad words) left only stop tokens, min_tokens gives way, as it does to a
+        # grammar (apply_grammar): a row with every token masked would emit token 0, which the request excludes.
+        kept = ~torch.isneginf(masked.amax(dim=-1))
+        logits[rows[kept]] = masked[kept]
     if penalized:
         rows = torch.tensor(penalized, device=logits.device)
         vocab, device = logits.shape[-1], logits.device

@@ -373,6 +373,19 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
     assert not {eos, 3} & set(random_rows.token_ids)
 
 
+def test_min_tokens_gives_way_where_the_allowed_tokens_are_all_stop_tokens() -> None:
+    # Masking them would leave the row nothing and emit token 0, outside allowed_token_ids; as with a grammar
+    # (below), the hard constraint wins and the request may end before min_tokens.
+    eos = ARGMAX
+    only_stops = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5], allowed_token_ids=[5, eos])
+    one_left = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5], allowed_token_ids=[5, 6])
+    out = sample(LOGITS.unsqueeze(0).repeat(2, 1), [only_stops, one_left], at([0, 0]), eos_token_ids=[eos])
+    assert out.token_ids == [eos, 6]
+    drawn = sample(LOGITS.unsqueeze(0).repeat(500, 1), [SamplingParams(min_tokens=2, allowed_token_ids=[5])] * 500,
+                   at([0] * 500), eos_token_ids=[5])
+    assert set(drawn.token_ids) == {5}
+
+
 def test_seeded_rows_with_every_knob_match_alone_and_in_a_mixed_batch() -> None:
     logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(11))
     histories = [History(list(range(i, i + 9)), 4) for i in range(6)]
