@@ -459,6 +459,11 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space(admission: Adm
     assert got.sampling.bad_words_token_ids == expected and len(expected) > 2
     assert sampling_from_proto(to_record(got, [1], "w", 0.0).sampling) == got.sampling
     rejects(admission, make_request(prompt_token_ids=[5], bad_words=["  "]), "bad_words must be non-empty")
+    hello = tokenizer("hello", add_special_tokens=False).input_ids
+    assert len(hello) == 1  # one token: masked wherever it would come
+    rejects(admission, make_request(prompt_token_ids=[5], bad_words=["hello"], allowed_token_ids=hello),
+            "every id in allowed_token_ids is a bad word")
+    assert admission.admit(make_request(prompt_token_ids=[5], bad_words=["hello"], allowed_token_ids=[*hello, 9]))
     sent = make_request(prompt_token_ids=[5])
     sent.sampling.bad_words_token_ids.add(ids=[3])
     rejects(admission, sent, "bad_words_token_ids is set by the scheduler")
