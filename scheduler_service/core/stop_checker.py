@@ -52,24 +52,28 @@ def check_stop(
     produced. Rules in priority order: EOS (unless ignore_eos) and stop_token_ids, whose text is dropped; stop
     strings, cutting the text just before the match; max_tokens and max_model_len, as FINISHED_LENGTH. With
     include_stop_str_in_output the stop token's text stays and a stop string is cut after its end instead.
-    Before min_tokens outputs only the length limits apply (as vLLM).
+    Before min_tokens outputs stop strings wait (as vLLM) and only a stop token can end the output: the worker masks
+    EOS and stop_token_ids until then, so one sampled earlier means a hard constraint (a finished grammar, or
+    allowed_token_ids holding only stop tokens) left it nothing else; min_tokens cannot be met, and every further
+    token would be that one again.
     """
     if not seq.output_token_ids:
         raise ValueError(f"seq {seq.seq_id} has no output token to check.")
     if not 0 <= num_new_chars <= len(output_text):
         raise ValueError(f"num_new_chars must be in [0, {len(output_text)}], got {num_new_chars}.")
     num_outputs = len(seq.output_token_ids)
-    if num_outputs >= params.min_tokens:
-        decision = _check_stop_tokens_and_strings(seq.last_token_id, params, output_text, num_new_chars, eos_token_id)
-        if decision is not None:
-            return decision
+    decision = _check_stop_tokens_and_strings(seq.last_token_id, params, output_text, num_new_chars, eos_token_id,
+                                              strings=num_outputs >= params.min_tokens)
+    if decision is not None:
+        return decision
     if (params.max_tokens is not None and num_outputs >= params.max_tokens) or seq.num_tokens >= max_model_len:
         return StopDecision(True, SequenceStatus.FINISHED_LENGTH)
     return CONTINUE
 
 
 def _check_stop_tokens_and_strings(
-    token_id: int, params: SamplingParams, output_text: str, num_new_chars: int, eos_token_id: int | None
+    token_id: int, params: SamplingParams, output_text: str, num_new_chars: int, eos_token_id: int | None,
+    strings: bool = True,
 ) -> StopDecision | None:
     keep = params.include_stop_str_in_output
     # The text this token produced (if any) is not part of the answer, unless asked for.
@@ -78,7 +82,7 @@ def _check_stop_tokens_and_strings(
         return StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, drop_new_text)
     if token_id in params.stop_token_ids:
         return StopDecision(True, SequenceStatus.FINISHED_STOPPED, token_id, drop_new_text)
-    match = find_stop_string(output_text, num_new_chars, params.stop)
+    match = find_stop_string(output_text, num_new_chars, params.stop) if strings else None
     if match is None:
         return None
     stop_str, index = match

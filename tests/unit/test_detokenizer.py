@@ -280,15 +280,22 @@ def test_max_tokens_and_max_model_len(tokenizer, prompt_ids: list[int]) -> None:
     assert run.seq.num_tokens == len(prompt_ids) + 2 and run.text == "one two"
 
 
-def test_min_tokens_ignores_eos_stop_tokens_and_stop_strings_until_reached(tokenizer, prompt_ids: list[int]) -> None:
+def test_min_tokens_holds_back_stop_strings_until_reached(tokenizer, prompt_ids: list[int]) -> None:
     ids = encode(tokenizer, "one two three four five six")
     eos = tokenizer.eos_token_id
-    params = SamplingParams(max_tokens=100, min_tokens=3, stop=["one"], stop_token_ids=[ids[1]])
-    # Output 1 holds the stop string, output 2 is a stop token, output 3 EOS: all too early but the last...
+    params = SamplingParams(max_tokens=100, min_tokens=3, stop=["one"])
+    # Output 1 holds the stop string, too early; EOS as third output ends the sequence (3 outputs exist).
     run = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], eos, ids[2]], params)
-    # ...and EOS as third output ends the sequence (min_tokens = 3 outputs exist).
     assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, None)
     assert run.text == run.streamed == "one two"
+    # A stop token before min_tokens ends it: the worker masks them until then, so one sampled earlier was all a
+    # hard constraint (a finished grammar, allowed_token_ids of stop tokens only) left, and would come again.
+    run = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], ids[2]], SamplingParams(
+        max_tokens=100, min_tokens=3, stop_token_ids=[ids[1]]))
+    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, ids[1], len("one"))  # its text dropped
+    assert run.text == run.streamed == "one"
+    run = run_engine(tokenizer, prompt_ids, [ids[0], eos, ids[2]], SamplingParams(max_tokens=100, min_tokens=3))
+    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, None) and run.text == "one"
     # Without min_tokens the stop string ends it at once.
     early = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], eos], SamplingParams(max_tokens=100, stop=["one"]))
     assert early.decision.reason == "one" and early.text == ""
