@@ -74,6 +74,11 @@ def test_every_spelling_through_the_openai_client(cluster: LocalCluster) -> None
         grammar = client.completions.create(model=MODEL_NAME, prompt="Is the sky blue?", max_tokens=20,
                                             temperature=0.0, extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
         assert grammar.choices[0].text in ("yes", "no")
+        # min_tokens beyond where the grammar ends: the grammar allows only EOS, which ends the output there.
+        short = client.completions.create(model=MODEL_NAME, prompt="Is the sky blue?", max_tokens=20,
+                                          temperature=0.0, extra_body={"guided_choice": ["yes"], "min_tokens": 10})
+        assert short.choices[0].text == "yes" and short.choices[0].finish_reason == "stop"
+        assert short.usage.completion_tokens < 10  # "yes" and the EOS, not EOS again until min_tokens
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL_NAME, prompt="x", extra_body={"guided_regex": "[0-9"})
         assert "structured_outputs.regex is not valid" in str(info.value)
