@@ -352,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, longest wait for the responses in flight to finish (new connections are "
                         "refused meanwhile); those still open then are cut")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no log line per HTTP request (vLLM's flag); errors are still logged")
     p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
                    help="Prometheus endpoint of the engine (a scheduler's or worker's --metrics-port, e.g. "
                         "http://127.0.0.1:9090/metrics) whose series /metrics serves after the front's own, as "
@@ -631,7 +633,8 @@ def _cmd_openai(args: argparse.Namespace) -> int:
                       served_model_names=args.served_model_name, tokenizer=args.tokenizer,
                       scheduler_tls=sec.client_tls_from(args), auth_token=sec.auth_token_from(args),
                       api_key=sec.api_key_from(args), engine_metrics=args.engine_metrics,
-                      drain_timeout_s=args.drain_timeout), args.log_level)
+                      drain_timeout_s=args.drain_timeout, access_log=not args.disable_uvicorn_access_log),
+          args.log_level)
     return 0
 
 

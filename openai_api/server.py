@@ -37,6 +37,7 @@ class FrontConfig:
     drain_timeout_s: on SIGTERM the front stops accepting connections and lets the responses in flight finish
         for up to this long, then cuts them (their requests are aborted): a rolling update of the front ends no
         stream shorter than this.
+    access_log: a line per HTTP request (uvicorn's access log), as vLLM's API server logs them.
     """
 
     scheduler: str
@@ -49,6 +50,7 @@ class FrontConfig:
     api_key: str = field(default="", repr=False)
     engine_metrics: list[str] = field(default_factory=list)
     drain_timeout_s: float = 30.0
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         if not self.scheduler:
@@ -91,7 +93,9 @@ def make_app(config: FrontConfig) -> FastAPI:
 def serve(config: FrontConfig, log_level: str = "info") -> None:
     """Serves until SIGINT / SIGTERM (uvicorn handles both); BindError when the port cannot be listened on."""
     sock = listen_socket(config.host, config.port, "OpenAI front", "--port (`llmserve up`: --http-port)")
+    # log_config=None: uvicorn's loggers go to the root handler in the format every llmserve process logs in
+    # (shared/logging_setup.py), not to handlers of uvicorn's own format.
     server = uvicorn.Server(uvicorn.Config(make_app(config), host=config.host, port=config.port,
-                                           log_level=log_level.lower(),
+                                           log_level=log_level.lower(), log_config=None, access_log=config.access_log,
                                            timeout_graceful_shutdown=config.drain_timeout_s))
     server.run(sockets=[sock])

@@ -28,3 +28,21 @@ def test_served_model_name_defaults() -> None:
     assert FrontConfig(scheduler="s:1").served_model_names == ["llmserve"]
     with pytest.raises(ValueError, match="port must be in"):
         FrontConfig(scheduler="s:1", port=70000)
+
+
+def test_the_access_log_can_be_turned_off_and_logs_in_the_services_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmserve import cli
+    from openai_api import server
+
+    configs = []
+    monkeypatch.setattr(server.uvicorn, "Server", lambda config: configs.append(config) or _NoServer())
+    for flags, access_log in (([], True), (["--disable-uvicorn-access-log"], False)):
+        assert cli.main(["openai", "--host", "127.0.0.1", "--port", "0", *flags]) == 0
+        # uvicorn's own handlers and format left out: its records reach the root logger's single format.
+        assert configs[-1].access_log is access_log and configs[-1].log_config is None
+
+
+class _NoServer:
+    def run(self, sockets: list) -> None:
+        for sock in sockets:
+            sock.close()
