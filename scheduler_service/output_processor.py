@@ -112,6 +112,7 @@ class OutputProcessor:
         group = self._scheduler.abort_request(request_id)
         if group is not None:
             self._finish_request(group, commit, error="")
+            commit.aborted_requests.append(request_id)
         return group is not None
 
     def requeue(self, group: SequenceGroup, commit: StepCommit, message: str) -> None:

@@ -73,9 +73,13 @@ def queue_step_writes(pipe: Pipeline, c: StepCommit, output_ttl_s: int) -> None:
         pipe.hset(keys.request(request_id), mapping={f"cum:{s}": repr(v) for s, v in cumulative.items()})
     for request_id, seqs in c.finished_seqs.items():
         pipe.hset(keys.request(request_id), mapping={f"finished:{s}": status for s, status in seqs.items()})
+    aborted = set(c.aborted_requests)
     for request_id in c.finished_requests:
-        pipe.expire(keys.output_stream(request_id), output_ttl_s)
-        pipe.expire(keys.digest(request_id), output_ttl_s)  # re-sends attach while the stream is kept
+        pipe.expire(keys.output_stream(request_id), output_ttl_s)  # Resume reads it while kept
+        if request_id in aborted:
+            pipe.delete(keys.digest(request_id))
+        else:
+            pipe.expire(keys.digest(request_id), output_ttl_s)  # re-sends attach while the stream is kept
         pipe.delete(keys.request(request_id))
         pipe.srem(keys.live(w), request_id)
     for record, target in c.handed_over:

@@ -110,6 +110,9 @@ class StepCommit:
     # the memory each generated token keeps in Redis.
     outputs: list[tuple[str, generation_pb2.GenerateResponse]] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
+    # Those of finished_requests that ended by an abort (their caller left, or Abort): their digest goes, so that
+    # the same request sent again runs afresh instead of replaying the cut-off stream.
+    aborted_requests: list[str] = field(default_factory=list)
     # Requests that entered the running or swapped queue since the last snapshot (the admission queue
     # count drops them).
     newly_scheduled: list[str] = field(default_factory=list)

@@ -289,6 +289,14 @@ def test_the_same_request_twice_is_one_generation_with_two_identical_streams(clu
         assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert "already in use" in info.value.details()
         live.cancel()
+        # Its call cancelled, the request is aborted (Resume waits for its end); sent again, it runs afresh:
+        # the caller wants an answer, not the stream that was cut off.
+        cut = list(client.resume("idem-4", from_index=0, timeout=60))
+        assert cut[-1].outputs[0].finish_reason == common_pb2.FINISH_REASON_ABORT
+        again = list(client.stream(greedy("idem-4", 300), timeout=120))
+        assert_one_whole_stream(again)
+        assert again[-1].outputs[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert again[-1].usage.completion_tokens == 300
 
         with pytest.raises(grpc.RpcError) as info:
             list(client.resume("never-was", from_index=0, timeout=30))

@@ -134,6 +134,22 @@ def test_server_chosen_ids_store_no_digest_and_never_attach(url: str, plain) -> 
     run(url, body)
 
 
+def test_the_same_request_after_an_abort_runs_afresh(url: str, plain) -> None:
+    # Its caller left (or aborted it): sent again, the caller wants an answer, not the stream that was cut off.
+    async def body(store: RedisStore) -> None:
+        await store.admit(record("cut", seq_ids=[1]), digest="d")
+        assert [r.seq_ids for r in (await store.commit(StepCommit(W))).admitted] == [[1]]
+        aborted = response("cut", "", [], common_pb2.FINISH_REASON_ABORT)
+        await store.commit(StepCommit(W, outputs=[("cut", aborted)], finished_requests=["cut"],
+                                      aborted_requests=["cut"]))
+        assert plain.exists(keys.digest("cut")) == 0 and plain.xlen(keys.output_stream("cut")) == 1  # Resume reads it
+        assert await store.admit(record("cut", seq_ids=[2]), digest="d") is AdmitOutcome.ADMITTED
+        assert plain.exists(keys.output_stream("cut")) == 0 and plain.get(keys.digest("cut")) == "d"
+        assert [r.seq_ids for r in (await store.commit(StepCommit(W))).admitted] == [[2]]
+
+    run(url, body)
+
+
 def test_a_kept_digest_without_its_stream_admits_afresh(url: str, plain) -> None:
     async def body(store: RedisStore) -> None:
         await store.admit(record("x"), digest="d")
