@@ -52,20 +52,24 @@ def check_stop(
     produced. Rules in priority order: EOS (unless ignore_eos) and stop_token_ids, whose text is dropped; stop
     strings, cutting the text just before the match; max_tokens and max_model_len, as FINISHED_LENGTH. With
     include_stop_str_in_output the stop token's text stays and a stop string is cut after its end instead.
-    Before min_tokens outputs stop strings wait (as vLLM) and only a stop token can end the output: the worker masks
-    EOS and stop_token_ids until then, so one sampled earlier means a hard constraint (a finished grammar, or
-    allowed_token_ids holding only stop tokens) left it nothing else; min_tokens cannot be met, and every further
-    token would be that one again.
+    Before min_tokens outputs only the length limits apply (as vLLM), except for a request with a hard constraint
+    (structured outputs, allowed_token_ids): the worker masks EOS and stop_token_ids until min_tokens, so a stop
+    token it sampled earlier is all the constraint left (a finished grammar, allowed ids that are all stop tokens);
+    min_tokens cannot be met, and every further token would be that one again, so it ends the output.
     """
     if not seq.output_token_ids:
         raise ValueError(f"seq {seq.seq_id} has no output token to check.")
     if not 0 <= num_new_chars <= len(output_text):
         raise ValueError(f"num_new_chars must be in [0, {len(output_text)}], got {num_new_chars}.")
     num_outputs = len(seq.output_token_ids)
-    decision = _check_stop_tokens_and_strings(seq.last_token_id, params, output_text, num_new_chars, eos_token_id,
-                                              strings=num_outputs >= params.min_tokens)
-    if decision is not None:
-        return decision
+    # Only the constraints can override the worker's min_tokens mask; elsewhere an early EOS would be one the worker
+    # does not mask (a tokenizer's EOS missing from the generation config's), and the output goes on.
+    constrained = params.structured_outputs is not None or bool(params.allowed_token_ids)
+    if num_outputs >= params.min_tokens or constrained:
+        decision = _check_stop_tokens_and_strings(seq.last_token_id, params, output_text, num_new_chars,
+                                                  eos_token_id, strings=num_outputs >= params.min_tokens)
+        if decision is not None:
+            return decision
     if (params.max_tokens is not None and num_outputs >= params.max_tokens) or seq.num_tokens >= max_model_len:
         return StopDecision(True, SequenceStatus.FINISHED_LENGTH)
     return CONTINUE

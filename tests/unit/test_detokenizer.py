@@ -280,28 +280,34 @@ def test_max_tokens_and_max_model_len(tokenizer, prompt_ids: list[int]) -> None:
     assert run.seq.num_tokens == len(prompt_ids) + 2 and run.text == "one two"
 
 
-def test_min_tokens_holds_back_stop_strings_until_reached(tokenizer, prompt_ids: list[int]) -> None:
+def test_min_tokens_ignores_eos_stop_tokens_and_stop_strings_until_reached(tokenizer, prompt_ids: list[int]) -> None:
     ids = encode(tokenizer, "one two three four five six")
     eos = tokenizer.eos_token_id
-    params = SamplingParams(max_tokens=100, min_tokens=3, stop=["one"])
-    # Output 1 holds the stop string, too early; EOS as third output ends the sequence (3 outputs exist).
+    params = SamplingParams(max_tokens=100, min_tokens=3, stop=["one"], stop_token_ids=[ids[1]])
+    # Output 1 holds the stop string, output 2 is a stop token, output 3 EOS: all too early but the last...
     run = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], eos, ids[2]], params)
+    # ...and EOS as third output ends the sequence (min_tokens = 3 outputs exist).
     assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, None)
     assert run.text == run.streamed == "one two"
-    # A stop token before min_tokens ends it: the worker masks them until then, so one sampled earlier was all a
-    # hard constraint (a finished grammar, allowed_token_ids of stop tokens only) left, and would come again.
-    run = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], ids[2]], SamplingParams(
-        max_tokens=100, min_tokens=3, stop_token_ids=[ids[1]]))
-    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, ids[1], len("one"))  # its text dropped
-    assert run.text == run.streamed == "one"
-    run = run_engine(tokenizer, prompt_ids, [ids[0], eos, ids[2]], SamplingParams(max_tokens=100, min_tokens=3))
-    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, None) and run.text == "one"
     # Without min_tokens the stop string ends it at once.
     early = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], eos], SamplingParams(max_tokens=100, stop=["one"]))
     assert early.decision.reason == "one" and early.text == ""
     # Length limits still apply before min_tokens.
     run = run_engine(tokenizer, prompt_ids, ids, SamplingParams(max_tokens=100, min_tokens=5), max_model_len=len(prompt_ids) + 2)
     assert run.decision == StopDecision(True, SequenceStatus.FINISHED_LENGTH)
+
+
+def test_under_a_hard_constraint_a_stop_token_before_min_tokens_ends_the_output(tokenizer, prompt_ids: list[int]) -> None:
+    # The worker masks stop tokens until min_tokens: one sampled earlier was all the constraint left (allowed ids
+    # that are all stop tokens, a finished grammar), and would come again. Stop strings still wait.
+    ids = encode(tokenizer, "one two three four five six")
+    allowed = dict(max_tokens=100, min_tokens=3, allowed_token_ids=ids)
+    run = run_engine(tokenizer, prompt_ids, [ids[0], ids[1], ids[2]],
+                     SamplingParams(**allowed, stop_token_ids=[ids[1]], stop=["one"]))
+    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, ids[1], len("one"))  # its text dropped
+    assert run.text == run.streamed == "one"
+    run = run_engine(tokenizer, prompt_ids, [ids[0], tokenizer.eos_token_id, ids[2]], SamplingParams(**allowed))
+    assert run.decision == StopDecision(True, SequenceStatus.FINISHED_STOPPED, None, None) and run.text == "one"
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_and_token_text(tokenizer, prompt_ids: list[int]) -> None:
