@@ -594,6 +594,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from llmserve.client import GenerationClient, make_request  # noqa: PLC0415
     from protos import common_pb2  # noqa: PLC0415
 
+    if bool(args.prompt) == bool(args.chat):
+        # Checked here, not by the server, whose message names Generate's fields (prompt_token_ids, messages).
+        print("llmserve generate: error: give --prompt or --chat (one of them)", file=sys.stderr)
+        return 2
     messages = [("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(args.chat)]
     sampling: dict[str, object] = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                        top_k=args.top_k, stop=args.stop, ignore_eos=args.ignore_eos)

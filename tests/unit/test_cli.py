@@ -154,6 +154,12 @@ def test_environment_values_are_converted_and_checked_item_by_item(monkeypatch: 
     assert args.dtype == "bfloat16" and args.enable_chunked_prefill is False
 
 
+@pytest.mark.parametrize("flags", [[], ["--prompt", "hi", "--chat", "hi"]])
+def test_generate_needs_exactly_one_of_prompt_and_chat(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--address", "127.0.0.1:1", *flags]) == 2  # before any connection
+    assert "llmserve generate: error: give --prompt or --chat (one of them)" in capsys.readouterr().err
+
+
 def test_a_variable_no_flag_reads_is_named_with_the_likeliest_meant_one() -> None:
     environ = {
         "LLMSERVE_MAX_NUM_SEQ": "8",  # a ConfigMap typo: --max-num-seqs stays at its default
