@@ -45,7 +45,8 @@ async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str
 
 
 class ChunkHeader:
-    """The fields every chunk (and the full response) of one request repeats."""
+    """The fields every chunk (and the full response) of one request repeats, and the token counts so far that
+    continuous_usage puts in each chunk."""
 
     def __init__(self, request_id: str, created: int, model: str, obj: str, include_usage: bool,
                  continuous_usage: bool = False) -> None:

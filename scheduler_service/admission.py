@@ -152,9 +152,9 @@ class Admission:
         if params.bad_words_token_ids:
             raise InvalidRequestError("bad_words_token_ids is set by the scheduler: send bad_words")
         params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
-        banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}  # masked at every position
-        if params.allowed_token_ids and banned.issuperset(params.allowed_token_ids):
-            # The worker would find every token masked and have nothing to sample.
+        if params.allowed_token_ids and {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}.issuperset(
+                params.allowed_token_ids):
+            # One-token bad words are masked at every position: the worker would have nothing to sample.
             raise InvalidRequestError("every id in allowed_token_ids is a bad word (one token of bad_words): "
                                       "nothing is left to generate")
         structured = params.structured_outputs

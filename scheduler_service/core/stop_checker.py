@@ -64,8 +64,7 @@ def check_stop(
     num_outputs = len(seq.output_token_ids)
     # Only the constraints can override the worker's min_tokens mask; elsewhere an early EOS would be one the worker
     # does not mask (a tokenizer's EOS missing from the generation config's), and the output goes on.
-    constrained = params.structured_outputs is not None or bool(params.allowed_token_ids)
-    if num_outputs >= params.min_tokens or constrained:
+    if num_outputs >= params.min_tokens or params.structured_outputs is not None or params.allowed_token_ids:
         decision = _check_stop_tokens_and_strings(seq.last_token_id, params, output_text, num_new_chars,
                                                   eos_token_id, strings=num_outputs >= params.min_tokens)
         if decision is not None:
