@@ -24,8 +24,9 @@ import redis
 from llmserve.client import GenerationClient, make_request
 from llmserve.local_cluster import ClusterSpec, LocalCluster
 from protos import common_pb2
+from scheduler_service import keys
 from scheduler_service.step_profile import read_profiles
-from tests.e2e.cluster_checks import assert_all_blocks_free, committed_stream, redis_state
+from tests.e2e.cluster_checks import assert_all_blocks_free, committed_stream, redis_state, wait_for
 from tests.e2e.concurrency import Streams, generate_all
 from tests.e2e.engine_modes import SCHEDULING
 from tests.hf_reference import HFReference, Reference, compare_greedy
@@ -310,11 +311,21 @@ def test_swap_and_recompute_preemption_keep_outputs_identical(swap_cluster: Loca
                          ignore_eos=True, n=2, seed=50 + i) for i in range(6)]
     with GenerationClient(swap_cluster.address) as client:
         alone = [client.generate_n(r) for r in reqs[:3]]
-        # Greedy singles first: they need 6 x 11 blocks (60 + 110 tokens) of the 40, so some of them are
-        # preempted by recompute (even when they were admitted steps apart).
+        # Greedy singles first: they need 6 x 11 blocks (60 + 110 tokens) of the 40 when they run together, so
+        # some of them are preempted by recompute. They are sent while the worker is stopped, so that the engine
+        # loop takes them in together: on a busy machine their calls could otherwise arrive so far apart that the
+        # first ones finish before the last ones start, and nothing is preempted (seen once in CI).
         singles = [make_request(prompt_token_ids=p[:60], max_tokens=110, ignore_eos=True, temperature=0.0)
                    for p in _prompts(6, 40000, seed=4)]
-        greedy = Streams(client, singles)
+        rds = redis.Redis.from_url(swap_cluster.redis_url)
+        os.kill(swap_cluster.pid("worker"), signal.SIGSTOP)
+        try:
+            greedy = Streams(client, singles)
+            wait_for(lambda: rds.scard(keys.live(swap_cluster.worker_address)) == len(singles), 60,
+                     "the singles were not all admitted")
+        finally:
+            os.kill(swap_cluster.pid("worker"), signal.SIGCONT)
+            rds.close()
         greedy.wait_started(60)
         assert all(len(r[0].token_ids) == 110 for r in greedy.join(120))
         assert redis_state(swap_cluster)["preemptions"] > 0, "the singles finished without a preemption"
