@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -155,13 +157,35 @@ def collect_completions(messages: Iterable[generation_pb2.GenerateResponse]) -> 
     return completions
 
 
-def chat_options(add_generation_prompt: bool = True, continue_final_message: bool = False) -> generation_pb2.ChatOptions:
+def chat_options(add_generation_prompt: bool = True, continue_final_message: bool = False,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> generation_pb2.ChatOptions:
     """vLLM's chat rendering parameters as GenerateRequest.chat_options: a new assistant turn after the messages
-    (the default), or the final message left open for the model to continue (an answer the caller began)."""
+    (the default), or the final message left open for the model to continue (an answer the caller began); and
+    OpenAI-shaped function tools (`{"type": "function", "function": {"name", "description", "parameters"}}`) for
+    the template to describe."""
     options = generation_pb2.ChatOptions(continue_final_message=continue_final_message)
     if not add_generation_prompt:
         options.add_generation_prompt = False
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, Mapping):
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
+        parameters = function.get("parameters")
+        options.tools.add(name=function.get("name") or "", description=function.get("description") or "",
+                          parameters="" if parameters is None else json.dumps(parameters))
     return options
+
+
+def chat_message(message: Mapping[str, Any]) -> generation_pb2.ChatMessage:
+    """An OpenAI-shaped message with text content (an assistant's `tool_calls` and a tool's `tool_call_id`
+    included) as Generate's ChatMessage."""
+    out = generation_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
+                                     tool_call_id=message.get("tool_call_id") or "")
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        out.tool_calls.add(id=call.get("id") or "", name=function.get("name") or "",
+                           arguments=function.get("arguments") or "")
+    return out
 
 
 def make_request(

@@ -27,11 +27,12 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import grpc
 from tqdm import tqdm
 
-from llmserve.client import chat_options, stop_reason_of
+from llmserve.client import chat_message, chat_options, stop_reason_of
 from llmserve.engine import InProcessEngine
 from llmserve.local_cluster import ClusterSpec, LocalCluster, service_flag
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
@@ -208,24 +209,28 @@ class LLM:
 
     def chat(
         self,
-        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+        conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One answer per conversation (role / content messages, rendered with the model's chat template).
+        """One answer per conversation (OpenAI-shaped messages with text content, an assistant's `tool_calls` and a
+        tool's `tool_call_id` included, rendered with the model's chat template).
 
         add_generation_prompt / continue_final_message: as vLLM's, how the template ends the rendering (a new
-        assistant turn; or the final message left open for the model to continue)."""
+        assistant turn; or the final message left open for the model to continue). tools: OpenAI's function
+        tools, given to the template (as vLLM's `LLM.chat(tools=...)`)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         requests = [self._request(None, conv) for conv in conversations]  # type: ignore[arg-type]
+        options = chat_options(add_generation_prompt, continue_final_message, tools)
         for req in requests:
-            req.chat_options.CopyFrom(chat_options(add_generation_prompt, continue_final_message))
+            req.chat_options.CopyFrom(options)
         return self._run(requests, sampling_params, use_tqdm)
 
-    def _request(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None
+    def _request(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None
                  ) -> generation_pb2.GenerateRequest:
         self._next_id += 1
         req = generation_pb2.GenerateRequest(request_id=f"offline-{id(self):x}-{self._next_id}")
@@ -233,8 +238,7 @@ class LLM:
             req.prompt = prompt
         elif prompt is not None:
             req.prompt_token_ids.extend(prompt)
-        for m in messages or []:
-            req.messages.add(role=m["role"], content=m["content"])
+        req.messages.extend(chat_message(m) for m in messages or [])
         return req
 
     def _run(self, requests: list[generation_pb2.GenerateRequest],

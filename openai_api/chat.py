@@ -1,6 +1,7 @@
 """/v1/chat/completions: chunks of a streamed chat completion and the body of a whole one.
 
-Besides OpenAI's fields, vLLM's: the response carries `prompt_logprobs` (when asked for) and `prompt_token_ids`
+With a tool_choice that calls tools, each choice's text is read as its tool calls (tools.py). Besides OpenAI's
+fields, vLLM's: the response carries `prompt_logprobs` (when asked for) and `prompt_token_ids`
 (return_token_ids), a stream in its first chunk; each choice (or chunk) carries its `token_ids` (return_token_ids).
 """
 
@@ -17,6 +18,7 @@ from openai_api.outputs import collect, finish_reason, merge
 from openai_api.prompts import PromptInfo
 from openai_api.protocol import ChatCompletionRequest, Usage
 from openai_api.streaming import ChunkHeader
+from openai_api.tools import ToolCallReader, tool_call_mode
 
 OBJECT = "chat.completion"
 CHUNK_OBJECT = "chat.completion.chunk"
@@ -32,6 +34,8 @@ async def chat_chunks(
         for i in range(req.n)
     ], extra=_prompt_fields(req, prompt, namer))
     usage = Usage()
+    mode = tool_call_mode(req)
+    readers: dict[int, ToolCallReader] = {}
     async for _, msg in merge([stream]):
         choices = []
         for delta in msg.outputs:
@@ -40,7 +44,16 @@ async def chat_chunks(
                 continue
             header.count(0, len(delta.token_ids))
             logprobs = chat_logprobs(namer, list(delta.token_ids), list(delta.logprobs)) if req.logprobs else None
-            choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+            message: dict[str, Any] = {"content": delta.text} if delta.text else {}
+            if mode is not None:
+                reader = readers.setdefault(delta.index, ToolCallReader(mode))
+                message = {"tool_calls": calls} if (calls := reader.feed(delta.text)) else {}
+                if reason is not None and (rest := reader.rest()) is not None:
+                    message["content"] = rest
+                reason = reader.finish_reason(reason)
+                if not (message or reason or req.logprobs or req.return_token_ids):
+                    continue  # a call not yet complete: nothing to send (its tokens count in the next chunk)
+            choice = {"index": delta.index, "delta": message,
                       "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason_of(delta)}
             if req.return_token_ids:
                 choice["token_ids"] = list(delta.token_ids)
@@ -60,14 +73,22 @@ async def chat_body(
 ) -> dict[str, Any]:
     """The whole response, once every sequence has finished."""
     out = await collect([stream], req.n)
+    mode = tool_call_mode(req)
     choices = []
     for index in sorted(out.choices):
         seq = out.choices[index]
+        message: dict[str, Any] = {"role": "assistant", "content": seq.text}
+        reason = seq.finish_reason
+        if mode is not None:
+            reader = ToolCallReader(mode)
+            reader.feed(seq.text)
+            message.update(content=reader.rest(), tool_calls=reader.calls)
+            reason = reader.finish_reason(reason)
         choice = {
             "index": index,
-            "message": {"role": "assistant", "content": seq.text},
+            "message": message,
             "logprobs": chat_logprobs(namer, seq.token_ids, seq.logprobs) if req.logprobs else None,
-            "finish_reason": seq.finish_reason,
+            "finish_reason": reason,
             "stop_reason": seq.stop_reason,
         }
         if req.return_token_ids:

@@ -8,13 +8,15 @@ and its extra outputs (`prompt_logprobs`, `return_token_ids`); vLLM's with `extr
 Structured outputs in all three spellings: OpenAI's `response_format`, vLLM's `structured_outputs` and its older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 `priority` is served as vLLM serves it under first-come-first-served scheduling, the scheduler's only policy:
-0 is accepted, any other value is a 400 naming it. Accepted without effect: `user` (as in vLLM), a message's
-`name`, and `tool_choice` "none" or "auto" (no tools are served).
+0 is accepted, any other value is a 400 naming it. Accepted without effect: `user` (as in vLLM) and a message's
+`name`. Tools: `tools`, `tool_choice` and `parallel_tool_calls`, and messages' `tool_calls` / `tool_call_id`
+(tools.py says what each tool_choice does).
 
 A string that holds a lone surrogate (JSON can escape one, "\\ud800"; no UTF-8 carries it) is a 400 naming where.
 Rejected with a 400 naming them (never ignored: the answer would be to another request): every field not
-defined here (chat's `echo` among them), and the defined ones the front cannot honour: `suffix`, `tools`,
-any other `tool_choice`. The README's table lists every OpenAI and vLLM request field.
+defined here (chat's `echo` among them), and the defined ones the front cannot honour: `suffix`, and
+`tool_choice` "auto" with tools (no tool-call parser reads free text). The README's table lists every OpenAI and
+vLLM request field.
 """
 
 from __future__ import annotations
@@ -160,12 +162,57 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    """The function an assistant message called: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    """One of an assistant message's `tool_calls`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
-    """One message of `messages`."""
+    """One message of `messages`: an assistant's may carry `tool_calls`, a tool's answers one by `tool_call_id`."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    """A function tool: its arguments' JSON schema is `parameters`. `strict` asks that calls follow the schema,
+    which tool_choice "required" or a named function guarantees (their outputs are constrained to it)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIBaseModel):
+    """One of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """`tool_choice` naming the function to call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -175,19 +222,21 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's: how the messages are rendered (the template's generation prompt; a final message left open).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    """POST /tokenize (vLLM's): a prompt, or chat messages rendered as Generate renders them."""
+    """POST /tokenize (vLLM's): a prompt, or chat messages (and tools) rendered as Generate renders them."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
     # As Generate's: unset adds the tokenizer's special tokens to a prompt, none to messages.
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True

@@ -7,10 +7,13 @@ and HTTP clients get the same validation and the same messages (a 400 here, INVA
 
 from __future__ import annotations
 
-from llmserve.client import chat_options
+from typing import Any
+
+from llmserve.client import chat_message, chat_options
 from protos import common_pb2, generation_pb2
 from openai_api.errors import invalid_request
 from openai_api.structured_outputs import structured_outputs
+from openai_api.tools import tool_call_mode, tool_constraint
 from openai_api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -18,6 +21,7 @@ from openai_api.protocol import (
     DetokenizeRequest,
     SamplingRequest,
     TokenizeRequest,
+    ToolDefinition,
 )
 
 _UINT64 = 1 << 64
@@ -161,12 +165,8 @@ def _prompt_batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list
 
 
 def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
-    """The GenerateRequest of a chat completion; the scheduler renders the chat template."""
-    if req.tools:
-        raise invalid_request("tools are not supported", "tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        # Without tools "none" and "auto" both mean "answer in text"; anything else asks for a tool call.
-        raise invalid_request("tool_choice needs tools, which are not supported", "tool_choice")
+    """The GenerateRequest of a chat completion; the scheduler renders the chat template (and the tools)."""
+    mode = tool_call_mode(req)
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; unset = up to the context length.
     max_tokens = _non_negative(req.max_completion_tokens, "max_completion_tokens", 1)
     if max_tokens is None:
@@ -180,7 +180,12 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.
         sampling=sampling_params(req, max_tokens, logprobs, req.prompt_logprobs),
     ))
     # The scheduler checks that the pair makes sense.
-    msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message))
+    msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message, _tools(req.tools)))
+    if mode is not None:
+        if msg.sampling.HasField("structured_outputs"):
+            raise invalid_request("tool_choice constrains the output to tool calls: set no other constraint "
+                                  "(response_format, structured_outputs, guided_*) with it", "tool_choice")
+        msg.sampling.structured_outputs.CopyFrom(tool_constraint(req, mode))
     return msg
 
 
@@ -205,7 +210,12 @@ def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessag
             texts.append(part.text)
         content = "".join(texts)
     role = _ROLE_ALIASES.get(message.role, message.role)
-    return generation_pb2.ChatMessage(role=role, content=content or "")
+    return chat_message({"role": role, "content": content, "tool_call_id": message.tool_call_id,
+                         "tool_calls": [call.model_dump() for call in message.tool_calls or []]})
+
+
+def _tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]]:
+    return [tool.model_dump() for tool in tools or []]
 
 
 def tokenize_request(req: TokenizeRequest) -> generation_pb2.TokenizeRequest:
@@ -214,9 +224,11 @@ def tokenize_request(req: TokenizeRequest) -> generation_pb2.TokenizeRequest:
         raise invalid_request("set exactly one of prompt or messages", "prompt")
     if req.messages is not None:
         msg = generation_pb2.TokenizeRequest(messages=_chat_messages(req.messages))
-        msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message))
-    elif not req.add_generation_prompt or req.continue_final_message:
-        field = "add_generation_prompt" if not req.add_generation_prompt else "continue_final_message"
+        msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message,
+                                               _tools(req.tools)))
+    elif not req.add_generation_prompt or req.continue_final_message or req.tools is not None:
+        field = ("add_generation_prompt" if not req.add_generation_prompt
+                 else "continue_final_message" if req.continue_final_message else "tools")
         raise invalid_request(f"{field} applies to messages, not a prompt", field)
     else:
         msg = generation_pb2.TokenizeRequest(prompt=req.prompt)

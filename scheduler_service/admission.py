@@ -12,13 +12,13 @@ import uuid
 from dataclasses import dataclass
 
 from protos import generation_pb2, state_pb2
+from scheduler_service.chat_conversation import conversation, template_tools
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 from shared.sampling_proto import sampling_from_proto, sampling_to_proto
 from shared.structured_outputs import compile_grammar
 
 _MAX_REQUEST_ID_LEN = 256
-_CHAT_ROLES = ("system", "user", "assistant")
 # Float sampling fields: NaN and infinities pass some range checks (NaN compares false); they are refused after them.
 _FLOAT_FIELDS = ("temperature", "top_p", "length_penalty", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
@@ -124,16 +124,13 @@ class Admission:
         if generation_prompt and options.continue_final_message:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt false: the final message is "
                                       "continued, no new turn opened")
-        conv = []
-        for i, m in enumerate(messages):  # type: ignore[attr-defined]
-            if m.role not in _CHAT_ROLES:
-                raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {m.role!r}")
-            conv.append({"role": m.role, "content": m.content})
+        conv = conversation(messages)  # type: ignore[arg-type]
+        tools = template_tools(options.tools)
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         try:
             text = self._tok.apply_chat_template(  # type: ignore[attr-defined]
-                conv, tokenize=False, add_generation_prompt=generation_prompt,
+                conv, tools=tools, tokenize=False, add_generation_prompt=generation_prompt,
                 continue_final_message=options.continue_final_message)
         except ValueError as exc:  # e.g. a final message the template leaves out, which cannot be continued
             raise InvalidRequestError(f"messages cannot be rendered with the chat template: {exc}") from exc

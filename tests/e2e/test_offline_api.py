@@ -15,6 +15,15 @@ from llmserve import LLM, SamplingParams, StructuredOutputsParams
 from tests.hf_reference import HFReference, compare_greedy
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_TURN = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call-1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "call-1", "content": "18 C"}]
+
+
 def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_llama_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     text = ["The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4"]
@@ -32,6 +41,10 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
         (continued,) = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
                                 SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
                                 add_generation_prompt=False, continue_final_message=True)
+        # A turn that called a tool and got its answer, with the tools (vLLM's LLM.chat(tools=...)).
+        (tooled,) = llm.chat(TOOL_TURN, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False, tools=TOOLS)
+        with pytest.raises(ValueError, match=re.escape("tools[0] must be {\"type\": \"function\"")):
+            llm.chat(TOOL_TURN, tools=[{"name": "get_weather"}], use_tqdm=False)
         # vLLM's prompt dicts (TextPrompt, TokensPrompt), and prompt logprobs.
         as_dicts = llm.generate([{"prompt": text[0]}, {"prompt_token_ids": ids[1]}],
                                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -83,6 +96,13 @@ def test_generate_returns_outputs_in_prompt_order_equal_to_transformers(tiny_lla
                                            add_generation_prompt=False, continue_final_message=True, tokenize=True,
                                            return_dict=True)["input_ids"]
     assert continued.prompt_token_ids == list(opened) and tokenizer.decode(opened).endswith("Hello")
+    # The template is given the call's arguments as an object, and the tools.
+    template_turn = [TOOL_TURN[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        TOOL_TURN[2]]
+    assert tooled.prompt_token_ids == tokenizer.apply_chat_template(
+        template_turn, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert "18 C" in tokenizer.decode(tooled.prompt_token_ids)
 
 
 def test_in_process_and_services_give_the_same_outputs(tiny_llama_dir: Path) -> None:

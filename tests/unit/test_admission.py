@@ -206,8 +206,8 @@ def test_prompt_plus_max_tokens_too_long(admission: Admission) -> None:
 def test_bad_chat_role(admission: Admission) -> None:
     rejects(
         admission,
-        make_request(messages=[("user", "hi"), ("tool", "x")]),
-        "messages[1].role must be one of system, user, assistant, got 'tool'",
+        make_request(messages=[("user", "hi"), ("robot", "x")]),
+        "messages[1].role must be one of system, user, assistant, tool, got 'robot'",
     )
 
 
@@ -407,7 +407,7 @@ class _RecordingTokenizer:
         self.calls.append(add_special_tokens)
         return type("Encoding", (), {"input_ids": [1]})()
 
-    def apply_chat_template(self, conv: list, tokenize: bool, add_generation_prompt: bool,
+    def apply_chat_template(self, conv: list, tools: list | None, tokenize: bool, add_generation_prompt: bool,
                             continue_final_message: bool) -> str:
         return "rendered"
 

@@ -10,6 +10,10 @@ from openai_api.request_mapping import chat_request, completion_requests, tokeni
 from shared.sampling_proto import sampling_from_proto
 
 
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
 def _completion(**fields: object) -> list:
     return completion_requests(CompletionRequest(**{"prompt": "hi", **fields}), "cmpl-1")
 
@@ -116,8 +120,13 @@ def test_chat_logprobs() -> None:
         (_completion, dict(stop_token_ids=[-1]), "stop_token_ids"),
         (_chat, dict(top_logprobs=2), "top_logprobs"),
         (_chat, dict(max_completion_tokens=0), "max_completion_tokens"),
-        (_chat, dict(tools=[{"type": "function"}]), "tools"),
+        (_chat, dict(tools=[_TOOL]), "tool_choice"),  # "auto", the default with tools: no tool-call parser
+        (_chat, dict(tools=[_TOOL], tool_choice="auto"), "tool_choice"),
         (_chat, dict(tool_choice="required"), "tool_choice"),
+        (_chat, dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
+        (_chat, dict(tools=[_TOOL], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+         "tool_choice.function.name"),
+        (_chat, dict(tools=[_TOOL], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
         (_chat, dict(response_format={"type": "structural_tag"}), "response_format.type"),
         (_chat, dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
          "response_format.json_schema"),

@@ -1,0 +1,131 @@
+"""Tool calling in the OpenAI front: tool_choice -> the constraint, the tools and tool messages on the wire, and a
+choice's text read back as tool calls, whole or as it streams in."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from openai_api.errors import OpenAIError
+from openai_api.protocol import ChatCompletionRequest, TokenizeRequest
+from openai_api.request_mapping import chat_request, tokenize_request
+from openai_api.tools import ToolCallMode, ToolCallReader, tool_call_mode
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather now", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time"}},  # no parameters: any object
+]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _request(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**{"messages": MESSAGES, "tools": TOOLS, **fields})
+
+
+def _schema(**fields: object) -> dict:
+    msg = chat_request(_request(**fields), "chat-1")
+    return json.loads(msg.sampling.structured_outputs.json)
+
+
+def test_tool_choice_modes() -> None:
+    assert tool_call_mode(ChatCompletionRequest(messages=MESSAGES)) is None
+    # Without tools "auto" is a text answer, as OpenAI's.
+    assert tool_call_mode(ChatCompletionRequest(messages=MESSAGES, tool_choice="auto")) is None
+    assert tool_call_mode(_request(tool_choice="none")) is None
+    assert tool_call_mode(_request(tool_choice="required")) == ToolCallMode()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert tool_call_mode(_request(tool_choice=named)) == ToolCallMode("get_weather")
+
+
+def test_a_named_function_constrains_the_output_to_its_parameters() -> None:
+    assert _schema(tool_choice={"type": "function", "function": {"name": "get_weather"}}) == WEATHER
+    assert _schema(tool_choice={"type": "function", "function": {"name": "get_time"}}) == {"type": "object"}
+
+
+def test_required_constrains_the_output_to_an_array_of_calls() -> None:
+    schema = _schema(tool_choice="required")
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Paris"}},
+                         {"name": "get_time", "parameters": {}}], schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "other", "parameters": {}}],
+                [{"name": "get_time"}], [{"name": "get_time", "parameters": {}, "extra": 1}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    one = _schema(tool_choice="required", parallel_tool_calls=False)
+    jsonschema.validate([{"name": "get_time", "parameters": {}}], one)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, one)
+
+
+def test_none_sends_the_tools_to_the_template_without_a_constraint() -> None:
+    msg = chat_request(_request(tool_choice="none"), "chat-1")
+    assert not msg.sampling.HasField("structured_outputs")
+    assert [(t.name, t.description, t.parameters) for t in msg.chat_options.tools] == [
+        ("get_weather", "The weather now", json.dumps(WEATHER)), ("get_time", "", "")]
+
+
+def test_tool_messages_travel_on_the_wire() -> None:
+    messages = [*MESSAGES,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call-1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "18 C", "tool_call_id": "call-1"}]
+    msg = chat_request(_request(messages=messages, tool_choice="none"), "chat-1")
+    assistant, tool = msg.messages[1], msg.messages[2]
+    assert assistant.content == "" and [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [
+        ("call-1", "get_weather", '{"city": "Paris"}')]
+    assert (tool.role, tool.content, tool.tool_call_id) == ("tool", "18 C", "call-1")
+    tokenize = tokenize_request(TokenizeRequest(messages=messages, tools=TOOLS))
+    assert tokenize.messages == msg.messages and tokenize.chat_options.tools == msg.chat_options.tools
+    with pytest.raises(OpenAIError) as info:
+        tokenize_request(TokenizeRequest(prompt="hi", tools=TOOLS))
+    assert info.value.param == "tools"
+
+
+def _feed_by_character(reader: ToolCallReader, text: str) -> list[tuple[int, list[dict]]]:
+    """(position after which, deltas) for every character that produced deltas."""
+    return [(i, deltas) for i, ch in enumerate(text) if (deltas := reader.feed(ch))]
+
+
+def test_required_calls_stream_once_each_object_is_complete() -> None:
+    text = '[ {"name": "get_weather", "parameters": {"city": "Paris, \\"FR\\" {x}"}} ,\n{"name": "get_time", ' \
+           '"parameters": {}}]'
+    reader = ToolCallReader(ToolCallMode())
+    emitted = _feed_by_character(reader, text)
+    # Each call arrives at its closing brace (braces and quotes inside strings do not close it), whole.
+    first_end = text.index("}} ,") + 1
+    assert [i for i, _ in emitted] == [first_end, len(text) - 2]
+    deltas = [d for _, ds in emitted for d in ds]
+    assert [(d["index"], d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == [
+        (0, "get_weather", {"city": 'Paris, "FR" {x}'}), (1, "get_time", {})]
+    assert all(d["type"] == "function" and d["id"].startswith("chatcmpl-tool-") for d in deltas)
+    assert [c["id"] for c in reader.calls] == [d["id"] for d in deltas]
+    assert reader.rest() is None and reader.finish_reason("stop") == "tool_calls"
+    # Read whole, the same calls.
+    whole = ToolCallReader(ToolCallMode())
+    whole.feed(text)
+    assert [c["function"] for c in whole.calls] == [c["function"] for c in reader.calls]
+
+
+def test_a_required_array_cut_short_keeps_its_complete_calls_and_returns_the_rest_as_text() -> None:
+    reader = ToolCallReader(ToolCallMode())
+    reader.feed('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci')
+    assert [c["function"]["name"] for c in reader.calls] == ["get_time"]
+    assert reader.rest() == '{"name": "get_weather", "parameters": {"ci'
+    assert reader.finish_reason("length") == "length"
+    empty = ToolCallReader(ToolCallMode())
+    empty.feed('[{"na')
+    assert empty.calls == [] and empty.finish_reason("stop") == "stop"
+
+
+def test_a_named_call_streams_its_arguments_as_generated() -> None:
+    reader = ToolCallReader(ToolCallMode("get_weather"))
+    assert reader.feed("") == []
+    first, *_ = reader.feed('{"ci')
+    assert first["index"] == 0 and first["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert reader.feed('ty": "Paris"}') == [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]
+    (call,) = reader.calls
+    assert call["id"] == first["id"] and call["function"]["arguments"] == '{"city": "Paris"}'
+    assert reader.rest() is None and reader.finish_reason("stop") == "tool_calls"
