@@ -239,6 +239,26 @@ def _observability_flags(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off; `up` gives the worker PORT+1)")
 
 
+def _tool_call_flags(p: argparse.ArgumentParser) -> None:
+    from openai_api.tool_parsers import TOOL_CALL_PARSERS  # noqa: PLC0415 - light (json), but the front's package
+
+    g = p.add_argument_group("tool calling (the HTTP front)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default with tools): the model writes calls in its own syntax, '
+                        "read by --tool-call-parser (vLLM's flags); without it, \"auto\" with tools is a 400")
+    g.add_argument("--tool-call-parser", default="", choices=TOOL_CALL_PARSERS,
+                   help="how the model writes tool calls: hermes (<tool_call> tags: Hermes, Qwen 2.5, ...) or "
+                        "llama3_json (Llama 3.1 / 3.2)")
+
+
+def _tool_call_parser(args: argparse.Namespace) -> str:
+    """The front's parser for tool_choice "auto": both flags or neither, as vLLM has them."""
+    if args.enable_auto_tool_choice != bool(args.tool_call_parser):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: the parser reads the calls "
+                         "that auto tool choice lets the model write")
+    return args.tool_call_parser
+
+
 def _up_security_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security (the worker stays plaintext on localhost)")
     g.add_argument("--tls-cert-file", default="", metavar="PEM", help="serve the Generation API over TLS")
@@ -284,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also start the OpenAI-compatible HTTP API (`llmserve openai`) on this port")
     _liveness_flag(p, "the engine loop holds requests but completes no step, or a worker step runs")
     _worker_flags(p), _scheduler_flags(p), _common_flags(p), _observability_flags(p)
-    _up_security_flags(p)
+    _up_security_flags(p), _tool_call_flags(p)
 
     p = sub.add_parser("demo", help="start the local server, stream answers to a few chat prompts, stop")
     _model_flag(p)
@@ -354,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "refused meanwhile); those still open then are cut")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no log line per HTTP request (vLLM's flag); errors are still logged")
+    _tool_call_flags(p)
     p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
                    help="Prometheus endpoint of the engine (a scheduler's or worker's --metrics-port, e.g. "
                         "http://127.0.0.1:9090/metrics) whose series /metrics serves after the front's own, as "
@@ -506,7 +527,7 @@ _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-pre
                    "max-num-queued-requests", "max-queued-tokens", "step-timeout", "async-scheduling",
                    "num-scheduler-steps", "output-retention", "liveness-timeout", "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
 # The HTTP front is a client of the scheduler: it trusts the CA and sends the token.
-_HTTP_PASS = ["tls-ca-file", "auth-token-file"]
+_HTTP_PASS = ["tls-ca-file", "auth-token-file", "enable-auto-tool-choice", "tool-call-parser"]
 
 
 def _check_start_timeout(args: argparse.Namespace) -> None:
@@ -527,6 +548,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise ValueError("up: --tls-cert-file needs --tls-ca-file, the CA that signed it: `up` checks the "
                          "scheduler's readiness and the HTTP front reaches it over TLS")
     _check_start_timeout(args)
+    if _tool_call_parser(args) and args.http_port is None:
+        raise ValueError("up: --enable-auto-tool-choice and --tool-call-parser apply to the HTTP front: set --http-port")
     spec = ClusterSpec(
         model=_resolve_model(args.model), host=args.host, port=args.port, redis_url=args.redis_url,
         worker_args=_passthrough(args, _WORKER_PASS) + (["--metrics-port", str(args.metrics_port + 1)]
@@ -637,7 +660,8 @@ def _cmd_openai(args: argparse.Namespace) -> int:
                       served_model_names=args.served_model_name, tokenizer=args.tokenizer,
                       scheduler_tls=sec.client_tls_from(args), auth_token=sec.auth_token_from(args),
                       api_key=sec.api_key_from(args), engine_metrics=args.engine_metrics,
-                      drain_timeout_s=args.drain_timeout, access_log=not args.disable_uvicorn_access_log),
+                      drain_timeout_s=args.drain_timeout, access_log=not args.disable_uvicorn_access_log,
+                      tool_call_parser=_tool_call_parser(args)),
           args.log_level)
     return 0
 

@@ -25,7 +25,8 @@ CHUNK_OBJECT = "chat.completion.chunk"
 
 
 async def chat_chunks(
-    req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer
+    req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer,
+    tool_parser: str | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """A role chunk per choice, then one chunk per engine response with progress, then usage if asked."""
     header.count(len(prompt.token_ids), 0)
@@ -34,7 +35,7 @@ async def chat_chunks(
         for i in range(req.n)
     ], extra=_prompt_fields(req, prompt, namer))
     usage = Usage()
-    mode = tool_call_mode(req)
+    mode = tool_call_mode(req, tool_parser)
     readers: dict[int, ToolCallReader] = {}
     async for _, msg in merge([stream]):
         choices = []
@@ -47,9 +48,10 @@ async def chat_chunks(
             message: dict[str, Any] = {"content": delta.text} if delta.text else {}
             if mode is not None:
                 reader = readers.setdefault(delta.index, ToolCallReader(mode))
-                message = {"tool_calls": calls} if (calls := reader.feed(delta.text)) else {}
-                if reason is not None and (rest := reader.rest()) is not None:
-                    message["content"] = rest
+                parts = reader.read(delta.text, final=reason is not None)
+                message = {"content": parts.content} if parts.content else {}
+                if parts.tool_calls:
+                    message["tool_calls"] = parts.tool_calls
                 reason = reader.finish_reason(reason)
                 if not (message or reason or req.logprobs or req.return_token_ids):
                     continue  # a call not yet complete: nothing to send (its tokens count in the next chunk)
@@ -69,11 +71,12 @@ async def chat_chunks(
 
 
 async def chat_body(
-    req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer
+    req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer,
+    tool_parser: str | None = None,
 ) -> dict[str, Any]:
     """The whole response, once every sequence has finished."""
     out = await collect([stream], req.n)
-    mode = tool_call_mode(req)
+    mode = tool_call_mode(req, tool_parser)
     choices = []
     for index in sorted(out.choices):
         seq = out.choices[index]
@@ -81,8 +84,7 @@ async def chat_body(
         reason = seq.finish_reason
         if mode is not None:
             reader = ToolCallReader(mode)
-            reader.feed(seq.text)
-            message.update(content=reader.rest(), tool_calls=reader.calls)
+            message.update(content=reader.read(seq.text, final=True).content or None, tool_calls=reader.calls)
             reason = reader.finish_reason(reason)
         choice = {
             "index": index,

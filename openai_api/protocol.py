@@ -15,7 +15,7 @@ Structured outputs in all three spellings: OpenAI's `response_format`, vLLM's `s
 A string that holds a lone surrogate (JSON can escape one, "\\ud800"; no UTF-8 carries it) is a 400 naming where.
 Rejected with a 400 naming them (never ignored: the answer would be to another request): every field not
 defined here (chat's `echo` among them), and the defined ones the front cannot honour: `suffix`, and
-`tool_choice` "auto" with tools (no tool-call parser reads free text). The README's table lists every OpenAI and
+`tool_choice` "auto" with tools when the front has no --tool-call-parser. The README's table lists every OpenAI and
 vLLM request field.
 """
 

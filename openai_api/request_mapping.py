@@ -164,9 +164,11 @@ def _prompt_batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     return list(prompt)  # type: ignore[arg-type]
 
 
-def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
-    """The GenerateRequest of a chat completion; the scheduler renders the chat template (and the tools)."""
-    mode = tool_call_mode(req)
+def chat_request(req: ChatCompletionRequest, request_id: str, tool_parser: str | None = None
+                 ) -> generation_pb2.GenerateRequest:
+    """The GenerateRequest of a chat completion; the scheduler renders the chat template (and the tools).
+    tool_parser: the front's --tool-call-parser (tool_choice "auto"), None without one."""
+    mode = tool_call_mode(req, tool_parser)
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; unset = up to the context length.
     max_tokens = _non_negative(req.max_completion_tokens, "max_completion_tokens", 1)
     if max_tokens is None:
@@ -181,7 +183,10 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> generation_pb2.
     ))
     # The scheduler checks that the pair makes sense.
     msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message, _tools(req.tools)))
-    if mode is not None:
+    if mode is not None and not mode.constrained:
+        # The call syntax may be special tokens (Hermes' <tool_call>): the parser must see them, as vLLM's does.
+        msg.sampling.skip_special_tokens = False
+    elif mode is not None:
         if msg.sampling.HasField("structured_outputs"):
             raise invalid_request("tool_choice constrains the output to tool calls: set no other constraint "
                                   "(response_format, structured_outputs, guided_*) with it", "tool_choice")

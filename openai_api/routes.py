@@ -65,6 +65,8 @@ class FrontState:
     model_names: list[str]
     model_root: str | None = None
     created: int = 0
+    # The parser of the model's tool-call syntax for tool_choice "auto" (tool_parsers.py); None: "auto" is a 400.
+    tool_parser: str | None = None
 
 
 def _state(request: Request) -> FrontState:
@@ -170,14 +172,15 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     model = _model_name(state, req)
     _reject_unknown(req)
     request_id = f"chatcmpl-{_base_request_id(request)}"
-    (stream,) = await state.engine.open_all([chat_request(req, request_id)], _trace_metadata(request))
+    (stream,) = await state.engine.open_all([chat_request(req, request_id, state.tool_parser)],
+                                            _trace_metadata(request))
     prompt = prompt_info(stream.first, req.prompt_logprobs is not None)
     obj = chat.CHUNK_OBJECT if req.stream else chat.OBJECT
     header = _header(request_id, model, obj, req)
     return await _respond(
         request, [stream], req.stream,
-        lambda: chat.chat_chunks(req, stream, prompt, header, state.namer),
-        lambda: chat.chat_body(req, stream, prompt, header, state.namer),
+        lambda: chat.chat_chunks(req, stream, prompt, header, state.namer, state.tool_parser),
+        lambda: chat.chat_body(req, stream, prompt, header, state.namer, state.tool_parser),
     )
 
 

@@ -17,6 +17,7 @@ from openai_api.auth import require_api_key
 from openai_api.engine_client import EngineClient
 from openai_api.logprobs import TokenNamer
 from openai_api.routes import FrontState, build_app
+from openai_api.tool_parsers import TOOL_CALL_PARSERS
 from shared.tls import ClientTLS, listen_socket
 from shared.tokenizer_loading import load_tokenizer
 
@@ -38,6 +39,8 @@ class FrontConfig:
         for up to this long, then cuts them (their requests are aborted): a rolling update of the front ends no
         stream shorter than this.
     access_log: a line per HTTP request (uvicorn's access log), as vLLM's API server logs them.
+    tool_call_parser: how the model writes tool calls (openai_api/tool_parsers.py), for tool_choice "auto";
+        empty: "auto" with tools is a 400 (vLLM's --enable-auto-tool-choice --tool-call-parser).
     """
 
     scheduler: str
@@ -51,8 +54,12 @@ class FrontConfig:
     engine_metrics: list[str] = field(default_factory=list)
     drain_timeout_s: float = 30.0
     access_log: bool = True
+    tool_call_parser: str = ""
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if not self.scheduler:
             raise ValueError("scheduler must be a host:port address, got ''")
         if not self.drain_timeout_s >= 0:
@@ -75,7 +82,7 @@ def make_app(config: FrontConfig) -> FastAPI:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer) if config.tokenizer else None
         engine = EngineClient(config.scheduler, config.scheduler_tls, config.auth_token)
         app.state.front = FrontState(engine, TokenNamer(tokenizer), config.served_model_names,
-                                     config.tokenizer or None, int(time.time()))
+                                     config.tokenizer or None, int(time.time()), config.tool_call_parser or None)
         log.info("OpenAI-compatible API for %s, backed by the scheduler at %s",
                  ", ".join(config.served_model_names), config.scheduler)
         try:

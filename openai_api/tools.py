@@ -9,9 +9,9 @@ What `tool_choice` does, as vLLM serves it:
 - "required": the output is constrained to a JSON array of `{"name": <a tool's>, "parameters": <its schema>}`
   objects (at least one; exactly one with `parallel_tool_calls: false`), each returned as a tool call; a stream
   sends each call once its object is complete.
-- "auto" (the default with tools): the model chooses between text and calls, and a parser for its model's
-  call syntax would read them from the text; this front has none, so it is a 400 (as vLLM answers without
-  --enable-auto-tool-choice).
+- "auto" (the default with tools): the output is free, and the front's parser of the model's call syntax
+  (--tool-call-parser, tool_parsers.py) reads calls from the text, the rest being content; without a parser it is
+  a 400 (as vLLM answers without --enable-auto-tool-choice).
 A choice that made a call and ended by a stop has finish_reason "tool_calls". Text of an array cut short (by
 `max_tokens`) that holds no complete call comes back as `content`, after the calls that were complete.
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 from openai_api.errors import invalid_request
 from openai_api.protocol import ChatCompletionRequest, NamedToolChoice
+from openai_api.tool_parsers import Parsed, make_parser
 from protos import common_pb2
 
 # Arguments of a function that declares no parameters: any object.
@@ -35,22 +36,33 @@ _WHITESPACE = " \t\n\r"
 
 @dataclass(frozen=True)
 class ToolCallMode:
-    """How a request's output becomes tool calls: `name` set for a named function, else "required"'s array."""
+    """How a request's output becomes tool calls: `name` for a named function, `parser` for "auto" (the model's
+    syntax, read from free text), neither for "required"'s array."""
 
     name: str | None = None
+    parser: str | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the output is constrained to the calls (all but "auto")."""
+        return self.parser is None
 
 
-def tool_call_mode(req: ChatCompletionRequest) -> ToolCallMode | None:
-    """The request's tool calling; None for a text answer. A 400 for a choice that cannot be served."""
+def tool_call_mode(req: ChatCompletionRequest, parser: str | None = None) -> ToolCallMode | None:
+    """The request's tool calling (`parser`: the front's --tool-call-parser); None for a text answer. A 400 for a
+    choice that cannot be served."""
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if req.tools else "none"
     if choice == "none" or (choice == "auto" and not req.tools):
         return None
     if choice == "auto":
-        raise invalid_request('tool_choice "auto" (the default with tools) needs a parser of the model\'s tool-call '
-                              'syntax, which this server does not have: set tool_choice to "required", "none" or '
-                              '{"type": "function", "function": {"name": ...}}', "tool_choice")
+        if parser is None:
+            raise invalid_request(
+                'tool_choice "auto" (the default with tools) needs a parser of the model\'s tool-call syntax: start '
+                'the front with --enable-auto-tool-choice --tool-call-parser NAME, or set tool_choice to "required", '
+                '"none" or {"type": "function", "function": {"name": ...}}', "tool_choice")
+        return ToolCallMode(parser=parser)
     if not req.tools:
         raise invalid_request("tool_choice asks for a tool call, but the request has no tools", "tool_choice")
     if isinstance(choice, NamedToolChoice):
@@ -81,41 +93,58 @@ def tool_call_id() -> str:
 
 
 @dataclass
+class ToolDeltas:
+    """What a piece of a choice's text adds: content, and deltas of OpenAI's `tool_calls`."""
+
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
 class ToolCallReader:
-    """Reads one choice's tool calls from its text as it grows: `feed` returns the deltas of OpenAI's
-    `tool_calls` that the new text completes, `rest` the text that is no complete call (at the end)."""
+    """Reads one choice's tool calls from its text as it grows (`feed`), then what is left at its end (`finish`);
+    `calls` holds the calls whole, for a response that is not streamed."""
 
-    mode: ToolCallMode
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    _text: str = ""
-    _pos: int = 0
-    _opened: bool = False
+    def __init__(self, mode: ToolCallMode) -> None:
+        self.mode = mode
+        self.calls: list[dict[str, Any]] = []
+        self._array = _CallArray() if mode.name is None and mode.parser is None else None
+        self._parser = make_parser(mode.parser) if mode.parser is not None else None
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str) -> ToolDeltas:
         if not text:
-            return []
-        self._text += text
+            return ToolDeltas()
         if self.mode.name is not None:
-            return self._named(text)
-        return [self._add(value["name"], json.dumps(value["parameters"], ensure_ascii=False))
-                for value in self._complete_elements()]
+            if not self.calls:
+                return ToolDeltas(tool_calls=[self._add(self.mode.name, text)])
+            self.calls[0]["function"]["arguments"] += text
+            return ToolDeltas(tool_calls=[{"index": 0, "function": {"arguments": text}}])
+        if self._array is not None:
+            return ToolDeltas(tool_calls=[self._add(name, arguments) for name, arguments in self._array.feed(text)])
+        return self._deltas(self._parser.feed(text))  # type: ignore[union-attr]
 
-    def rest(self) -> str | None:
-        """Text after the last complete call ("required"'s array cut short), None when there is none."""
-        if self.mode.name is not None:
-            return None
-        rest = self._text[self._pos:].strip(_WHITESPACE + ",]")
-        return rest or None
+    def finish(self) -> ToolDeltas:
+        """Text held back that is no complete call: "required"'s array cut short, a parser's rest."""
+        if self._array is not None:
+            return ToolDeltas(self._array.rest())
+        if self._parser is not None:
+            return self._deltas(self._parser.finish())
+        return ToolDeltas()
+
+    def read(self, text: str, final: bool) -> ToolDeltas:
+        """feed(text), and finish() after it when the text is the choice's last."""
+        deltas = self.feed(text)
+        if final:
+            rest = self.finish()
+            deltas.content += rest.content
+            deltas.tool_calls += rest.tool_calls
+        return deltas
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's finish_reason of the choice: "tool_calls" for a stop after a call."""
         return "tool_calls" if reason == "stop" and self.calls else reason
 
-    def _named(self, text: str) -> list[dict[str, Any]]:
-        if not self.calls:
-            return [self._add(self.mode.name, text)]  # type: ignore[arg-type]
-        self.calls[0]["function"]["arguments"] += text
-        return [{"index": 0, "function": {"arguments": text}}]
+    def _deltas(self, parsed: Parsed) -> ToolDeltas:
+        return ToolDeltas(parsed.content, [self._add(name, arguments) for name, arguments in parsed.calls])
 
     def _add(self, name: str, arguments: str) -> dict[str, Any]:
         """A new call, and its first delta (a copy: a named call's arguments grow in `calls`)."""
@@ -124,26 +153,39 @@ class ToolCallReader:
         return {"index": len(self.calls) - 1, "id": call_id, "type": "function",
                 "function": {"name": name, "arguments": arguments}}
 
-    def _complete_elements(self) -> list[dict[str, Any]]:
-        """The array's objects that the text now holds whole (the grammar guarantees their shape)."""
+
+class _CallArray:
+    """The text of "required"'s constrained JSON array of {"name", "parameters"} objects as it grows: each object
+    once it is whole, as (name, arguments JSON)."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._pos = 0
+        self._opened = False
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._text += text
         found = []
-        text = self._text
         while True:
             pos = self._pos
-            while pos < len(text) and text[pos] in _WHITESPACE:
+            while pos < len(self._text) and self._text[pos] in _WHITESPACE:
                 pos += 1
-            if pos == len(text):
+            if pos == len(self._text):
                 return found
-            if not self._opened or text[pos] in ",]":
-                self._opened = self._opened or text[pos] == "["
+            if not self._opened or self._text[pos] in ",]":
+                self._opened = self._opened or self._text[pos] == "["
                 self._pos = pos + 1
                 continue
             try:
-                value, end = _JSON.raw_decode(text, pos)
+                value, end = _JSON.raw_decode(self._text, pos)
             except ValueError:
                 return found  # the object is not complete yet
             if not (isinstance(value, dict) and isinstance(value.get("name"), str)
                     and isinstance(value.get("parameters"), dict)):
-                return found  # not a call: left for rest()
-            found.append(value)
+                return found  # not a call (the grammar rules it out): left for rest()
+            found.append((value["name"], json.dumps(value["parameters"], ensure_ascii=False)))
             self._pos = end
+
+    def rest(self) -> str:
+        """Text after the last complete call, but for separators and the closing bracket."""
+        return self._text[self._pos:].strip(_WHITESPACE + ",]")

@@ -1,7 +1,8 @@
 """Tool calling through the OpenAI-compatible front with the official openai client, on the default model and
 the services as real processes: tool_choice "required" and a named function give calls whose arguments follow
 the tools' schemas, streamed and whole alike (greedy); a conversation that carries a call and its result is
-rendered by the scheduler as transformers renders it; what cannot be served is a 400 that names its field."""
+rendered by the scheduler as transformers renders it; with the front's hermes parser, tool_choice "auto" reads
+calls from the model's text; what cannot be served is a 400 that names its field."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ MESSAGES = [{"role": "user", "content": "What is the weather like in Paris, in C
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(ClusterSpec(model=str(default_model_dir), http_port=0,
-                                  worker_args=["--max-model-len", "1024"])) as c:
+    # The front reads Hermes-style calls for tool_choice "auto".
+    with LocalCluster(ClusterSpec(model=str(default_model_dir), http_port=0, worker_args=["--max-model-len", "1024"],
+                                  http_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])) as c:
         yield c
 
 
@@ -45,18 +47,25 @@ def client(cluster: LocalCluster) -> Iterator["openai.OpenAI"]:
         yield c
 
 
-def _streamed_calls(client: "openai.OpenAI", **fields: object) -> tuple[list[dict], str | None]:
-    """The tool calls a stream assembles (as OpenAI's SDKs do: by index, arguments concatenated), and its finish."""
+def _streamed(client: "openai.OpenAI", **fields: object) -> tuple[list[dict], str, str | None]:
+    """The tool calls a stream assembles (as OpenAI's SDKs do: by index, arguments concatenated), its content and
+    its finish."""
     calls: dict[int, dict] = {}
-    finish = None
+    content, finish = "", None
     for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0,
                                                 stream=True, **fields):
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
                 call["arguments"] += delta.function.arguments or ""
+            content += choice.delta.content or ""
             finish = choice.finish_reason or finish
-    return [calls[i] for i in sorted(calls)], finish
+    return [calls[i] for i in sorted(calls)], content, finish
+
+
+def _streamed_calls(client: "openai.OpenAI", **fields: object) -> tuple[list[dict], str | None]:
+    calls, _, finish = _streamed(client, **fields)
+    return calls, finish
 
 
 def _whole_calls(message) -> list[dict]:
@@ -108,6 +117,32 @@ def test_parallel_calls_under_required(client: "openai.OpenAI") -> None:
     assert [(c["name"], c["arguments"]) for c in streamed] == [(c["name"], c["arguments"]) for c in calls]
 
 
+def test_auto_reads_the_models_own_call_syntax(client: "openai.OpenAI", cluster: LocalCluster) -> None:
+    """tool_choice "auto" with the hermes parser: the model's <tool_call> blocks become calls, the text around them
+    content. The model is made to write a call by a regex (a small model rarely calls on its own); the parser
+    reads its generated text as it would any model's, token by token when streamed."""
+    regex = (r'Checking the weather\.<tool_call>\n\{"name": "get_weather", "arguments": '
+             r'\{"city": "(Paris|Lyon)", "unit": "(C|F)"\}\}\n</tool_call>')
+    fields = {"max_tokens": 100, "extra_body": {"structured_outputs": {"regex": regex}}}
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0,
+                                           tool_choice="auto", **fields)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking the weather."
+    (call,) = _whole_calls(choice.message)
+    assert call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+    calls, content, finish = _streamed(client, tool_choice="auto", **fields)  # "auto" is also the default
+    assert (content, finish) == ("Checking the weather.", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [(call["name"], json.loads(call["arguments"]))]
+    # Free text with no call in it is the answer, streamed as it comes.
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0,
+                                           max_tokens=12)
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+    _, streamed_content, _ = _streamed(client, max_tokens=12)
+    assert streamed_content == plain.choices[0].message.content
+    assert_all_blocks_free(cluster)
+
+
 def test_a_conversation_with_a_call_and_its_result(client: "openai.OpenAI", cluster: LocalCluster,
                                                    default_model_dir: Path) -> None:
     first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0,
@@ -136,7 +171,6 @@ def test_a_conversation_with_a_call_and_its_result(client: "openai.OpenAI", clus
 
 
 @pytest.mark.parametrize("fields, param, fragment", [
-    ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" (the default with tools) needs a parser'),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "book_flight"}}},
      "tool_choice.function.name", "'book_flight', which is not one of the tools"),
     ({"tool_choice": "required"}, "tool_choice", "the request has no tools"),

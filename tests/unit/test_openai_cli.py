@@ -46,3 +46,27 @@ class _NoServer:
     def run(self, sockets: list) -> None:
         for sock in sockets:
             sock.close()
+
+
+def test_auto_tool_choice_flags_go_together_and_reach_the_front(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from llmserve import cli
+    from openai_api import server
+
+    configs = []
+    monkeypatch.setattr(server, "make_app", lambda config: configs.append(config))
+    monkeypatch.setattr(server.uvicorn, "Server", lambda config: _NoServer())
+    assert cli.main(["openai", "--port", "0", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == 0
+    assert [c.tool_call_parser for c in configs] == ["hermes"]
+    for flags in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
+        assert cli.main(["openai", "--port", "0", *flags]) == 2
+        assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err
+    assert cli.main(["up", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == 2
+    assert "apply to the HTTP front: set --http-port" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
+        FrontConfig(scheduler="s:1", tool_call_parser="mistral")
+    # `up` hands both flags to the front it starts.
+    args = build_parser().parse_args(["up", "--http-port", "8000", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "llama3_json"])
+    assert cli._passthrough(args, cli._HTTP_PASS)[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser",
+                                                          "llama3_json"]

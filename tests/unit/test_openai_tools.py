@@ -11,7 +11,7 @@ import pytest
 from openai_api.errors import OpenAIError
 from openai_api.protocol import ChatCompletionRequest, TokenizeRequest
 from openai_api.request_mapping import chat_request, tokenize_request
-from openai_api.tools import ToolCallMode, ToolCallReader, tool_call_mode
+from openai_api.tools import ToolCallMode, ToolCallReader, ToolDeltas, tool_call_mode
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -38,6 +38,17 @@ def test_tool_choice_modes() -> None:
     assert tool_call_mode(_request(tool_choice="required")) == ToolCallMode()
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert tool_call_mode(_request(tool_choice=named)) == ToolCallMode("get_weather")
+    # "auto" (the default with tools) reads the model's own syntax, with a parser.
+    assert tool_call_mode(_request(), "hermes") == tool_call_mode(_request(tool_choice="auto"), "hermes") == \
+        ToolCallMode(parser="hermes")
+    with pytest.raises(OpenAIError, match="--enable-auto-tool-choice --tool-call-parser"):
+        tool_call_mode(_request())
+
+
+def test_auto_leaves_the_output_free_and_shows_special_tokens_to_the_parser() -> None:
+    msg = chat_request(_request(), "chat-1", tool_parser="hermes")
+    assert not msg.sampling.HasField("structured_outputs") and msg.sampling.skip_special_tokens is False
+    assert len(msg.chat_options.tools) == 2
 
 
 def test_a_named_function_constrains_the_output_to_its_parameters() -> None:
@@ -86,7 +97,7 @@ def test_tool_messages_travel_on_the_wire() -> None:
 
 def _feed_by_character(reader: ToolCallReader, text: str) -> list[tuple[int, list[dict]]]:
     """(position after which, deltas) for every character that produced deltas."""
-    return [(i, deltas) for i, ch in enumerate(text) if (deltas := reader.feed(ch))]
+    return [(i, deltas) for i, ch in enumerate(text) if (deltas := reader.feed(ch).tool_calls)]
 
 
 def test_required_calls_stream_once_each_object_is_complete() -> None:
@@ -102,10 +113,10 @@ def test_required_calls_stream_once_each_object_is_complete() -> None:
         (0, "get_weather", {"city": 'Paris, "FR" {x}'}), (1, "get_time", {})]
     assert all(d["type"] == "function" and d["id"].startswith("chatcmpl-tool-") for d in deltas)
     assert [c["id"] for c in reader.calls] == [d["id"] for d in deltas]
-    assert reader.rest() is None and reader.finish_reason("stop") == "tool_calls"
+    assert reader.finish() == ToolDeltas() and reader.finish_reason("stop") == "tool_calls"
     # Read whole, the same calls.
     whole = ToolCallReader(ToolCallMode())
-    whole.feed(text)
+    whole.read(text, final=True)
     assert [c["function"] for c in whole.calls] == [c["function"] for c in reader.calls]
 
 
@@ -113,7 +124,7 @@ def test_a_required_array_cut_short_keeps_its_complete_calls_and_returns_the_res
     reader = ToolCallReader(ToolCallMode())
     reader.feed('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci')
     assert [c["function"]["name"] for c in reader.calls] == ["get_time"]
-    assert reader.rest() == '{"name": "get_weather", "parameters": {"ci'
+    assert reader.finish().content == '{"name": "get_weather", "parameters": {"ci'
     assert reader.finish_reason("length") == "length"
     empty = ToolCallReader(ToolCallMode())
     empty.feed('[{"na')
@@ -122,10 +133,10 @@ def test_a_required_array_cut_short_keeps_its_complete_calls_and_returns_the_res
 
 def test_a_named_call_streams_its_arguments_as_generated() -> None:
     reader = ToolCallReader(ToolCallMode("get_weather"))
-    assert reader.feed("") == []
-    first, *_ = reader.feed('{"ci')
+    assert reader.feed("") == ToolDeltas()
+    (first,) = reader.feed('{"ci').tool_calls
     assert first["index"] == 0 and first["function"] == {"name": "get_weather", "arguments": '{"ci'}
-    assert reader.feed('ty": "Paris"}') == [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]
+    assert reader.feed('ty": "Paris"}') == ToolDeltas(tool_calls=[{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}])
     (call,) = reader.calls
     assert call["id"] == first["id"] and call["function"]["arguments"] == '{"city": "Paris"}'
-    assert reader.rest() is None and reader.finish_reason("stop") == "tool_calls"
+    assert reader.finish() == ToolDeltas() and reader.finish_reason("stop") == "tool_calls"
