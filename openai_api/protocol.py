@@ -223,7 +223,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # "none", "auto", "required" or a NamedToolChoice, checked by tools.py (a union's error would name types).
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     # vLLM's: how the messages are rendered (the template's generation prompt; a final message left open).
     add_generation_prompt: bool = True

@@ -44,6 +44,7 @@ from openai_api.request_mapping import (
     tokenize_request,
 )
 from openai_api.streaming import MEDIA_TYPE, ChunkHeader, sse_stream
+from openai_api.tools import constraint_error, tool_call_mode
 from shared.grpc_server import PUBLIC_MAX_REQUEST_BYTES
 from shared.metrics import FrontMetrics
 
@@ -172,8 +173,11 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     model = _model_name(state, req)
     _reject_unknown(req)
     request_id = f"chatcmpl-{_base_request_id(request)}"
-    (stream,) = await state.engine.open_all([chat_request(req, request_id, state.tool_parser)],
-                                            _trace_metadata(request))
+    try:
+        (stream,) = await state.engine.open_all([chat_request(req, request_id, state.tool_parser)],
+                                                _trace_metadata(request))
+    except OpenAIError as exc:
+        raise constraint_error(tool_call_mode(req, state.tool_parser), exc) from None
     prompt = prompt_info(stream.first, req.prompt_logprobs is not None)
     obj = chat.CHUNK_OBJECT if req.stream else chat.OBJECT
     header = _header(request_id, model, obj, req)

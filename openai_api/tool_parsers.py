@@ -28,7 +28,7 @@ class Parsed:
     calls: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _call(value: Any) -> list[tuple[str, str]] | None:
+def _calls(value: Any) -> list[tuple[str, str]] | None:
     """The calls a decoded JSON value holds ({"name", "arguments" or "parameters"}, or a list of them); None when it
     is not calls."""
     values = value if isinstance(value, list) else [value]
@@ -86,7 +86,7 @@ class HermesParser:
 
     def _take_block(self, block: str, out: Parsed, closed: bool) -> None:
         try:
-            calls = _call(json.loads(block))
+            calls = _calls(json.loads(block))
         except ValueError:
             calls = None
         if calls is None:
@@ -138,7 +138,7 @@ class Llama3JsonParser:
             except ValueError:
                 self._pos = pos
                 return out
-            calls = _call(value)
+            calls = _calls(value)
             if calls is None:
                 self._pos = pos  # not a call: finish() hands it back as content
                 return out

@@ -23,7 +23,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from openai_api.errors import invalid_request
+from pydantic import ValidationError
+
+from openai_api.errors import OpenAIError, invalid_request
 from openai_api.protocol import ChatCompletionRequest, NamedToolChoice
 from openai_api.tool_parsers import Parsed, make_parser
 from protos import common_pb2
@@ -32,6 +34,7 @@ from protos import common_pb2
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _JSON = json.JSONDecoder()
 _WHITESPACE = " \t\n\r"
+_CHOICES = ("none", "auto", "required")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class ToolCallMode:
 def tool_call_mode(req: ChatCompletionRequest, parser: str | None = None) -> ToolCallMode | None:
     """The request's tool calling (`parser`: the front's --tool-call-parser); None for a text answer. A 400 for a
     choice that cannot be served."""
-    choice = req.tool_choice
+    choice = _choice(req.tool_choice)
     if choice is None:
         choice = "auto" if req.tools else "none"
     if choice == "none" or (choice == "auto" and not req.tools):
@@ -71,6 +74,30 @@ def tool_call_mode(req: ChatCompletionRequest, parser: str | None = None) -> Too
                                   "tool_choice.function.name")
         return ToolCallMode(choice.function.name)
     return ToolCallMode()
+
+
+def _choice(value: object) -> str | NamedToolChoice | None:
+    """tool_choice, checked here rather than by the request model: a union's error would name its branches' types."""
+    if value is None or value in _CHOICES:
+        return value  # type: ignore[return-value]
+    if isinstance(value, dict):
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError:
+            pass
+    raise invalid_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                          '{"name": ...}}', "tool_choice")
+
+
+def constraint_error(mode: ToolCallMode | None, error: OpenAIError) -> OpenAIError:
+    """The scheduler's refusal of the constraint built from the tools' parameters, in the request's terms (it names
+    the structured output the front made of them)."""
+    prefix = "structured_outputs.json is not valid: "
+    if mode is None or not mode.constrained or error.status != 400 or not error.message.startswith(prefix):
+        return error
+    whose = f"{mode.name}'s parameters are" if mode.name else "the tools' parameters are"
+    return invalid_request(f"{whose} not a JSON schema the output can be held to: {error.message[len(prefix):]}",
+                           "tools")
 
 
 def tool_constraint(req: ChatCompletionRequest, mode: ToolCallMode) -> common_pb2.StructuredOutputs:

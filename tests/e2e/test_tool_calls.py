@@ -179,6 +179,11 @@ def test_a_conversation_with_a_call_and_its_result(client: "openai.OpenAI", clus
     ({"messages": [*MESSAGES, {"role": "tool", "content": "18 C"}], "tools": TOOLS, "tool_choice": "none"}, None,
      "messages[1]: a tool message needs tool_call_id"),
     ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"}, None, "tools name 'get_weather' more than once"),
+    ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", 'tool_choice must be "none", "auto", "required" or'),
+    # The scheduler compiles the constraint made of the parameters; its refusal names the tool.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools",
+     "f's parameters are not a JSON schema the output can be held to: Invalid type: objekt"),
 ])
 def test_what_cannot_be_served_is_a_400(cluster: LocalCluster, fields: dict, param: str | None, fragment: str) -> None:
     reply = httpx.post(f"{cluster.http_url}/v1/chat/completions",

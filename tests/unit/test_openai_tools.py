@@ -11,7 +11,7 @@ import pytest
 from openai_api.errors import OpenAIError
 from openai_api.protocol import ChatCompletionRequest, TokenizeRequest
 from openai_api.request_mapping import chat_request, tokenize_request
-from openai_api.tools import ToolCallMode, ToolCallReader, ToolDeltas, tool_call_mode
+from openai_api.tools import ToolCallMode, ToolCallReader, ToolDeltas, constraint_error, tool_call_mode
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -43,6 +43,26 @@ def test_tool_choice_modes() -> None:
         ToolCallMode(parser="hermes")
     with pytest.raises(OpenAIError, match="--enable-auto-tool-choice --tool-call-parser"):
         tool_call_mode(_request())
+
+
+@pytest.mark.parametrize("choice", ["any", {"type": "function"}, {"type": "function", "function": {}}, 3])
+def test_a_tool_choice_of_no_known_form_is_named(choice: object) -> None:
+    with pytest.raises(OpenAIError) as info:
+        tool_call_mode(_request(tool_choice=choice))
+    assert info.value.param == "tool_choice" and info.value.message.startswith(
+        'tool_choice must be "none", "auto", "required" or {"type": "function"')
+
+
+def test_the_schedulers_refusal_of_the_constraint_names_the_tools() -> None:
+    refused = OpenAIError(400, "structured_outputs.json is not valid: Invalid type: objekt")
+    named = constraint_error(ToolCallMode("get_weather"), refused)
+    assert (named.param, named.message) == ("tools", "get_weather's parameters are not a JSON schema the output can "
+                                                     "be held to: Invalid type: objekt")
+    assert constraint_error(ToolCallMode(), refused).message.startswith("the tools' parameters are not")
+    # Other errors, and those of a request whose constraint is its own, pass as they are.
+    for mode, error in ((ToolCallMode(), OpenAIError(429, "busy")), (None, refused),
+                        (ToolCallMode(parser="hermes"), refused)):
+        assert constraint_error(mode, error) is error
 
 
 def test_auto_leaves_the_output_free_and_shows_special_tokens_to_the_parser() -> None:
