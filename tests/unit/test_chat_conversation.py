@@ -121,3 +121,20 @@ def test_what_cannot_be_rendered_is_named(admission_default: Admission, messages
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
         admission_default.tokenize(generation_pb2.TokenizeRequest(
             messages=messages, chat_options=generation_pb2.ChatOptions(tools=tools)))
+
+
+def test_a_template_that_refuses_the_conversation_is_an_invalid_argument(default_model_dir: Path) -> None:
+    """Templates refuse what they cannot render (raise_exception), or fail on a field a message lacks: the caller's
+    conversation, so INVALID_ARGUMENT with the template's words, not an internal error."""
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    wire, _ = _conversation()
+    for template, words in [
+        ("{% for m in messages %}{% if m.tool_calls and m.tool_calls | length > 0 %}"
+         "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}{% endfor %}",
+         "This model only supports single tool-calls at once!"),
+        ("{% for m in messages %}{{ m.content }}{{ m.missing.field }}{% endfor %}", "'dict object' has no attribute"),
+    ]:
+        tok.chat_template = template
+        with pytest.raises(InvalidRequestError, match=re.escape(f"messages cannot be rendered with the chat template: "
+                                                                f"{words}")):
+            _admission(tok).admit(_request(wire))
