@@ -158,12 +158,14 @@ def collect_completions(messages: Iterable[generation_pb2.GenerateResponse]) -> 
 
 
 def chat_options(add_generation_prompt: bool = True, continue_final_message: bool = False,
-                 tools: Sequence[Mapping[str, Any]] | None = None) -> generation_pb2.ChatOptions:
+                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> generation_pb2.ChatOptions:
     """vLLM's chat rendering parameters as GenerateRequest.chat_options: a new assistant turn after the messages
-    (the default), or the final message left open for the model to continue (an answer the caller began); and
+    (the default), or the final message left open for the model to continue (an answer the caller began);
     OpenAI-shaped function tools (`{"type": "function", "function": {"name", "description", "parameters"}}`) for
-    the template to describe."""
-    options = generation_pb2.ChatOptions(continue_final_message=continue_final_message)
+    the template to describe; and more template variables (vLLM's chat_template_kwargs)."""
+    options = generation_pb2.ChatOptions(continue_final_message=continue_final_message,
+                                         template_kwargs=json.dumps(dict(template_kwargs)) if template_kwargs else "")
     if not add_generation_prompt:
         options.add_generation_prompt = False
     for i, tool in enumerate(tools or []):

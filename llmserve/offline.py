@@ -215,17 +215,19 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One answer per conversation (OpenAI-shaped messages with text content, an assistant's `tool_calls` and a
         tool's `tool_call_id` included, rendered with the model's chat template).
 
         add_generation_prompt / continue_final_message: as vLLM's, how the template ends the rendering (a new
         assistant turn; or the final message left open for the model to continue). tools: OpenAI's function
-        tools, given to the template (as vLLM's `LLM.chat(tools=...)`)."""
+        tools, given to the template (as vLLM's `LLM.chat(tools=...)`). chat_template_kwargs: more template
+        variables, as vLLM's (e.g. `{"enable_thinking": False}` for a template that reads it)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         requests = [self._request(None, conv) for conv in conversations]  # type: ignore[arg-type]
-        options = chat_options(add_generation_prompt, continue_final_message, tools)
+        options = chat_options(add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
         for req in requests:
             req.chat_options.CopyFrom(options)
         return self._run(requests, sampling_params, use_tqdm)

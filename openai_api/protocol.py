@@ -4,7 +4,9 @@ Served: the fields defined here. OpenAI's sampling fields, completions' `echo` (
 `logprobs` its tokens' logprobs, before each choice's), vLLM's extra sampling parameters (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `use_beam_search`,
 `spaces_between_special_tokens`, ...), its prompt options (`add_special_tokens`, `truncate_prompt_tokens`)
-and its extra outputs (`prompt_logprobs`, `return_token_ids`); vLLM's with `extra_body=` in the openai client.
+and its extra outputs (`prompt_logprobs`, `return_token_ids`), and its chat rendering fields
+(`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `documents`); vLLM's with `extra_body=`
+in the openai client.
 Structured outputs in all three spellings: OpenAI's `response_format`, vLLM's `structured_outputs` and its older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 `priority` is served as vLLM serves it under first-come-first-served scheduling, the scheduler's only policy:
@@ -226,9 +228,12 @@ class ChatCompletionRequest(SamplingRequest):
     # "none", "auto", "required" or a NamedToolChoice, checked by tools.py (a union's error would name types).
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    # vLLM's: how the messages are rendered (the template's generation prompt; a final message left open).
+    # vLLM's: how the messages are rendered (the template's generation prompt; a final message left open; more
+    # template variables, and documents for templates that take them).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -242,6 +247,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 

@@ -7,8 +7,6 @@ and HTTP clients get the same validation and the same messages (a 400 here, INVA
 
 from __future__ import annotations
 
-from typing import Any
-
 from llmserve.client import chat_message, chat_options
 from protos import common_pb2, generation_pb2
 from openai_api.errors import invalid_request
@@ -21,7 +19,6 @@ from openai_api.protocol import (
     DetokenizeRequest,
     SamplingRequest,
     TokenizeRequest,
-    ToolDefinition,
 )
 
 _UINT64 = 1 << 64
@@ -182,7 +179,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str, tool_parser: str |
         sampling=sampling_params(req, max_tokens, logprobs, req.prompt_logprobs),
     ))
     # The scheduler checks that the pair makes sense.
-    msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message, _tools(req.tools)))
+    msg.chat_options.CopyFrom(_chat_options(req))
     if mode is not None and not mode.constrained:
         # The call syntax may be special tokens (Hermes' <tool_call>): the parser must see them, as vLLM's does.
         msg.sampling.skip_special_tokens = False
@@ -219,8 +216,15 @@ def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessag
                          "tool_calls": [call.model_dump() for call in message.tool_calls or []]})
 
 
-def _tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]]:
-    return [tool.model_dump() for tool in tools or []]
+def _chat_options(req: ChatCompletionRequest | TokenizeRequest) -> generation_pb2.ChatOptions:
+    """How the scheduler renders the messages: vLLM's rendering fields, the tools, the template's variables."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.documents is not None:
+        if "documents" in kwargs:
+            raise invalid_request("set documents once: as its own field or in chat_template_kwargs", "documents")
+        kwargs["documents"] = req.documents
+    return chat_options(req.add_generation_prompt, req.continue_final_message,
+                        [tool.model_dump() for tool in req.tools or []], kwargs)
 
 
 def tokenize_request(req: TokenizeRequest) -> generation_pb2.TokenizeRequest:
@@ -229,11 +233,10 @@ def tokenize_request(req: TokenizeRequest) -> generation_pb2.TokenizeRequest:
         raise invalid_request("set exactly one of prompt or messages", "prompt")
     if req.messages is not None:
         msg = generation_pb2.TokenizeRequest(messages=_chat_messages(req.messages))
-        msg.chat_options.CopyFrom(chat_options(req.add_generation_prompt, req.continue_final_message,
-                                               _tools(req.tools)))
-    elif not req.add_generation_prompt or req.continue_final_message or req.tools is not None:
-        field = ("add_generation_prompt" if not req.add_generation_prompt
-                 else "continue_final_message" if req.continue_final_message else "tools")
+        msg.chat_options.CopyFrom(_chat_options(req))
+    elif field := next((name for name, unset in (("add_generation_prompt", True), ("continue_final_message", False),
+                                                  ("tools", None), ("chat_template_kwargs", None), ("documents", None))
+                        if getattr(req, name) != unset), None):
         raise invalid_request(f"{field} applies to messages, not a prompt", field)
     else:
         msg = generation_pb2.TokenizeRequest(prompt=req.prompt)

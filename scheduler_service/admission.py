@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from protos import generation_pb2, state_pb2
-from scheduler_service.chat_conversation import conversation, template_tools
+from scheduler_service.chat_conversation import conversation, template_kwargs, template_tools
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 from shared.sampling_proto import sampling_from_proto, sampling_to_proto
@@ -96,8 +96,8 @@ class Admission:
             raise InvalidRequestError(f"set exactly one of prompt, prompt_token_ids or messages, got {', '.join(given)}")
         special = req.add_special_tokens if req.HasField("add_special_tokens") else None
         if req.HasField("chat_options") and not req.messages:
-            raise InvalidRequestError("chat_options (add_generation_prompt, continue_final_message, tools) apply to "
-                                      "messages")
+            raise InvalidRequestError("chat_options (add_generation_prompt, continue_final_message, tools, "
+                                      "template_kwargs) apply to messages")
         if req.prompt_token_ids:
             if special is not None:
                 raise InvalidRequestError("add_special_tokens applies to a text prompt or messages, not prompt_token_ids")
@@ -131,14 +131,16 @@ class Admission:
         tools = template_tools(options.tools)
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        extra = template_kwargs(options.template_kwargs, self._tok.apply_chat_template)  # type: ignore[attr-defined]
         try:
             text = self._tok.apply_chat_template(  # type: ignore[attr-defined]
                 conv, tools=tools, tokenize=False, add_generation_prompt=generation_prompt,
-                continue_final_message=options.continue_final_message)
+                continue_final_message=options.continue_final_message, **extra)
         # ValueError: e.g. a final message the template leaves out, which cannot be continued. TemplateError: the
         # template refused the conversation (its raise_exception: roles out of order, more tool calls than it
-        # takes, ...) or read a field the messages lack.
-        except (ValueError, TemplateError) as exc:
+        # takes, ...) or read a field the messages lack. TypeError: a value of the wrong type for the template or
+        # for transformers (documents that are not title/text objects). The inputs are all the request's.
+        except (ValueError, TypeError, TemplateError) as exc:
             raise InvalidRequestError(f"messages cannot be rendered with the chat template: {exc}") from exc
         # The template already contains the special tokens the model expects (unless asked for more).
         return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)  # type: ignore[operator]

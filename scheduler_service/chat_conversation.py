@@ -3,19 +3,23 @@
 transformers' apply_chat_template takes OpenAI-shaped dictionaries: messages with `role` and `content`, an
 assistant's `tool_calls` with each call's arguments as an object (the wire carries them as JSON text), a tool
 message's `tool_call_id`, and `tools=[{"type": "function", "function": {...}}]`. Templates that know nothing of
-tools ignore these keys; those that do (Llama 3.1, Qwen 2.5, Hermes, ...) describe the tools to the model.
+tools ignore these keys; those that do (Llama 3.1, Qwen 2.5, Hermes, ...) describe the tools to the model. More
+template variables (vLLM's chat_template_kwargs, e.g. Qwen 3's enable_thinking) are passed as keyword arguments.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from protos import generation_pb2
 from shared.errors import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Rendering options a request sets with fields of their own (ChatOptions).
+_OWN_FIELDS = ("add_generation_prompt", "continue_final_message", "tools")
 
 
 def conversation(messages: Iterable[generation_pb2.ChatMessage]) -> list[dict[str, Any]]:
@@ -58,6 +62,20 @@ def template_tools(tools: Iterable[generation_pb2.Tool]) -> list[dict[str, Any]]
         twice = next(name for name in names if names.count(name) > 1)
         raise InvalidRequestError(f"tools name {twice!r} more than once: a call could not say which it means")
     return out or None
+
+
+def template_kwargs(text: str, apply_chat_template: Callable[..., object]) -> dict[str, Any]:
+    """The request's extra template variables; a rendering option of apply_chat_template among them is refused (its
+    own field sets it, or it would change what the rendering returns). `documents` is a template input: passed."""
+    if not text:
+        return {}
+    kwargs = _json_object(text, "chat_template_kwargs")
+    options = {name for name, p in inspect.signature(apply_chat_template).parameters.items()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD} - {"documents"}
+    for key in sorted(options & kwargs.keys()):
+        hint = f": set the request's own {key}" if key in _OWN_FIELDS else ""
+        raise InvalidRequestError(f"chat_template_kwargs.{key} is a rendering option, not a template variable{hint}")
+    return kwargs
 
 
 def _tool_call(call: generation_pb2.ToolCall, where: str) -> dict[str, Any]:

@@ -85,8 +85,8 @@ SAMPLING = st.fixed_dictionaries({}, optional={
     "skip_special_tokens": st.booleans(),
 })
 
-# Tool calls, tool results and tools for the chat template: names and ids of any text, arguments and parameters
-# that are JSON objects, other JSON, or not JSON at all.
+# Tool calls, tool results, tools and variables for the chat template: names and ids of any text, arguments,
+# parameters and variables that are JSON objects, other JSON, or not JSON at all.
 _JSON_TEXT = st.one_of(st.text(max_size=10), st.sampled_from(['{}', '{"city": "Paris"}', '[1]', 'null',
                                                               '{"type": "object"}', '{"type": "objekt"}']))
 _TOOL_CALL = st.builds(generation_pb2.ToolCall, id=st.text(max_size=5), name=st.text(max_size=8), arguments=_JSON_TEXT)
@@ -102,7 +102,9 @@ PROMPT = st.one_of(
     st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, VOCAB - 1), min_size=200, max_size=300)}),
     st.fixed_dictionaries({"messages": st.lists(
         st.tuples(st.sampled_from(["system", "user", "assistant", "robot", ""]), st.text(max_size=20)), max_size=3)}),
-    st.fixed_dictionaries({"messages": st.lists(_TOOL_MESSAGE, max_size=3), "tools": st.lists(_TOOL, max_size=2)}),
+    st.fixed_dictionaries({"messages": st.lists(_TOOL_MESSAGE, max_size=3), "tools": st.lists(_TOOL, max_size=2),
+                           "template_kwargs": st.one_of(_JSON_TEXT, st.sampled_from(
+                               ['{"tokenize": true}', '{"enable_thinking": false}', '{"documents": [1]}']))}),
     st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=10),
                            "prompt_token_ids": st.lists(st.integers(0, 100), min_size=1, max_size=3)}),
 )
@@ -119,7 +121,8 @@ def _request(prompt: dict, sampling: dict, request_id: str | None) -> generation
         prompt_token_ids=prompt.get("prompt_token_ids", []),
         messages=[m if isinstance(m, generation_pb2.ChatMessage) else generation_pb2.ChatMessage(role=m[0], content=m[1])
                   for m in prompt.get("messages", [])],
-        chat_options=generation_pb2.ChatOptions(tools=prompt["tools"]) if "tools" in prompt else None,
+        chat_options=generation_pb2.ChatOptions(tools=prompt["tools"], template_kwargs=prompt["template_kwargs"])
+        if "tools" in prompt else None,
         sampling=common_pb2.SamplingParams(**sampling),
     )
 

@@ -312,6 +312,21 @@ def test_chat_prompt_logprobs_and_token_ids(cluster: LocalCluster) -> None:
     assert [t for c in rest for ch in c["choices"] for t in ch["token_ids"]] == whole["choices"][0]["token_ids"]
 
 
+def test_chat_template_kwargs_reach_the_schedulers_rendering(client: "openai.OpenAI", cluster: LocalCluster) -> None:
+    """vLLM's chat_template_kwargs and documents go to the scheduler's apply_chat_template (this template reads
+    neither, so the tokens are the plain rendering's); a rendering option among them is refused there, a 400."""
+    url, messages = cluster.http_url, [{"role": "user", "content": "Say hello"}]
+    plain = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "documents": [{"title": "A", "text": "alpha"}]}
+    assert httpx.post(f"{url}/tokenize", json={"messages": messages, **extra}, timeout=30).json()["tokens"] == plain
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+    assert chat.usage.prompt_tokens == len(plain)
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"return_tensors": "pt"}})
+    assert reply.status_code == 400
+    assert "chat_template_kwargs.return_tensors is a rendering option" in reply.json()["error"]["message"]
+
+
 def test_a_final_message_continued_and_a_rendering_without_the_generation_prompt(
         client: "openai.OpenAI", cluster: LocalCluster, tiny_llama_dir: Path) -> None:
     """vLLM's add_generation_prompt and continue_final_message: the prompt is the template's rendering with them,

@@ -133,8 +133,52 @@ def test_a_template_that_refuses_the_conversation_is_an_invalid_argument(default
          "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}{% endfor %}",
          "This model only supports single tool-calls at once!"),
         ("{% for m in messages %}{{ m.content }}{{ m.missing.field }}{% endfor %}", "'dict object' has no attribute"),
+        ("{{ messages | length + messages[0].content }}", "unsupported operand type(s) for +"),
     ]:
         tok.chat_template = template
         with pytest.raises(InvalidRequestError, match=re.escape(f"messages cannot be rendered with the chat template: "
                                                                 f"{words}")):
             _admission(tok).admit(_request(wire))
+
+
+# A template that reads a variable of its own and documents, as Qwen 3's enable_thinking and RAG templates do.
+KWARGS_TEMPLATE = (
+    "{% for d in documents or [] %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is false %}<think></think>"
+    "{% endif %}{% endif %}"
+)
+
+
+def test_template_kwargs_reach_the_template_as_transformers_passes_them(default_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    tok.chat_template = KWARGS_TEMPLATE
+    admission = _admission(tok)
+    messages = [generation_pb2.ChatMessage(role="user", content="Hi")]
+    kwargs = {"enable_thinking": False, "documents": [{"title": "A", "text": "alpha"}]}
+    req = _request(messages)
+    req.chat_options.template_kwargs = json.dumps(kwargs)
+    got = tok.decode(admission.admit(req).prompt_token_ids)
+    assert got == tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                          add_generation_prompt=True, **kwargs)
+    assert got.startswith("[doc A: alpha]") and got.endswith("<think></think>")
+    assert not tok.decode(admission.admit(_request(messages)).prompt_token_ids).endswith("<think></think>")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ('{"tokenize": true}', "chat_template_kwargs.tokenize is a rendering option, not a template variable"),
+    ('{"add_generation_prompt": false, "x": 1}',
+     "chat_template_kwargs.add_generation_prompt is a rendering option, not a template variable: set the request's "
+     "own add_generation_prompt"),
+    ('{"tools": []}', "set the request's own tools"),
+    ('{"enable', "chat_template_kwargs is not valid JSON"),
+    # transformers checks documents' shape; a template may compute with a variable of the wrong type.
+    ('{"documents": [1]}', "Documents should be a list of dicts with 'title' and 'text' keys!"),
+    ("[1]", "chat_template_kwargs must be a JSON object, got list"),
+])
+def test_template_kwargs_that_are_no_template_variables_are_refused(admission_default: Admission, kwargs: str,
+                                                                     message: str) -> None:
+    req = _request([generation_pb2.ChatMessage(role="user", content="Hi")])
+    req.chat_options.template_kwargs = kwargs
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        admission_default.admit(req)

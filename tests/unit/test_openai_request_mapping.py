@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from openai_api.errors import OpenAIError
@@ -146,6 +148,25 @@ def test_fields_the_front_rejects_are_400(build, fields: dict, param: str) -> No
         build(**fields)
     assert info.value.status == 400 and info.value.param == param
     assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_template_kwargs_and_documents_reach_the_chat_options() -> None:
+    docs = [{"title": "A", "text": "alpha"}]
+    msg = _chat(chat_template_kwargs={"enable_thinking": False}, documents=docs)
+    assert json.loads(msg.chat_options.template_kwargs) == {"enable_thinking": False, "documents": docs}
+    assert _chat().chat_options.template_kwargs == ""
+    tokenize = tokenize_request(TokenizeRequest(messages=[{"role": "user", "content": "hi"}],
+                                                chat_template_kwargs={"enable_thinking": False}))
+    assert json.loads(tokenize.chat_options.template_kwargs) == {"enable_thinking": False}
+    for build, fields, param in [
+        (_chat, dict(documents=docs, chat_template_kwargs={"documents": docs}), "documents"),
+        (lambda **f: tokenize_request(TokenizeRequest(prompt="hi", **f)), dict(chat_template_kwargs={"a": 1}),
+         "chat_template_kwargs"),
+        (lambda **f: tokenize_request(TokenizeRequest(prompt="hi", **f)), dict(documents=docs), "documents"),
+    ]:
+        with pytest.raises(OpenAIError) as info:
+            build(**fields)
+        assert info.value.status == 400 and info.value.param == param
 
 
 def test_tokenize_refuses_an_empty_message_list_as_chat_does() -> None:
