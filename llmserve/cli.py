@@ -374,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "refused meanwhile); those still open then are cut")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no log line per HTTP request (vLLM's flag); errors are still logged")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens token_id:<id> rather than their text, unless a request's own "
+                        "return_tokens_as_token_ids says otherwise (vLLM's flag)")
     _tool_call_flags(p)
     p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
                    help="Prometheus endpoint of the engine (a scheduler's or worker's --metrics-port, e.g. "
@@ -661,7 +664,8 @@ def _cmd_openai(args: argparse.Namespace) -> int:
                       scheduler_tls=sec.client_tls_from(args), auth_token=sec.auth_token_from(args),
                       api_key=sec.api_key_from(args), engine_metrics=args.engine_metrics,
                       drain_timeout_s=args.drain_timeout, access_log=not args.disable_uvicorn_access_log,
-                      tool_call_parser=_tool_call_parser(args)),
+                      tool_call_parser=_tool_call_parser(args),
+                      return_tokens_as_token_ids=args.return_tokens_as_token_ids),
           args.log_level)
     return 0
 

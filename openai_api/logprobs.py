@@ -26,6 +26,9 @@ class TokenNamer:
         return self._tokenizer.decode([token_id])
 
 
+# Names every token `token_id:<id>` (a front without a tokenizer, or a request's return_tokens_as_token_ids).
+ID_NAMER = TokenNamer()
+
 # What JSON can carry for a log-probability of -inf (vLLM's and OpenAI's floor).
 _MIN_LOGPROB = -9999.0
 

@@ -146,6 +146,8 @@ class SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
     priority: int = 0
+    # vLLM's: logprobs name tokens `token_id:<id>` rather than their text (None: as the front is started).
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openai_api import chat, completions
 from openai_api.engine_client import EngineClient, GenerationStream
 from openai_api.errors import OpenAIError, invalid_request, model_not_found
-from openai_api.logprobs import TokenNamer
+from openai_api.logprobs import ID_NAMER, TokenNamer
 from openai_api.metrics_relay import relayed_exposition
 from llmserve import __version__
 from openai_api.protocol import (
@@ -68,6 +68,8 @@ class FrontState:
     created: int = 0
     # The parser of the model's tool-call syntax for tool_choice "auto" (tool_parsers.py); None: "auto" is a 400.
     tool_parser: str | None = None
+    # Logprobs name tokens `token_id:<id>` unless a request says otherwise (--return-tokens-as-token-ids).
+    tokens_as_ids: bool = False
 
 
 def _state(request: Request) -> FrontState:
@@ -81,6 +83,13 @@ def _model_name(state: FrontState, req: SamplingRequest | TokenizeRequest | Deto
     if req.model not in state.model_names:
         raise model_not_found(req.model)
     return req.model
+
+
+def _namer(state: FrontState, req: SamplingRequest) -> TokenNamer:
+    """How the response names tokens in logprobs: decoded, or `token_id:<id>` where the request asks (vLLM's
+    return_tokens_as_token_ids: every token distinct, even those that decode to no whole character)."""
+    as_ids = state.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids
+    return ID_NAMER if as_ids else state.namer
 
 
 def _reject_unknown(req: OpenAIBaseModel) -> None:
@@ -162,8 +171,8 @@ async def create_completion(req: CompletionRequest, request: Request) -> Respons
     header = _header(request_id, model, obj, req)
     return await _respond(
         request, streams, req.stream,
-        lambda: completions.completion_chunks(req, streams, prompts, header, state.namer),
-        lambda: completions.completion_body(req, streams, prompts, header, state.namer),
+        lambda: completions.completion_chunks(req, streams, prompts, header, _namer(state, req)),
+        lambda: completions.completion_body(req, streams, prompts, header, _namer(state, req)),
     )
 
 
@@ -183,8 +192,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     header = _header(request_id, model, obj, req)
     return await _respond(
         request, [stream], req.stream,
-        lambda: chat.chat_chunks(req, stream, prompt, header, state.namer, state.tool_parser),
-        lambda: chat.chat_body(req, stream, prompt, header, state.namer, state.tool_parser),
+        lambda: chat.chat_chunks(req, stream, prompt, header, _namer(state, req), state.tool_parser),
+        lambda: chat.chat_body(req, stream, prompt, header, _namer(state, req), state.tool_parser),
     )
 
 

@@ -41,6 +41,8 @@ class FrontConfig:
     access_log: a line per HTTP request (uvicorn's access log), as vLLM's API server logs them.
     tool_call_parser: how the model writes tool calls (openai_api/tool_parsers.py), for tool_choice "auto";
         empty: "auto" with tools is a 400 (vLLM's --enable-auto-tool-choice --tool-call-parser).
+    return_tokens_as_token_ids: logprobs name tokens `token_id:<id>` unless a request's own
+        return_tokens_as_token_ids says otherwise (vLLM's flag); without a tokenizer they always do.
     """
 
     scheduler: str
@@ -55,6 +57,7 @@ class FrontConfig:
     drain_timeout_s: float = 30.0
     access_log: bool = True
     tool_call_parser: str = ""
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -82,7 +85,8 @@ def make_app(config: FrontConfig) -> FastAPI:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer) if config.tokenizer else None
         engine = EngineClient(config.scheduler, config.scheduler_tls, config.auth_token)
         app.state.front = FrontState(engine, TokenNamer(tokenizer), config.served_model_names,
-                                     config.tokenizer or None, int(time.time()), config.tool_call_parser or None)
+                                     config.tokenizer or None, int(time.time()), config.tool_call_parser or None,
+                                     config.return_tokens_as_token_ids)
         log.info("OpenAI-compatible API for %s, backed by the scheduler at %s",
                  ", ".join(config.served_model_names), config.scheduler)
         try:

@@ -102,6 +102,24 @@ def test_completion_with_usage_logprobs_and_batch(client: "openai.OpenAI") -> No
     assert all(top[token] == logprob for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
 
 
+def test_logprobs_name_tokens_by_id_where_asked(client: "openai.OpenAI") -> None:
+    """vLLM's return_tokens_as_token_ids: the same logprobs, each token named token_id:<id> (the front has a
+    tokenizer, so by default they are decoded)."""
+    base = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0.0, logprobs=2)
+    named = client.completions.create(**base, extra_body={"ignore_eos": True, "return_token_ids": True})
+    by_id = client.completions.create(**base, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = named.choices[0].token_ids  # type: ignore[attr-defined] - vLLM's extra field
+    assert by_id.choices[0].logprobs.tokens == [f"token_id:{i}" for i in ids] != named.choices[0].logprobs.tokens
+    assert by_id.choices[0].logprobs.token_logprobs == named.choices[0].logprobs.token_logprobs
+    assert all(all(t.startswith("token_id:") for t in top) for top in by_id.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=1,
+                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                                                      "return_token_ids": True})
+    assert [c.token for c in chat.choices[0].logprobs.content] == [
+        f"token_id:{i}" for i in chat.choices[0].token_ids]  # type: ignore[attr-defined]
+
+
 def test_seeded_n_choices_are_reproducible(client: "openai.OpenAI") -> None:
     base = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=2, seed=11,
                 extra_body={"ignore_eos": True})

@@ -58,6 +58,8 @@ def test_auto_tool_choice_flags_go_together_and_reach_the_front(monkeypatch: pyt
     monkeypatch.setattr(server.uvicorn, "Server", lambda config: _NoServer())
     assert cli.main(["openai", "--port", "0", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == 0
     assert [c.tool_call_parser for c in configs] == ["hermes"]
+    assert cli.main(["openai", "--port", "0", "--return-tokens-as-token-ids"]) == 0
+    assert configs[-1].return_tokens_as_token_ids and not configs[0].return_tokens_as_token_ids
     for flags in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         assert cli.main(["openai", "--port", "0", *flags]) == 2
         assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err
@@ -70,3 +72,17 @@ def test_auto_tool_choice_flags_go_together_and_reach_the_front(monkeypatch: pyt
                                       "--tool-call-parser", "llama3_json"])
     assert cli._passthrough(args, cli._HTTP_PASS)[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser",
                                                           "llama3_json"]
+
+
+def test_a_request_names_tokens_by_id_or_text_over_the_fronts_default() -> None:
+    from openai_api.logprobs import ID_NAMER, TokenNamer
+    from openai_api.protocol import CompletionRequest
+    from openai_api.routes import FrontState, _namer
+
+    decoded = TokenNamer(type("Tok", (), {"decode": staticmethod(lambda ids: f"<{ids[0]}>")})())
+    for default in (False, True):
+        state = FrontState(engine=None, namer=decoded, model_names=["m"], tokens_as_ids=default)  # type: ignore[arg-type]
+        for asked, expected in ((None, "token_id:7" if default else "<7>"), (True, "token_id:7"), (False, "<7>")):
+            namer = _namer(state, CompletionRequest(prompt="x", return_tokens_as_token_ids=asked))
+            assert namer.name(7) == expected, (default, asked)
+    assert ID_NAMER.name(3) == "token_id:3"
