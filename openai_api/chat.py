@@ -2,7 +2,8 @@
 
 With a tool_choice that calls tools, each choice's text is read as its tool calls (tools.py). Besides OpenAI's
 fields, vLLM's: the response carries `prompt_logprobs` (when asked for) and `prompt_token_ids`
-(return_token_ids), a stream in its first chunk; each choice (or chunk) carries its `token_ids` (return_token_ids).
+(return_token_ids), a stream in its first chunk; each choice (or chunk) carries its `token_ids` (return_token_ids);
+with `echo`, a final assistant message's text comes first (a stream's second chunk).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from llmserve.client import stop_reason_of
 from openai_api.outputs import collect, finish_reason, merge
 from openai_api.prompts import PromptInfo
 from openai_api.protocol import ChatCompletionRequest, Usage
+from openai_api.request_mapping import message_text
 from openai_api.streaming import ChunkHeader
 from openai_api.tools import ToolCallReader, tool_call_mode
 
@@ -34,6 +36,9 @@ async def chat_chunks(
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         for i in range(req.n)
     ], extra=_prompt_fields(req, prompt, namer))
+    if echoed := _echo(req):
+        yield header.chunk([{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
+                            for i in range(req.n)])
     usage = Usage()
     mode = tool_call_mode(req, tool_parser)
     readers: dict[int, ToolCallReader] = {}
@@ -86,6 +91,8 @@ async def chat_body(
             reader = ToolCallReader(mode)
             message.update(content=reader.read(seq.text, final=True).content or None, tool_calls=reader.calls)
             reason = reader.finish_reason(reason)
+        if echoed := _echo(req):
+            message["content"] = echoed + (message["content"] or "")
         choice = {
             "index": index,
             "message": message,
@@ -98,6 +105,13 @@ async def chat_body(
         choices.append(choice)
     return {"id": header.request_id, "object": OBJECT, "created": header.created, "model": header.model,
             "choices": choices, "usage": out.usage.model_dump(), **_prompt_fields(req, prompt, namer)}
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text, when it is the assistant's (the answer the model continues)."""
+    if not req.echo or req.messages[-1].role != "assistant":
+        return ""
+    return message_text(req.messages[-1], len(req.messages) - 1)
 
 
 def _prompt_fields(req: ChatCompletionRequest, prompt: PromptInfo, namer: TokenNamer) -> dict[str, Any]:

@@ -16,7 +16,7 @@ Structured outputs in all three spellings: OpenAI's `response_format`, vLLM's `s
 
 A string that holds a lone surrogate (JSON can escape one, "\\ud800"; no UTF-8 carries it) is a 400 naming where.
 Rejected with a 400 naming them (never ignored: the answer would be to another request): every field not
-defined here (chat's `echo` among them), and the defined ones the front cannot honour: `suffix`, and
+defined here, and the defined ones the front cannot honour: `suffix`, and
 `tool_choice` "auto" with tools when the front has no --tool-call-parser. The README's table lists every OpenAI and
 vLLM request field.
 """
@@ -230,6 +230,8 @@ class ChatCompletionRequest(SamplingRequest):
     # "none", "auto", "required" or a NamedToolChoice, checked by tools.py (a union's error would name types).
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: the last message's text before each choice's when it is the assistant's (an answer continued).
+    echo: bool = False
     # vLLM's: how the messages are rendered (the template's generation prompt; a final message left open; more
     # template variables, and documents for templates that take them).
     add_generation_prompt: bool = True

@@ -199,20 +199,23 @@ def _chat_messages(messages: list[ChatMessage]) -> list[generation_pb2.ChatMessa
     return [_chat_message(m, i) for i, m in enumerate(messages)]
 
 
-def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessage:
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's content as text: its text parts joined (other parts are a 400)."""
     content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise invalid_request(
-                    f"messages[{index}].content: only text parts are supported, got {part.type!r}",
-                    f"messages[{index}].content",
-                )
-            texts.append(part.text)
-        content = "".join(texts)
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise invalid_request(f"messages[{index}].content: only text parts are supported, got {part.type!r}",
+                                  f"messages[{index}].content")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessage:
     role = _ROLE_ALIASES.get(message.role, message.role)
-    return chat_message({"role": role, "content": content, "tool_call_id": message.tool_call_id,
+    return chat_message({"role": role, "content": message_text(message, index), "tool_call_id": message.tool_call_id,
                          "tool_calls": [call.model_dump() for call in message.tool_calls or []]})
 
 

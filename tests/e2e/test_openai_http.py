@@ -366,6 +366,14 @@ def test_a_final_message_continued_and_a_rendering_without_the_generation_prompt
                                            extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == completion.choices[0].text
     assert chat.usage.prompt_tokens == len(ids)
+    # vLLM's echo: the answer begun by the caller, then its continuation; streamed alike.
+    echo = {**open_end, "ignore_eos": True, "echo": True}
+    echoed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0.0,
+                                            extra_body=echo)
+    assert echoed.choices[0].message.content == "The color is" + completion.choices[0].text
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0.0,
+                                              extra_body=echo, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == echoed.choices[0].message.content
     for path, body, fragment in [
         ("/v1/chat/completions", {"messages": messages, "continue_final_message": True, "max_tokens": 2},
          "needs add_generation_prompt false"),
