@@ -27,6 +27,7 @@ def _request(**fields: object) -> ChatCompletionRequest:
 
 def _schema(**fields: object) -> dict:
     msg = chat_request(_request(**fields), "chat-1")
+    assert msg.sampling.structured_outputs.disable_any_whitespace  # compact arguments
     return json.loads(msg.sampling.structured_outputs.json)
 
 
