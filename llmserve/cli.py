@@ -239,10 +239,16 @@ def _observability_flags(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off; `up` gives the worker PORT+1)")
 
 
-def _tool_call_flags(p: argparse.ArgumentParser) -> None:
-    from openai_api.tool_parsers import TOOL_CALL_PARSERS  # noqa: PLC0415 - light (json), but the front's package
+def _output_parser_flags(p: argparse.ArgumentParser) -> None:
+    # Light modules (json, dataclasses), but the front's package: imported when the parser is built.
+    from openai_api.reasoning import REASONING_PARSERS  # noqa: PLC0415
+    from openai_api.tool_parsers import TOOL_CALL_PARSERS  # noqa: PLC0415
 
-    g = p.add_argument_group("tool calling (the HTTP front)")
+    g = p.add_argument_group("reading generated text (the HTTP front)")
+    g.add_argument("--reasoning-parser", default="", choices=REASONING_PARSERS,
+                   help="how the model marks its thinking: chat responses carry it apart from the content, as "
+                        "`reasoning` (vLLM's flag): deepseek_r1 (the output starts inside <think>) or qwen3 (<think> "
+                        "opens it)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default with tools): the model writes calls in its own syntax, '
                         "read by --tool-call-parser (vLLM's flags); without it, \"auto\" with tools is a 400")
@@ -304,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also start the OpenAI-compatible HTTP API (`llmserve openai`) on this port")
     _liveness_flag(p, "the engine loop holds requests but completes no step, or a worker step runs")
     _worker_flags(p), _scheduler_flags(p), _common_flags(p), _observability_flags(p)
-    _up_security_flags(p), _tool_call_flags(p)
+    _up_security_flags(p), _output_parser_flags(p)
 
     p = sub.add_parser("demo", help="start the local server, stream answers to a few chat prompts, stop")
     _model_flag(p)
@@ -377,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens token_id:<id> rather than their text, unless a request's own "
                         "return_tokens_as_token_ids says otherwise (vLLM's flag)")
-    _tool_call_flags(p)
+    _output_parser_flags(p)
     p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
                    help="Prometheus endpoint of the engine (a scheduler's or worker's --metrics-port, e.g. "
                         "http://127.0.0.1:9090/metrics) whose series /metrics serves after the front's own, as "
@@ -530,7 +536,7 @@ _SCHEDULER_PASS = ["max-num-seqs", "max-num-batched-tokens", "enable-chunked-pre
                    "max-num-queued-requests", "max-queued-tokens", "step-timeout", "async-scheduling",
                    "num-scheduler-steps", "output-retention", "liveness-timeout", "tls-cert-file", "tls-key-file", "auth-token-file", "redis-password-file", "redis-ca-file"]
 # The HTTP front is a client of the scheduler: it trusts the CA and sends the token.
-_HTTP_PASS = ["tls-ca-file", "auth-token-file", "enable-auto-tool-choice", "tool-call-parser"]
+_HTTP_PASS = ["tls-ca-file", "auth-token-file", "enable-auto-tool-choice", "tool-call-parser", "reasoning-parser"]
 
 
 def _check_start_timeout(args: argparse.Namespace) -> None:
@@ -551,8 +557,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise ValueError("up: --tls-cert-file needs --tls-ca-file, the CA that signed it: `up` checks the "
                          "scheduler's readiness and the HTTP front reaches it over TLS")
     _check_start_timeout(args)
-    if _tool_call_parser(args) and args.http_port is None:
-        raise ValueError("up: --enable-auto-tool-choice and --tool-call-parser apply to the HTTP front: set --http-port")
+    if (_tool_call_parser(args) or args.reasoning_parser) and args.http_port is None:
+        raise ValueError("up: --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser apply to the HTTP "
+                         "front: set --http-port")
     spec = ClusterSpec(
         model=_resolve_model(args.model), host=args.host, port=args.port, redis_url=args.redis_url,
         worker_args=_passthrough(args, _WORKER_PASS) + (["--metrics-port", str(args.metrics_port + 1)]
@@ -664,7 +671,7 @@ def _cmd_openai(args: argparse.Namespace) -> int:
                       scheduler_tls=sec.client_tls_from(args), auth_token=sec.auth_token_from(args),
                       api_key=sec.api_key_from(args), engine_metrics=args.engine_metrics,
                       drain_timeout_s=args.drain_timeout, access_log=not args.disable_uvicorn_access_log,
-                      tool_call_parser=_tool_call_parser(args),
+                      tool_call_parser=_tool_call_parser(args), reasoning_parser=args.reasoning_parser,
                       return_tokens_as_token_ids=args.return_tokens_as_token_ids),
           args.log_level)
     return 0

@@ -179,10 +179,11 @@ def chat_options(add_generation_prompt: bool = True, continue_final_message: boo
 
 
 def chat_message(message: Mapping[str, Any]) -> generation_pb2.ChatMessage:
-    """An OpenAI-shaped message with text content (an assistant's `tool_calls` and a tool's `tool_call_id`
-    included) as Generate's ChatMessage."""
+    """An OpenAI-shaped message with text content (an assistant's `tool_calls` and `reasoning` (or DeepSeek's
+    `reasoning_content`), a tool's `tool_call_id`) as Generate's ChatMessage."""
     out = generation_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
-                                     tool_call_id=message.get("tool_call_id") or "")
+                                     tool_call_id=message.get("tool_call_id") or "",
+                                     reasoning=message.get("reasoning") or message.get("reasoning_content") or "")
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         out.tool_calls.add(id=call.get("id") or "", name=function.get("name") or "",

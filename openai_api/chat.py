@@ -1,8 +1,8 @@
 """/v1/chat/completions: chunks of a streamed chat completion and the body of a whole one.
 
-With a tool_choice that calls tools, each choice's text is read as its tool calls (tools.py). Besides OpenAI's
-fields, vLLM's: the response carries `prompt_logprobs` (when asked for) and `prompt_token_ids`
-(return_token_ids), a stream in its first chunk; each choice (or chunk) carries its `token_ids` (return_token_ids);
+Each choice's text is read by choice_text.py: its reasoning split off (the front's reasoning parser) and its tool
+calls read (a tool_choice that calls tools). Besides OpenAI's fields, vLLM's: the response carries
+`prompt_logprobs` (when asked for) and `prompt_token_ids` (return_token_ids), a stream in its first chunk; each choice (or chunk) carries its `token_ids` (return_token_ids);
 with `echo`, a final assistant message's text comes first (a stream's second chunk).
 """
 
@@ -20,7 +20,7 @@ from openai_api.prompts import PromptInfo
 from openai_api.protocol import ChatCompletionRequest, Usage
 from openai_api.request_mapping import message_text
 from openai_api.streaming import ChunkHeader
-from openai_api.tools import ToolCallReader, tool_call_mode
+from openai_api.choice_text import NO_PARSERS, ChoiceText, OutputParsers, choice_reader
 
 OBJECT = "chat.completion"
 CHUNK_OBJECT = "chat.completion.chunk"
@@ -28,7 +28,7 @@ CHUNK_OBJECT = "chat.completion.chunk"
 
 async def chat_chunks(
     req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer,
-    tool_parser: str | None = None,
+    parsers: OutputParsers = NO_PARSERS,
 ) -> AsyncIterator[dict[str, Any]]:
     """A role chunk per choice, then one chunk per engine response with progress, then usage if asked."""
     header.count(len(prompt.token_ids), 0)
@@ -40,8 +40,8 @@ async def chat_chunks(
         yield header.chunk([{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
                             for i in range(req.n)])
     usage = Usage()
-    mode = tool_call_mode(req, tool_parser)
-    readers: dict[int, ToolCallReader] = {}
+    reader = choice_reader(req, parsers)
+    texts: dict[int, ChoiceText] = {}
     async for _, msg in merge([stream]):
         choices = []
         for delta in msg.outputs:
@@ -50,16 +50,11 @@ async def chat_chunks(
                 continue
             header.count(0, len(delta.token_ids))
             logprobs = chat_logprobs(namer, list(delta.token_ids), list(delta.logprobs)) if req.logprobs else None
-            message: dict[str, Any] = {"content": delta.text} if delta.text else {}
-            if mode is not None:
-                reader = readers.setdefault(delta.index, ToolCallReader(mode))
-                parts = reader.read(delta.text, final=reason is not None)
-                message = {"content": parts.content} if parts.content else {}
-                if parts.tool_calls:
-                    message["tool_calls"] = parts.tool_calls
-                reason = reader.finish_reason(reason)
-                if not (message or reason or req.logprobs or req.return_token_ids):
-                    continue  # a call not yet complete: nothing to send (its tokens count in the next chunk)
+            text = texts.get(delta.index) or texts.setdefault(delta.index, reader())
+            message = text.delta(delta.text, final=reason is not None)
+            reason = text.finish_reason(reason)
+            if not (text.plain or message or reason or req.logprobs or req.return_token_ids):
+                continue  # text held back (a call, a tag not yet whole): its tokens count in the next chunk
             choice = {"index": delta.index, "delta": message,
                       "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason_of(delta)}
             if req.return_token_ids:
@@ -77,20 +72,17 @@ async def chat_chunks(
 
 async def chat_body(
     req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer,
-    tool_parser: str | None = None,
+    parsers: OutputParsers = NO_PARSERS,
 ) -> dict[str, Any]:
     """The whole response, once every sequence has finished."""
     out = await collect([stream], req.n)
-    mode = tool_call_mode(req, tool_parser)
+    reader = choice_reader(req, parsers)
     choices = []
     for index in sorted(out.choices):
         seq = out.choices[index]
-        message: dict[str, Any] = {"role": "assistant", "content": seq.text}
-        reason = seq.finish_reason
-        if mode is not None:
-            reader = ToolCallReader(mode)
-            message.update(content=reader.read(seq.text, final=True).content or None, tool_calls=reader.calls)
-            reason = reader.finish_reason(reason)
+        text = reader()
+        message = {"role": "assistant", **text.message(seq.text)}
+        reason = text.finish_reason(seq.finish_reason)
         if echoed := _echo(req):
             message["content"] = echoed + (message["content"] or "")
         choice = {

@@ -189,6 +189,9 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant message's thinking, as responses carry it (vLLM's name, and DeepSeek's).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -232,6 +235,8 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     # vLLM's: the last message's text before each choice's when it is the assistant's (an answer continued).
     echo: bool = False
+    # vLLM's: false leaves the reasoning out of the response (with the front's reasoning parser).
+    include_reasoning: bool = True
     # vLLM's: how the messages are rendered (the template's generation prompt; a final message left open; more
     # template variables, and documents for templates that take them).
     add_generation_prompt: bool = True

@@ -216,7 +216,8 @@ def message_text(message: ChatMessage, index: int) -> str:
 def _chat_message(message: ChatMessage, index: int) -> generation_pb2.ChatMessage:
     role = _ROLE_ALIASES.get(message.role, message.role)
     return chat_message({"role": role, "content": message_text(message, index), "tool_call_id": message.tool_call_id,
-                         "tool_calls": [call.model_dump() for call in message.tool_calls or []]})
+                         "tool_calls": [call.model_dump() for call in message.tool_calls or []],
+                         "reasoning": message.reasoning, "reasoning_content": message.reasoning_content})
 
 
 def _chat_options(req: ChatCompletionRequest | TokenizeRequest) -> generation_pb2.ChatOptions:

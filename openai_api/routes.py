@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openai_api import chat, completions
+from openai_api.choice_text import NO_PARSERS, OutputParsers
 from openai_api.engine_client import EngineClient, GenerationStream
 from openai_api.errors import OpenAIError, invalid_request, model_not_found
 from openai_api.logprobs import ID_NAMER, TokenNamer
@@ -66,8 +67,9 @@ class FrontState:
     model_names: list[str]
     model_root: str | None = None
     created: int = 0
-    # The parser of the model's tool-call syntax for tool_choice "auto" (tool_parsers.py); None: "auto" is a 400.
-    tool_parser: str | None = None
+    # The readers of generated text: the model's tool-call syntax for tool_choice "auto" (without one, "auto" is a
+    # 400) and its reasoning (choice_text.py).
+    parsers: OutputParsers = NO_PARSERS
     # Logprobs name tokens `token_id:<id>` unless a request says otherwise (--return-tokens-as-token-ids).
     tokens_as_ids: bool = False
 
@@ -183,17 +185,17 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     _reject_unknown(req)
     request_id = f"chatcmpl-{_base_request_id(request)}"
     try:
-        (stream,) = await state.engine.open_all([chat_request(req, request_id, state.tool_parser)],
+        (stream,) = await state.engine.open_all([chat_request(req, request_id, state.parsers.tool_call_parser)],
                                                 _trace_metadata(request))
     except OpenAIError as exc:
-        raise constraint_error(tool_call_mode(req, state.tool_parser), exc) from None
+        raise constraint_error(tool_call_mode(req, state.parsers.tool_call_parser), exc) from None
     prompt = prompt_info(stream.first, req.prompt_logprobs is not None)
     obj = chat.CHUNK_OBJECT if req.stream else chat.OBJECT
     header = _header(request_id, model, obj, req)
     return await _respond(
         request, [stream], req.stream,
-        lambda: chat.chat_chunks(req, stream, prompt, header, _namer(state, req), state.tool_parser),
-        lambda: chat.chat_body(req, stream, prompt, header, _namer(state, req), state.tool_parser),
+        lambda: chat.chat_chunks(req, stream, prompt, header, _namer(state, req), state.parsers),
+        lambda: chat.chat_body(req, stream, prompt, header, _namer(state, req), state.parsers),
     )
 
 

@@ -17,6 +17,8 @@ from openai_api.auth import require_api_key
 from openai_api.engine_client import EngineClient
 from openai_api.logprobs import TokenNamer
 from openai_api.routes import FrontState, build_app
+from openai_api.choice_text import OutputParsers
+from openai_api.reasoning import REASONING_PARSERS
 from openai_api.tool_parsers import TOOL_CALL_PARSERS
 from shared.tls import ClientTLS, listen_socket
 from shared.tokenizer_loading import load_tokenizer
@@ -41,6 +43,8 @@ class FrontConfig:
     access_log: a line per HTTP request (uvicorn's access log), as vLLM's API server logs them.
     tool_call_parser: how the model writes tool calls (openai_api/tool_parsers.py), for tool_choice "auto";
         empty: "auto" with tools is a 400 (vLLM's --enable-auto-tool-choice --tool-call-parser).
+    reasoning_parser: how a reasoning model marks its thinking (openai_api/reasoning.py): chat responses carry it
+        apart from the content, as `reasoning` (vLLM's --reasoning-parser); empty: none is split off.
     return_tokens_as_token_ids: logprobs name tokens `token_id:<id>` unless a request's own
         return_tokens_as_token_ids says otherwise (vLLM's flag); without a tokenizer they always do.
     """
@@ -57,12 +61,14 @@ class FrontConfig:
     drain_timeout_s: float = 30.0
     access_log: bool = True
     tool_call_parser: str = ""
+    reasoning_parser: str = ""
     return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
-                             f"got {self.tool_call_parser!r}")
+        for name, value, known in (("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS),
+                                   ("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)):
+            if value and value not in known:
+                raise ValueError(f"{name} must be one of {', '.join(known)}, got {value!r}")
         if not self.scheduler:
             raise ValueError("scheduler must be a host:port address, got ''")
         if not self.drain_timeout_s >= 0:
@@ -84,8 +90,9 @@ def make_app(config: FrontConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer) if config.tokenizer else None
         engine = EngineClient(config.scheduler, config.scheduler_tls, config.auth_token)
+        parsers = OutputParsers(config.tool_call_parser or None, config.reasoning_parser or None)
         app.state.front = FrontState(engine, TokenNamer(tokenizer), config.served_model_names,
-                                     config.tokenizer or None, int(time.time()), config.tool_call_parser or None,
+                                     config.tokenizer or None, int(time.time()), parsers,
                                      config.return_tokens_as_token_ids)
         log.info("OpenAI-compatible API for %s, backed by the scheduler at %s",
                  ", ".join(config.served_model_names), config.scheduler)

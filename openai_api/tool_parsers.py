@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+from openai_api.text_tags import partial_suffix
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _JSON = json.JSONDecoder()
@@ -62,7 +63,7 @@ class HermesParser:
             if not self._in_call:
                 start = self._buffer.find(self.START)
                 if start < 0:
-                    keep = _partial_suffix(self._buffer, self.START)
+                    keep = partial_suffix(self._buffer, self.START)
                     out.content += self._buffer[:len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return out
@@ -144,14 +145,6 @@ class Llama3JsonParser:
                 return out
             out.calls += calls
             self._pos = end
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (it may yet become the tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def make_parser(name: str) -> HermesParser | Llama3JsonParser:

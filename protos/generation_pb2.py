@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\x12\n\x10ModelInfoRequest\"\xa9\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x13\n\x0bnum_workers\x18\x06 \x01(\rB\x0f\n\r_eos_token_id\"\xb5\x01\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12.\n\x0c\x63hat_options\x18\x04 \x01(\x0b\x32\x18.llmserve.v1.ChatOptionsB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"m\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.llmserve.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xa6\x01\n\x0b\x43hatOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12 \n\x05tools\x18\x03 \x03(\x0b\x32\x11.llmserve.v1.Tool\x12\x17\n\x0ftemplate_kwargs\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\xe5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x11\n\tresumable\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12.\n\x0c\x63hat_options\x18\t \x01(\x0b\x32\x18.llmserve.v1.ChatOptionsB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"7\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\"\xe4\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x84\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\r\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.llmserve.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1d\n\x15prompt_logprobs_start\x18\x06 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r2\xc2\x03\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12\x45\n\x06Resume\x12\x1a.llmserve.v1.ResumeRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12J\n\tModelInfo\x12\x1d.llmserve.v1.ModelInfoRequest\x1a\x1e.llmserve.v1.ModelInfoResponse\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\x0bllmserve.v1\x1a\x13protos/common.proto\"\x12\n\x10ModelInfoRequest\"\xa9\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x13\n\x0bnum_workers\x18\x06 \x01(\rB\x0f\n\r_eos_token_id\"\xb5\x01\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12.\n\x0c\x63hat_options\x18\x04 \x01(\x0b\x32\x18.llmserve.v1.ChatOptionsB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x80\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.llmserve.v1.ToolCall\x12\x11\n\treasoning\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xa6\x01\n\x0b\x43hatOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12 \n\x05tools\x18\x03 \x03(\x0b\x32\x11.llmserve.v1.Tool\x12\x17\n\x0ftemplate_kwargs\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\xe5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x11\n\tresumable\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12.\n\x0c\x63hat_options\x18\t \x01(\x0b\x32\x18.llmserve.v1.ChatOptionsB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"7\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\"\xe4\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x84\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\r\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.llmserve.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x1d\n\x15prompt_logprobs_start\x18\x06 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r2\xc2\x03\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12\x45\n\x06Resume\x12\x1a.llmserve.v1.ResumeRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12J\n\tModelInfo\x12\x1d.llmserve.v1.ModelInfoRequest\x1a\x1e.llmserve.v1.ModelInfoResponse\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,24 +48,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTREQUEST']._serialized_end=602
   _globals['_ABORTRESPONSE']._serialized_start=604
   _globals['_ABORTRESPONSE']._serialized_end=619
-  _globals['_CHATMESSAGE']._serialized_start=621
-  _globals['_CHATMESSAGE']._serialized_end=730
-  _globals['_TOOLCALL']._serialized_start=732
-  _globals['_TOOLCALL']._serialized_end=787
-  _globals['_TOOL']._serialized_start=789
-  _globals['_TOOL']._serialized_end=850
-  _globals['_CHATOPTIONS']._serialized_start=853
-  _globals['_CHATOPTIONS']._serialized_end=1019
-  _globals['_GENERATEREQUEST']._serialized_start=1022
-  _globals['_GENERATEREQUEST']._serialized_end=1379
-  _globals['_RESUMEREQUEST']._serialized_start=1381
-  _globals['_RESUMEREQUEST']._serialized_end=1436
-  _globals['_COMPLETIONDELTA']._serialized_start=1439
-  _globals['_COMPLETIONDELTA']._serialized_end=1667
-  _globals['_USAGE']._serialized_start=1669
-  _globals['_USAGE']._serialized_end=1726
-  _globals['_GENERATERESPONSE']._serialized_start=1729
-  _globals['_GENERATERESPONSE']._serialized_end=1989
-  _globals['_GENERATION']._serialized_start=1992
-  _globals['_GENERATION']._serialized_end=2442
+  _globals['_CHATMESSAGE']._serialized_start=622
+  _globals['_CHATMESSAGE']._serialized_end=750
+  _globals['_TOOLCALL']._serialized_start=752
+  _globals['_TOOLCALL']._serialized_end=807
+  _globals['_TOOL']._serialized_start=809
+  _globals['_TOOL']._serialized_end=870
+  _globals['_CHATOPTIONS']._serialized_start=873
+  _globals['_CHATOPTIONS']._serialized_end=1039
+  _globals['_GENERATEREQUEST']._serialized_start=1042
+  _globals['_GENERATEREQUEST']._serialized_end=1399
+  _globals['_RESUMEREQUEST']._serialized_start=1401
+  _globals['_RESUMEREQUEST']._serialized_end=1456
+  _globals['_COMPLETIONDELTA']._serialized_start=1459
+  _globals['_COMPLETIONDELTA']._serialized_end=1687
+  _globals['_USAGE']._serialized_start=1689
+  _globals['_USAGE']._serialized_end=1746
+  _globals['_GENERATERESPONSE']._serialized_start=1749
+  _globals['_GENERATERESPONSE']._serialized_end=2009
+  _globals['_GENERATION']._serialized_start=2012
+  _globals['_GENERATION']._serialized_end=2462
 # @@protoc_insertion_point(module_scope)

@@ -1,8 +1,8 @@
 """Chat messages and tools of a request -> the conversation and tools a chat template is rendered with.
 
 transformers' apply_chat_template takes OpenAI-shaped dictionaries: messages with `role` and `content`, an
-assistant's `tool_calls` with each call's arguments as an object (the wire carries them as JSON text), a tool
-message's `tool_call_id`, and `tools=[{"type": "function", "function": {...}}]`. Templates that know nothing of
+assistant's `tool_calls` with each call's arguments as an object (the wire carries them as JSON text) and its
+`reasoning_content` (the name reasoning models' templates read), a tool message's `tool_call_id`, and `tools=[{"type": "function", "function": {...}}]`. Templates that know nothing of
 tools ignore these keys; those that do (Llama 3.1, Qwen 2.5, Hermes, ...) describe the tools to the model. More
 template variables (vLLM's chat_template_kwargs, e.g. Qwen 3's enable_thinking) are passed as keyword arguments.
 """
@@ -35,6 +35,10 @@ def conversation(messages: Iterable[generation_pb2.ChatMessage]) -> list[dict[st
                 raise InvalidRequestError(f"{where}.tool_calls: only assistant messages make tool calls, "
                                           f"this one is {m.role!r}")
             entry["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(m.tool_calls)]
+        if m.reasoning:
+            if m.role != "assistant":
+                raise InvalidRequestError(f"{where}.reasoning: only assistant messages reason, this one is {m.role!r}")
+            entry["reasoning_content"] = m.reasoning
         if m.role == "tool":
             if not m.tool_call_id:
                 raise InvalidRequestError(f"{where}: a tool message needs tool_call_id, the id of the call it answers")

@@ -1,8 +1,9 @@
 """Tool calling through the OpenAI-compatible front with the official openai client, on the default model and
 the services as real processes: tool_choice "required" and a named function give calls whose arguments follow
 the tools' schemas, streamed and whole alike (greedy); a conversation that carries a call and its result is
-rendered by the scheduler as transformers renders it; with the front's hermes parser, tool_choice "auto" reads
-calls from the model's text; what cannot be served is a 400 that names its field."""
+rendered by the scheduler as transformers renders it; with the front's hermes and qwen3 parsers, tool_choice
+"auto" reads the thinking and the calls from the model's text; what cannot be served is a 400 that names its
+field."""
 
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ MESSAGES = [{"role": "user", "content": "What is the weather like in Paris, in C
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir: Path) -> Iterator[LocalCluster]:
-    # The front reads Hermes-style calls for tool_choice "auto".
+    # The front reads Hermes-style calls for tool_choice "auto", and Qwen 3's thinking.
     with LocalCluster(ClusterSpec(model=str(default_model_dir), http_port=0, worker_args=["--max-model-len", "1024"],
-                                  http_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])) as c:
+                                  http_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                             "--reasoning-parser", "qwen3"])) as c:
         yield c
 
 
@@ -47,11 +49,11 @@ def client(cluster: LocalCluster) -> Iterator["openai.OpenAI"]:
         yield c
 
 
-def _streamed(client: "openai.OpenAI", **fields: object) -> tuple[list[dict], str, str | None]:
-    """The tool calls a stream assembles (as OpenAI's SDKs do: by index, arguments concatenated), its content and
-    its finish."""
+def _streamed(client: "openai.OpenAI", **fields: object) -> tuple[list[dict], str, str | None, str]:
+    """The tool calls a stream assembles (as OpenAI's SDKs do: by index, arguments concatenated), its content, its
+    finish and its reasoning."""
     calls: dict[int, dict] = {}
-    content, finish = "", None
+    content, finish, reasoning = "", None, ""
     for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0,
                                                 stream=True, **fields):
         for choice in chunk.choices:
@@ -59,12 +61,13 @@ def _streamed(client: "openai.OpenAI", **fields: object) -> tuple[list[dict], st
                 call = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
                 call["arguments"] += delta.function.arguments or ""
             content += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
             finish = choice.finish_reason or finish
-    return [calls[i] for i in sorted(calls)], content, finish
+    return [calls[i] for i in sorted(calls)], content, finish, reasoning
 
 
 def _streamed_calls(client: "openai.OpenAI", **fields: object) -> tuple[list[dict], str | None]:
-    calls, _, finish = _streamed(client, **fields)
+    calls, _, finish, _ = _streamed(client, **fields)
     return calls, finish
 
 
@@ -121,24 +124,28 @@ def test_auto_reads_the_models_own_call_syntax(client: "openai.OpenAI", cluster:
     """tool_choice "auto" with the hermes parser: the model's <tool_call> blocks become calls, the text around them
     content. The model is made to write a call by a regex (a small model rarely calls on its own); the parser
     reads its generated text as it would any model's, token by token when streamed."""
-    regex = (r'Checking the weather\.<tool_call>\n\{"name": "get_weather", "arguments": '
-             r'\{"city": "(Paris|Lyon)", "unit": "(C|F)"\}\}\n</tool_call>')
+    regex = (r'<think>The user asks about (Paris|Lyon)\.</think>Checking the weather\.<tool_call>\n\{"name": '
+             r'"get_weather", "arguments": \{"city": "(Paris|Lyon)", "unit": "(C|F)"\}\}\n</tool_call>')
     fields = {"max_tokens": 100, "extra_body": {"structured_outputs": {"regex": regex}}}
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0,
                                            tool_choice="auto", **fields)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking the weather."
+    # The thinking (the qwen3 reasoning parser), under vLLM's name and DeepSeek's.
+    reasoning = choice.message.model_extra["reasoning"]
+    assert reasoning in ("The user asks about Paris.", "The user asks about Lyon.")
+    assert choice.message.model_extra["reasoning_content"] == reasoning
     (call,) = _whole_calls(choice.message)
     assert call["name"] == "get_weather"
     jsonschema.validate(json.loads(call["arguments"]), WEATHER)
-    calls, content, finish = _streamed(client, tool_choice="auto", **fields)  # "auto" is also the default
-    assert (content, finish) == ("Checking the weather.", "tool_calls")
+    calls, content, finish, streamed_reasoning = _streamed(client, tool_choice="auto", **fields)  # also the default
+    assert (content, finish, streamed_reasoning) == ("Checking the weather.", "tool_calls", reasoning)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [(call["name"], json.loads(call["arguments"]))]
     # Free text with no call in it is the answer, streamed as it comes.
     plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0,
                                            max_tokens=12)
     assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
-    _, streamed_content, _ = _streamed(client, max_tokens=12)
+    _, streamed_content, _, _ = _streamed(client, max_tokens=12)
     assert streamed_content == plain.choices[0].message.content
     assert_all_blocks_free(cluster)
 

@@ -20,6 +20,7 @@ TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function | tojson }}{% endfor %}<|im_end|>\n"
     "{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
     "{% for c in m.tool_calls or [] %}<call id={{ c.id }}>{{ c.function.name }} {{ c.function.arguments.city }}"
     "</call>{% endfor %}{% if m.tool_call_id %}(answers {{ m.tool_call_id }}){% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -49,13 +50,13 @@ def _conversation() -> tuple[list[generation_pb2.ChatMessage], list[dict]]:
     """A turn that called a tool and got its answer, on the wire and as apply_chat_template takes it."""
     wire = [
         generation_pb2.ChatMessage(role="user", content="Weather in Paris?"),
-        generation_pb2.ChatMessage(role="assistant", tool_calls=[
+        generation_pb2.ChatMessage(role="assistant", reasoning="Look it up.", tool_calls=[
             generation_pb2.ToolCall(id="call-1", name="get_weather", arguments='{"city": "Paris"}')]),
         generation_pb2.ChatMessage(role="tool", content="18 C, clear", tool_call_id="call-1"),
     ]
     template = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [
+        {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [
             {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "18 C, clear", "tool_call_id": "call-1"},
     ]
@@ -75,6 +76,7 @@ def test_tools_and_tool_messages_render_as_transformers_does(tool_tokenizer) -> 
     # The tools, the call's arguments as an object, and the result's call id all reached the template.
     assert '"name": "get_weather"' in rendered and '"city"' in rendered
     assert "<call id=call-1>get_weather Paris</call>" in rendered and "(answers call-1)" in rendered
+    assert "<think>Look it up.</think>" in rendered
 
 
 def test_a_template_without_tools_renders_the_conversation(admission_default) -> None:
@@ -99,6 +101,8 @@ def _call(**fields: str) -> generation_pb2.ToolCall:
      "messages[0].tool_calls: only assistant messages make tool calls, this one is 'user'"),
     ([generation_pb2.ChatMessage(role="tool", content="18 C")], [],
      "messages[0]: a tool message needs tool_call_id, the id of the call it answers"),
+    ([generation_pb2.ChatMessage(role="user", content="x", reasoning="hmm")], [],
+     "messages[0].reasoning: only assistant messages reason, this one is 'user'"),
     ([generation_pb2.ChatMessage(role="user", content="x", tool_call_id="c")], [],
      "messages[0].tool_call_id: only tool messages answer a call, this one is 'user'"),
     ([generation_pb2.ChatMessage(role="assistant", tool_calls=[_call(), _call(arguments="{city")])], [],

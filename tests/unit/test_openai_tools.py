@@ -100,12 +100,13 @@ def test_none_sends_the_tools_to_the_template_without_a_constraint() -> None:
 
 def test_tool_messages_travel_on_the_wire() -> None:
     messages = [*MESSAGES,
-                {"role": "assistant", "content": None, "tool_calls": [
+                {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
                     {"id": "call-1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                 {"role": "tool", "content": "18 C", "tool_call_id": "call-1"}]
     msg = chat_request(_request(messages=messages, tool_choice="none"), "chat-1")
     assistant, tool = msg.messages[1], msg.messages[2]
+    assert assistant.reasoning == "Look it up."  # DeepSeek's name of it; vLLM's `reasoning` is read too
     assert assistant.content == "" and [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [
         ("call-1", "get_weather", '{"city": "Paris"}')]
     assert (tool.role, tool.content, tool.tool_call_id) == ("tool", "18 C", "call-1")
