@@ -93,11 +93,16 @@ def constraint_error(mode: ToolCallMode | None, error: OpenAIError) -> OpenAIErr
     """The scheduler's refusal of the constraint built from the tools' parameters, in the request's terms (it names
     the structured output the front made of them)."""
     prefix = "structured_outputs.json is not valid: "
-    if mode is None or not mode.constrained or error.status != 400 or not error.message.startswith(prefix):
+    if mode is None or not mode.constrained or error.status != 400:
         return error
-    whose = f"{mode.name}'s parameters are" if mode.name else "the tools' parameters are"
-    return invalid_request(f"{whose} not a JSON schema the output can be held to: {error.message[len(prefix):]}",
-                           "tools")
+    if error.message.startswith(prefix):
+        whose = f"{mode.name}'s parameters are" if mode.name else "the tools' parameters are"
+        return invalid_request(f"{whose} not a JSON schema the output can be held to: {error.message[len(prefix):]}",
+                               "tools")
+    if "structured output" in error.message:  # e.g. "structured outputs are not supported with beam search"
+        return invalid_request(f"{error.message} (tool_choice {'a named function' if mode.name else 'required'} "
+                               f"constrains the output with structured outputs)", "tool_choice")
+    return error
 
 
 def tool_constraint(req: ChatCompletionRequest, mode: ToolCallMode) -> common_pb2.StructuredOutputs:

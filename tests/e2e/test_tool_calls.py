@@ -187,6 +187,8 @@ def test_a_conversation_with_a_call_and_its_result(client: "openai.OpenAI", clus
      "messages[1]: a tool message needs tool_call_id"),
     ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"}, None, "tools name 'get_weather' more than once"),
     ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", 'tool_choice must be "none", "auto", "required" or'),
+    ({"tools": TOOLS, "tool_choice": "required", "use_beam_search": True, "n": 2, "temperature": 0}, "tool_choice",
+     "not supported with beam search. (tool_choice required constrains the output with structured outputs)"),
     # The scheduler compiles the constraint made of the parameters; its refusal names the tool.
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools",

@@ -60,6 +60,10 @@ def test_the_schedulers_refusal_of_the_constraint_names_the_tools() -> None:
     assert (named.param, named.message) == ("tools", "get_weather's parameters are not a JSON schema the output can "
                                                      "be held to: Invalid type: objekt")
     assert constraint_error(ToolCallMode(), refused).message.startswith("the tools' parameters are not")
+    beam = constraint_error(ToolCallMode(), OpenAIError(400, "structured outputs are not supported with beam search."))
+    assert (beam.param, beam.message) == ("tool_choice", "structured outputs are not supported with beam search. "
+                                                         "(tool_choice required constrains the output with structured "
+                                                         "outputs)")
     # Other errors, and those of a request whose constraint is its own, pass as they are.
     for mode, error in ((ToolCallMode(), OpenAIError(429, "busy")), (None, refused),
                         (ToolCallMode(parser="hermes"), refused)):
