@@ -2,7 +2,8 @@
 
 Random prompts (text with any unicode, token ids in and out of the vocabulary, chat messages),
 random sampling parameters (valid and invalid values of every field, n / best_of / beam search
-combinations, stop strings) and random cancellations. Every call must end with a clean stream or
+combinations, stop strings) and random cancellations; and random chat bodies through the OpenAI front
+(tools, tool choices, tool messages, template variables, reasoning), which answer 200 or a 4xx, never a 5xx. Every call must end with a clean stream or
 with INVALID_ARGUMENT / RESOURCE_EXHAUSTED and a message, never UNKNOWN or INTERNAL; the services
 stay up, and afterwards every KV block is free and the queue counters are back to zero.
 """
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
@@ -38,6 +40,9 @@ def cluster(tiny_llama_dir: Path) -> Iterator[LocalCluster]:
         model=str(tiny_llama_dir),
         worker_args=["--num-gpu-blocks-override", "128", "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1"],
         scheduler_args=["--max-num-seqs", "8", "--max-num-queued-requests", "16"],
+        # The HTTP front with every reader of generated text, so their paths are fuzzed too.
+        http_port=0, http_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                "--reasoning-parser", "deepseek_r1"],
     )
     with LocalCluster(spec) as c:
         yield c
@@ -200,6 +205,88 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(client: GenerationC
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
     assert info.value.details()
     assert client.model_info().max_model_len == MAX_MODEL_LEN  # and the server is fine
+
+
+# OpenAI chat bodies through the HTTP front: each field absent, valid, or of another type or range.
+_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**6) | st.text(max_size=8),
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                     max_size=3), max_leaves=6)
+_FUNCTION = st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "f", ""])}, optional={
+    "description": st.text(max_size=10),
+    "parameters": st.one_of(st.just({"type": "object", "properties": {"city": {"type": "string"}}}),
+                            st.just({"type": "objekt"}), _ANY_JSON)})
+_HTTP_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", "developer",
+                                                                "robot"])}, optional={
+    "content": st.one_of(st.text(max_size=20), st.none(), st.just([{"type": "text", "text": "hi"}]),
+                         st.just([{"type": "image_url"}])),
+    "tool_calls": st.lists(st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"),
+                                                  "function": st.fixed_dictionaries({
+                                                      "name": st.text(max_size=6), "arguments": _JSON_TEXT})}),
+                           max_size=2),
+    "tool_call_id": st.text(max_size=4),
+    "reasoning_content": st.text(max_size=10),
+})
+_WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# Bodies the front takes, so the outputs' paths (tool calls, reasoning, logprobs, streams) run, not only validation.
+_SERVED_CHAT_BODY = st.fixed_dictionaries({
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                "content": st.text(min_size=1, max_size=20)}), min_size=1, max_size=2),
+    "max_tokens": st.integers(1, 12),
+}, optional={
+    "temperature": st.sampled_from([0.8, 1.0]),  # n > 1 takes sampling
+    "n": st.integers(1, 2),
+    "stream": st.booleans(),
+    "tools": st.just([_WEATHER_TOOL]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "get_weather"}}]),
+    "logprobs": st.just(True),
+    "include_reasoning": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "chat_template_kwargs": st.just({"enable_thinking": False}),
+})
+_ANY_CHAT_BODY = st.fixed_dictionaries({"messages": st.lists(_HTTP_MESSAGE, max_size=3)}, optional={
+    "max_tokens": st.integers(-1, 12),
+    "temperature": st.sampled_from([0.0, 0.8, -1.0, 3.0]),
+    "n": st.integers(0, 3),
+    "stream": st.booleans(),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "retrieval"]),
+                                             "function": _FUNCTION}), max_size=2),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "any"]),
+                             st.just({"type": "function", "function": {"name": "get_weather"}}), _ANY_JSON),
+    "parallel_tool_calls": st.booleans(),
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "x"}]),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(-1, 25),
+    "echo": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "chat_template_kwargs": st.one_of(st.just({"enable_thinking": False}), st.just({"tokenize": True}), _ANY_JSON),
+    "documents": st.one_of(st.just([{"title": "A", "text": "alpha"}]), _ANY_JSON),
+    "include_reasoning": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(),
+    "ignore_eos": st.booleans(),
+})
+CHAT_BODY = st.one_of(_SERVED_CHAT_BODY, _ANY_CHAT_BODY)
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=CHAT_BODY)
+def test_chat_completions_never_fail_on_the_server(cluster: LocalCluster, body: dict) -> None:
+    """Any body is a response or a 4xx with OpenAI's error and a message, never a 5xx; a stream ends with [DONE]
+    and carries no server error."""
+    reply = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code < 500, f"{reply.status_code}: {reply.text} for {body}"
+    if reply.status_code != 200:
+        error = reply.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error", (error, body)
+    elif body.get("stream"):
+        events = [line[len("data: "):] for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", (reply.text, body)
+        assert not any('"server_error"' in event for event in events), (reply.text, body)
+    else:
+        assert reply.json()["choices"], (reply.text, body)
+    cluster._check_alive()  # noqa: SLF001 - no service may die
 
 
 def test_afterwards_every_block_is_free_and_the_queue_is_empty(cluster: LocalCluster,
