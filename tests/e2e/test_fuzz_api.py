@@ -275,7 +275,40 @@ CHAT_BODY = st.one_of(_SERVED_CHAT_BODY, _ANY_CHAT_BODY)
 def test_chat_completions_never_fail_on_the_server(cluster: LocalCluster, body: dict) -> None:
     """Any body is a response or a 4xx with OpenAI's error and a message, never a 5xx; a stream ends with [DONE]
     and carries no server error."""
-    reply = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=60)
+    _assert_served_or_refused(httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=60), body)
+    cluster._check_alive()  # noqa: SLF001 - no service may die
+
+
+COMPLETION_BODY = st.fixed_dictionaries({"prompt": st.one_of(
+    st.text(max_size=30), st.lists(_token_id, max_size=6), st.lists(st.text(max_size=8), max_size=3),
+    st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4), max_size=3), _ANY_JSON)}, optional={
+    "max_tokens": st.integers(-1, 12),
+    "temperature": st.sampled_from([0.0, 0.8, -1.0]),
+    "n": st.integers(0, 3),
+    "best_of": st.integers(0, 4),
+    "stream": st.booleans(),
+    "stream_options": st.one_of(st.just({"include_usage": True, "continuous_usage_stats": True}), _ANY_JSON),
+    "logprobs": st.integers(-1, 25),
+    "echo": st.booleans(),
+    "prompt_logprobs": st.integers(-1, 25),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+    "logit_bias": st.dictionaries(st.sampled_from(["5", "-1", "x", str(VOCAB)]), st.floats(-200, 200), max_size=2),
+    "structured_outputs": st.one_of(st.just({"regex": "[ab]{1,4}"}), st.just({"choice": ["yes", "no"]}), _ANY_JSON),
+    "return_token_ids": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(),
+    "ignore_eos": st.booleans(),
+})
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=COMPLETION_BODY)
+def test_completions_never_fail_on_the_server(cluster: LocalCluster, body: dict) -> None:
+    """As chat's: a response or a 4xx with OpenAI's error, never a 5xx; a stream ends with [DONE], no server error."""
+    _assert_served_or_refused(httpx.post(f"{cluster.http_url}/v1/completions", json=body, timeout=60), body)
+    cluster._check_alive()  # noqa: SLF001 - no service may die
+
+
+def _assert_served_or_refused(reply: httpx.Response, body: dict) -> None:
     assert reply.status_code < 500, f"{reply.status_code}: {reply.text} for {body}"
     if reply.status_code != 200:
         error = reply.json()["error"]
@@ -286,7 +319,6 @@ def test_chat_completions_never_fail_on_the_server(cluster: LocalCluster, body: 
         assert not any('"server_error"' in event for event in events), (reply.text, body)
     else:
         assert reply.json()["choices"], (reply.text, body)
-    cluster._check_alive()  # noqa: SLF001 - no service may die
 
 
 def test_afterwards_every_block_is_free_and_the_queue_is_empty(cluster: LocalCluster,
