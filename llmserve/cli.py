@@ -15,11 +15,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from llmserve import security_flags as sec
 from shared import defaults
 from shared.startup_heap import pause_collection
 from shared.startup_timer import NUMBA_COMPILE_NOTE, StartupReport, StartupTimer
+
+if TYPE_CHECKING:  # grpc loads only when a command builds its config
+    from shared.tls import ServerTLS
 
 ENV_PREFIX = "LLMSERVE_"
 
@@ -389,6 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "http://127.0.0.1:9090/metrics) whose series /metrics serves after the front's own, as "
                         "vLLM's API server does (repeatable; `up --http-port --metrics-port` sets both)")
     sec.add_client_security_flags(p)
+    g = p.add_argument_group("HTTPS and browsers")
+    g.add_argument("--http-tls-cert-file", default="", metavar="PEM",
+                   help="serve HTTPS with this certificate (chain); needs --http-tls-key-file")
+    g.add_argument("--http-tls-key-file", default="", metavar="PEM", help="private key of --http-tls-cert-file")
+    g.add_argument("--http-tls-client-ca-file", default="", metavar="PEM",
+                   help="also require HTTP clients to present a certificate this CA signed (mutual TLS)")
+    g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+                   help="an origin (https://app.example.com, or *) whose browser pages may call the API (CORS; "
+                        "repeatable; vLLM's flag). Default: none, no CORS headers")
     p.add_argument("--api-key-file", default="", metavar="PATH",
                    help="file holding the key HTTP clients must send as 'Authorization: Bearer <key>' on /v1 "
                         f"(vLLM's --api-key; or the key itself in {sec.API_KEY_ENV}); /health stays open")
@@ -672,9 +685,16 @@ def _cmd_openai(args: argparse.Namespace) -> int:
                       api_key=sec.api_key_from(args), engine_metrics=args.engine_metrics,
                       drain_timeout_s=args.drain_timeout, access_log=not args.disable_uvicorn_access_log,
                       tool_call_parser=_tool_call_parser(args), reasoning_parser=args.reasoning_parser,
-                      return_tokens_as_token_ids=args.return_tokens_as_token_ids),
+                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                      tls=_http_tls(args), allowed_origins=args.allowed_origins),
           args.log_level)
     return 0
+
+
+def _http_tls(args: argparse.Namespace) -> ServerTLS | None:
+    from shared.tls import server_tls  # noqa: PLC0415
+
+    return server_tls(args.http_tls_cert_file, args.http_tls_key_file, args.http_tls_client_ca_file, "http-tls")
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@
     llmserve worker    --tls-cert-file --tls-key-file --tls-client-ca-file     mTLS: only trusted schedulers
     llmserve generate / openai / bench   --tls-ca-file --auth-token-file          clients of the public API
     llmserve openai    --api-key-file (or LLMSERVE_API_KEY)                      HTTP clients' bearer key
+                       --http-tls-cert-file --http-tls-key-file [--http-tls-client-ca-file]   HTTPS
 
 Secrets themselves never go on the command line (it shows in `ps`): a file, or one environment
 variable read when the command runs.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,15 +13,16 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from openai_api.auth import require_api_key
 from openai_api.engine_client import EngineClient
 from openai_api.logprobs import TokenNamer
-from openai_api.routes import FrontState, build_app
+from openai_api.routes import REQUEST_ID_HEADER, FrontState, build_app
 from openai_api.choice_text import OutputParsers
 from openai_api.reasoning import REASONING_PARSERS
 from openai_api.tool_parsers import TOOL_CALL_PARSERS
-from shared.tls import ClientTLS, listen_socket
+from shared.tls import ClientTLS, ServerTLS, listen_socket
 from shared.tokenizer_loading import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,10 @@ class FrontConfig:
         apart from the content, as `reasoning` (vLLM's --reasoning-parser); empty: none is split off.
     return_tokens_as_token_ids: logprobs name tokens `token_id:<id>` unless a request's own
         return_tokens_as_token_ids says otherwise (vLLM's flag); without a tokenizer they always do.
+    tls: serve HTTPS with this certificate (and, with its client CA, only to clients holding a certificate it
+        signed); None: plain HTTP (TLS ended in front of it, or localhost).
+    allowed_origins: origins whose browser pages may call the API (CORS; "*" for any); empty: no CORS headers,
+        so browsers keep other origins' pages from reading the answers.
     """
 
     scheduler: str
@@ -63,6 +69,8 @@ class FrontConfig:
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     return_tokens_as_token_ids: bool = False
+    tls: ServerTLS | None = None
+    allowed_origins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name, value, known in (("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS),
@@ -105,6 +113,11 @@ def make_app(config: FrontConfig) -> FastAPI:
     app.state.engine_metrics = list(config.engine_metrics)
     if config.api_key:
         require_api_key(app, config.api_key)
+    if config.allowed_origins:
+        # Added last, so outermost: a browser's preflight (OPTIONS, no Authorization header) is answered here,
+        # before the API key check would refuse it. Bearer keys, not cookies: no credentials mode.
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER])
     return app
 
 
@@ -113,7 +126,12 @@ def serve(config: FrontConfig, log_level: str = "info") -> None:
     sock = listen_socket(config.host, config.port, "OpenAI front", "--port (`llmserve up`: --http-port)")
     # log_config=None: uvicorn's loggers go to the root handler in the format every llmserve process logs in
     # (shared/logging_setup.py), not to handlers of uvicorn's own format.
+    tls = config.tls
     server = uvicorn.Server(uvicorn.Config(make_app(config), host=config.host, port=config.port,
                                            log_level=log_level.lower(), log_config=None, access_log=config.access_log,
-                                           timeout_graceful_shutdown=config.drain_timeout_s))
+                                           timeout_graceful_shutdown=config.drain_timeout_s,
+                                           ssl_certfile=tls.cert_file if tls else None,
+                                           ssl_keyfile=tls.key_file if tls else None,
+                                           ssl_ca_certs=tls.client_ca_file if tls and tls.mutual else None,
+                                           ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.mutual else ssl.CERT_NONE))
     server.run(sockets=[sock])
