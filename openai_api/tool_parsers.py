@@ -55,6 +55,9 @@ class HermesParser:
     def __init__(self) -> None:
         self._buffer = ""
         self._in_call = False
+        # How much of an open block's text has been searched for the end tag: each piece of a long call is
+        # searched once, not the whole block again.
+        self._searched = 0
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
@@ -68,9 +71,10 @@ class HermesParser:
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return out
                 out.content += self._buffer[:start]
-                self._buffer, self._in_call = self._buffer[start + len(self.START):], True
-            end = self._buffer.find(self.END)
+                self._buffer, self._in_call, self._searched = self._buffer[start + len(self.START):], True, 0
+            end = self._buffer.find(self.END, max(0, self._searched - len(self.END) + 1))
             if end < 0:
+                self._searched = len(self._buffer)
                 return out
             self._take_block(self._buffer[:end], out, closed=True)
             self._buffer, self._in_call = self._buffer[end + len(self.END):], False
@@ -106,6 +110,8 @@ class Llama3JsonParser:
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
+        if self._mode == "calls" and "}" not in text:
+            return Parsed()  # a call completes only at a closing brace: a long one is not parsed again per piece
         if self._mode is None:
             head = self._buffer.lstrip(_WHITESPACE)
             if not head or self.TAG.startswith(head):
@@ -124,7 +130,7 @@ class Llama3JsonParser:
 
     def finish(self) -> Parsed:
         """Text that is no complete call (an object cut short) as content."""
-        rest = self._buffer[self._pos:] if self._mode == "calls" else self._buffer
+        rest = self._buffer[self._pos:].lstrip(_WHITESPACE + ";") if self._mode == "calls" else self._buffer
         self._buffer, self._pos = "", 0
         return Parsed(rest if rest.strip(_WHITESPACE + ";") else "")
 

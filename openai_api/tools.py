@@ -201,6 +201,8 @@ class _CallArray:
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self._text += text
+        if "}" not in text:
+            return []  # an object completes only at a closing brace: a long call is not parsed again per piece
         found = []
         while True:
             pos = self._pos
