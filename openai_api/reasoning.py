@@ -12,6 +12,7 @@ still turn out to be a tag is held back until it is known, so a stream and a who
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from openai_api.text_tags import partial_suffix
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
 from openai_api.text_tags import partial_suffix
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
