@@ -2,8 +2,9 @@
 
 Each choice's text is read by choice_text.py: its reasoning split off (the front's reasoning parser) and its tool
 calls read (a tool_choice that calls tools). Besides OpenAI's fields, vLLM's: the response carries
-`prompt_logprobs` (when asked for) and `prompt_token_ids` (return_token_ids), a stream in its first chunk; each choice (or chunk) carries its `token_ids` (return_token_ids);
-with `echo`, a final assistant message's text comes first (a stream's second chunk).
+`prompt_logprobs` (when asked for) and `prompt_token_ids` (return_token_ids), a stream in its first chunk; each
+choice (or chunk) carries its `token_ids` (return_token_ids); with `echo`, a final assistant message's text comes
+first (a stream's second chunk).
 """
 
 from __future__ import annotations

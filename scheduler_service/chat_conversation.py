@@ -2,9 +2,10 @@
 
 transformers' apply_chat_template takes OpenAI-shaped dictionaries: messages with `role` and `content`, an
 assistant's `tool_calls` with each call's arguments as an object (the wire carries them as JSON text) and its
-`reasoning_content` (the name reasoning models' templates read), a tool message's `tool_call_id`, and `tools=[{"type": "function", "function": {...}}]`. Templates that know nothing of
-tools ignore these keys; those that do (Llama 3.1, Qwen 2.5, Hermes, ...) describe the tools to the model. More
-template variables (vLLM's chat_template_kwargs, e.g. Qwen 3's enable_thinking) are passed as keyword arguments.
+`reasoning_content` (the name reasoning models' templates read), a tool message's `tool_call_id`, and
+`tools=[{"type": "function", "function": {...}}]`. Templates that know nothing of tools ignore these keys; those
+that do (Llama 3.1, Qwen 2.5, Hermes, ...) describe the tools to the model. More template variables (vLLM's
+chat_template_kwargs, e.g. Qwen 3's enable_thinking) are passed as keyword arguments.
 """
 
 from __future__ import annotations

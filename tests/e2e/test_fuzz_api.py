@@ -1,11 +1,12 @@
-"""Property-based fuzzing of the public Generate API against a running tiny-model cluster.
+"""Property-based fuzzing of the public APIs against a running tiny-model cluster.
 
-Random prompts (text with any unicode, token ids in and out of the vocabulary, chat messages),
-random sampling parameters (valid and invalid values of every field, n / best_of / beam search
-combinations, stop strings) and random cancellations; and random chat bodies through the OpenAI front
-(tools, tool choices, tool messages, template variables, reasoning), which answer 200 or a 4xx, never a 5xx. Every call must end with a clean stream or
-with INVALID_ARGUMENT / RESOURCE_EXHAUSTED and a message, never UNKNOWN or INTERNAL; the services
-stay up, and afterwards every KV block is free and the queue counters are back to zero.
+Through gRPC Generate: random prompts (text with any unicode, token ids in and out of the vocabulary, chat
+messages with tool calls, tools, template variables), random sampling parameters (valid and invalid values of every
+field, n / best_of / beam search combinations, stop strings) and random cancellations. Every call must end with a
+clean stream or with INVALID_ARGUMENT / RESOURCE_EXHAUSTED and a message, never UNKNOWN or INTERNAL. Through the
+OpenAI front: random chat and completions bodies (tools, tool choices, tool messages, template variables,
+reasoning, streams), answered 200 or a 4xx, never a 5xx. The services stay up, and afterwards every KV block is
+free and the queue counters are back to zero.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def _request(prompt: dict, sampling: dict, request_id: str | None) -> generation
         request_id=rid,
         prompt=prompt.get("prompt", ""),
         prompt_token_ids=prompt.get("prompt_token_ids", []),
-        messages=[m if isinstance(m, generation_pb2.ChatMessage) else generation_pb2.ChatMessage(role=m[0], content=m[1])
-                  for m in prompt.get("messages", [])],
+        messages=[m if isinstance(m, generation_pb2.ChatMessage)
+                  else generation_pb2.ChatMessage(role=m[0], content=m[1]) for m in prompt.get("messages", [])],
         chat_options=generation_pb2.ChatOptions(tools=prompt["tools"], template_kwargs=prompt["template_kwargs"])
         if "tools" in prompt else None,
         sampling=common_pb2.SamplingParams(**sampling),
@@ -238,7 +239,8 @@ _SERVED_CHAT_BODY = st.fixed_dictionaries({
     "n": st.integers(1, 2),
     "stream": st.booleans(),
     "tools": st.just([_WEATHER_TOOL]),
-    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "get_weather"}}]),
+    "tool_choice": st.sampled_from(["none", "auto", "required",
+                                    {"type": "function", "function": {"name": "get_weather"}}]),
     "logprobs": st.just(True),
     "include_reasoning": st.booleans(),
     "return_tokens_as_token_ids": st.booleans(),

@@ -89,7 +89,8 @@ def test_chat_options_that_cannot_apply_are_refused(admission: Admission) -> Non
     rejects(admission, req, "continue_final_message needs add_generation_prompt false")
     req = make_request("Hi")
     req.chat_options.add_generation_prompt = False
-    rejects(admission, req, "chat_options (add_generation_prompt, continue_final_message, tools, template_kwargs) apply to messages")
+    rejects(admission, req,
+            "chat_options (add_generation_prompt, continue_final_message, tools, template_kwargs) apply to messages")
 
 
 def test_prompt_token_ids_pass_through(admission: Admission, tokenizer) -> None:

@@ -81,7 +81,8 @@ def test_a_request_names_tokens_by_id_or_text_over_the_fronts_default() -> None:
 
     decoded = TokenNamer(type("Tok", (), {"decode": staticmethod(lambda ids: f"<{ids[0]}>")})())
     for default in (False, True):
-        state = FrontState(engine=None, namer=decoded, model_names=["m"], tokens_as_ids=default)  # type: ignore[arg-type]
+        state = FrontState(engine=None, namer=decoded, model_names=["m"],  # type: ignore[arg-type]
+                           tokens_as_ids=default)
         for asked, expected in ((None, "token_id:7" if default else "<7>"), (True, "token_id:7"), (False, "<7>")):
             namer = _namer(state, CompletionRequest(prompt="x", return_tokens_as_token_ids=asked))
             assert namer.name(7) == expected, (default, asked)

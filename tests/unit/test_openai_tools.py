@@ -162,7 +162,8 @@ def test_a_named_call_streams_its_arguments_as_generated() -> None:
     assert reader.feed("") == ToolDeltas()
     (first,) = reader.feed('{"ci').tool_calls
     assert first["index"] == 0 and first["function"] == {"name": "get_weather", "arguments": '{"ci'}
-    assert reader.feed('ty": "Paris"}') == ToolDeltas(tool_calls=[{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}])
+    assert reader.feed('ty": "Paris"}') == ToolDeltas(
+        tool_calls=[{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}])
     (call,) = reader.calls
     assert call["id"] == first["id"] and call["function"]["arguments"] == '{"city": "Paris"}'
     assert reader.finish() == ToolDeltas() and reader.finish_reason("stop") == "tool_calls"

@@ -88,7 +88,8 @@ def test_reasoning_then_a_call_in_the_models_syntax_streamed_and_whole() -> None
             assert delta.get("reasoning") == delta.get("reasoning_content")
             fields["reasoning"] += delta.get("reasoning") or ""
             fields["content"] += delta.get("content", "")
-            fields["calls"] += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
+            fields["calls"] += [(c["function"]["name"], c["function"]["arguments"])
+                                for c in delta.get("tool_calls", [])]
         assert fields == {"reasoning": "The user wants the weather.", "content": "Checking.",
                           "calls": [("get_weather", '{"city": "Paris"}')]}, pieces
         assert reader.finish_reason("stop") == "tool_calls"
