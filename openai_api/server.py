@@ -102,8 +102,8 @@ def make_app(config: FrontConfig) -> FastAPI:
         app.state.front = FrontState(engine, TokenNamer(tokenizer), config.served_model_names,
                                      config.tokenizer or None, int(time.time()), parsers,
                                      config.return_tokens_as_token_ids)
-        log.info("OpenAI-compatible API for %s, backed by the scheduler at %s",
-                 ", ".join(config.served_model_names), config.scheduler)
+        log.info("OpenAI-compatible API for %s, backed by the scheduler at %s%s",
+                 ", ".join(config.served_model_names), config.scheduler, _features(config))
         try:
             yield
         finally:
@@ -119,6 +119,15 @@ def make_app(config: FrontConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER])
     return app
+
+
+def _features(config: FrontConfig) -> str:
+    """What the start-up line tells operators beyond the defaults: how generated text is read, HTTPS, CORS."""
+    parts = [f"tool calls read as {config.tool_call_parser}" if config.tool_call_parser else "",
+             f"reasoning read as {config.reasoning_parser}" if config.reasoning_parser else "",
+             ("HTTPS with client certificates" if config.tls.mutual else "HTTPS") if config.tls else "",
+             f"browser origins {', '.join(config.allowed_origins)}" if config.allowed_origins else ""]
+    return "".join(f"; {part}" for part in parts if part)
 
 
 def serve(config: FrontConfig, log_level: str = "info") -> None:

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +28,7 @@ class Front:
     url: str
     ca: CA
     client: CertFiles
+    log: Path
 
 
 def _context(ca: CA, client: CertFiles | None) -> ssl.SSLContext:
@@ -63,7 +65,7 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
                 pass
             assert time.monotonic() < deadline, f"the front did not answer in {START_TIMEOUT_S}s"
             time.sleep(0.2)
-        yield Front(url, ca, client)
+        yield Front(url, ca, client, root / "front.log")
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -78,6 +80,11 @@ def test_https_with_a_client_certificate(front: Front) -> None:
         httpx.get(f"{front.url}/version", verify=_context(front.ca, None), timeout=30)
     with pytest.raises(httpx.TransportError):
         httpx.get(front.url.replace("https://", "http://") + "/version", timeout=30)
+
+
+def test_the_start_up_line_says_how_the_front_serves(front: Front) -> None:
+    line = next(line for line in front.log.read_text().splitlines() if "OpenAI-compatible API for" in line)
+    assert line.endswith(f"; HTTPS with client certificates; browser origins {ORIGIN}"), line
 
 
 def test_browser_preflights_and_answers_carry_cors_headers(front: Front) -> None:
