@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openai_api.text_tags import partial_suffix
+from shared.text_tails import prefix_tail_length
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -55,7 +55,7 @@ class ReasoningSplitter:
         if self._state == "reasoning":
             end = self._buffer.find(END)
             if end < 0:
-                cut = len(self._buffer) - (0 if final else partial_suffix(self._buffer, END))
+                cut = len(self._buffer) - (0 if final else prefix_tail_length(self._buffer, (END,)))
                 out.reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return out
             out.reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(END):], "content"

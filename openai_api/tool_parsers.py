@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from openai_api.text_tags import partial_suffix
+from shared.text_tails import prefix_tail_length
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _JSON = json.JSONDecoder()
@@ -67,7 +67,7 @@ class HermesParser:
             if not self._in_call:
                 start = self._buffer.find(self.START)
                 if start < 0:
-                    keep = partial_suffix(self._buffer, self.START)
+                    keep = prefix_tail_length(self._buffer, (self.START,))
                     out.content += self._buffer[:len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return out

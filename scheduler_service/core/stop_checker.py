@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from scheduler_service.core.sequence import Sequence, SequenceStatus
 from shared.sampling_params import SamplingParams
+from shared.text_tails import prefix_tail_length
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,4 @@ def streamable_text_length(output_text: str, stop: list[str], finished: bool) ->
     """
     if finished or not stop:
         return len(output_text)
-    longest = min(max(len(s) for s in stop) - 1, len(output_text))
-    for tail in range(longest, 0, -1):
-        suffix = output_text[-tail:]
-        if any(len(s) > tail and s.startswith(suffix) for s in stop):
-            return len(output_text) - tail
-    return len(output_text)
+    return len(output_text) - prefix_tail_length(output_text, stop)
