@@ -137,21 +137,24 @@ class Llama3JsonParser:
 
     def _complete_calls(self) -> Parsed:
         out = Parsed()
-        while True:
-            pos = self._pos
-            while pos < len(self._buffer) and self._buffer[pos] in _WHITESPACE + ";":
-                pos += 1
-            try:
-                value, end = _JSON.raw_decode(self._buffer, pos)
-            except ValueError:
-                self._pos = pos
-                return out
-            calls = _calls(value)
+        while (whole := next_json_value(self._buffer, self._pos, ";")) is not None:
+            calls = _calls(whole[0])
             if calls is None:
-                self._pos = pos  # not a call: finish() hands it back as content
-                return out
+                break  # not a call: finish() hands it back as content
             out.calls += calls
-            self._pos = end
+            self._pos = whole[1]
+        return out
+
+
+def next_json_value(text: str, pos: int, separators: str) -> tuple[Any, int] | None:
+    """The JSON value that `text` holds whole from `pos` on, past whitespace and `separators`, and where it ends;
+    None while it is not whole (or there is none)."""
+    while pos < len(text) and text[pos] in _WHITESPACE + separators:
+        pos += 1
+    try:
+        return _JSON.raw_decode(text, pos)
+    except ValueError:
+        return None
 
 
 def make_parser(name: str) -> HermesParser | Llama3JsonParser:

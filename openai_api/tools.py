@@ -27,12 +27,11 @@ from pydantic import ValidationError
 
 from openai_api.errors import OpenAIError, invalid_request
 from openai_api.protocol import ChatCompletionRequest, NamedToolChoice
-from openai_api.tool_parsers import Parsed, make_parser
+from openai_api.tool_parsers import Parsed, make_parser, next_json_value
 from protos import common_pb2
 
 # Arguments of a function that declares no parameters: any object.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-_JSON = json.JSONDecoder()
 _WHITESPACE = " \t\n\r"
 _CHOICES = ("none", "auto", "required")
 
@@ -197,33 +196,23 @@ class _CallArray:
     def __init__(self) -> None:
         self._text = ""
         self._pos = 0
-        self._opened = False
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self._text += text
         if "}" not in text:
             return []  # an object completes only at a closing brace: a long call is not parsed again per piece
         found = []
-        while True:
-            pos = self._pos
-            while pos < len(self._text) and self._text[pos] in _WHITESPACE:
-                pos += 1
-            if pos == len(self._text):
-                return found
-            if not self._opened or self._text[pos] in ",]":
-                self._opened = self._opened or self._text[pos] == "["
-                self._pos = pos + 1
-                continue
-            try:
-                value, end = _JSON.raw_decode(self._text, pos)
-            except ValueError:
-                return found  # the object is not complete yet
+        # The array's brackets and commas are skipped as separators: its items are objects.
+        while (whole := next_json_value(self._text, self._pos, "[,]")) is not None:
+            value = whole[0]
             if not (isinstance(value, dict) and isinstance(value.get("name"), str)
                     and isinstance(value.get("parameters"), dict)):
-                return found  # not a call (the grammar rules it out): left for rest()
+                break  # not a call (the grammar rules it out): left for rest()
             found.append((value["name"], json.dumps(value["parameters"], ensure_ascii=False)))
-            self._pos = end
+            self._pos = whole[1]
+        return found
 
     def rest(self) -> str:
-        """Text after the last complete call, but for separators and the closing bracket."""
-        return self._text[self._pos:].strip(_WHITESPACE + ",]")
+        """Text after the last complete call, from the next call's beginning; "" when only the array's end is left."""
+        rest = self._text[self._pos:].lstrip(_WHITESPACE + "[,")
+        return rest if rest.strip(_WHITESPACE + "]") else ""

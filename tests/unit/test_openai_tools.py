@@ -155,6 +155,12 @@ def test_a_required_array_cut_short_keeps_its_complete_calls_and_returns_the_res
     empty = ToolCallReader(ToolCallMode())
     empty.feed('[{"na')
     assert empty.calls == [] and empty.finish_reason("stop") == "stop"
+    # The rest is the call's text as generated, to its last character.
+    cut = ToolCallReader(ToolCallMode())
+    assert cut.read('[{"name": "get_time", "parameters": {"zones": [', final=True).content == \
+        '{"name": "get_time", "parameters": {"zones": ['
+    closed = ToolCallReader(ToolCallMode())
+    assert closed.read('[{"name": "get_time", "parameters": {}} ]', final=True).content == ""
 
 
 def test_a_named_call_streams_its_arguments_as_generated() -> None:
