@@ -30,7 +30,7 @@ class Parsed:
     calls: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _calls(value: Any) -> list[tuple[str, str]] | None:
+def calls_of(value: Any) -> list[tuple[str, str]] | None:
     """The calls a decoded JSON value holds ({"name", "arguments" or "parameters"}, or a list of them); None when it
     is not calls."""
     values = value if isinstance(value, list) else [value]
@@ -92,7 +92,7 @@ class HermesParser:
 
     def _take_block(self, block: str, out: Parsed, closed: bool) -> None:
         try:
-            calls = _calls(json.loads(block))
+            calls = calls_of(json.loads(block))
         except ValueError:
             calls = None
         if calls is None:
@@ -138,7 +138,7 @@ class Llama3JsonParser:
     def _complete_calls(self) -> Parsed:
         out = Parsed()
         while (whole := next_json_value(self._buffer, self._pos, ";")) is not None:
-            calls = _calls(whole[0])
+            calls = calls_of(whole[0])
             if calls is None:
                 break  # not a call: finish() hands it back as content
             out.calls += calls

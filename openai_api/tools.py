@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from openai_api.errors import OpenAIError, invalid_request
 from openai_api.protocol import ChatCompletionRequest, NamedToolChoice
-from openai_api.tool_parsers import Parsed, make_parser, next_json_value
+from openai_api.tool_parsers import Parsed, calls_of, make_parser, next_json_value
 from protos import common_pb2
 
 # Arguments of a function that declares no parameters: any object.
@@ -204,11 +204,10 @@ class _CallArray:
         found = []
         # The array's brackets and commas are skipped as separators: its items are objects.
         while (whole := next_json_value(self._text, self._pos, "[,]")) is not None:
-            value = whole[0]
-            if not (isinstance(value, dict) and isinstance(value.get("name"), str)
-                    and isinstance(value.get("parameters"), dict)):
+            calls = calls_of(whole[0])
+            if calls is None:
                 break  # not a call (the grammar rules it out): left for rest()
-            found.append((value["name"], json.dumps(value["parameters"], ensure_ascii=False)))
+            found += calls
             self._pos = whole[1]
         return found
 
