@@ -9,7 +9,7 @@ first (a stream's second chunk).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from openai_api.engine_client import GenerationStream
@@ -21,7 +21,7 @@ from openai_api.prompts import PromptInfo
 from openai_api.protocol import ChatCompletionRequest, Usage
 from openai_api.request_mapping import message_text
 from openai_api.streaming import ChunkHeader
-from openai_api.choice_text import NO_PARSERS, ChoiceText, OutputParsers, choice_reader
+from openai_api.choice_text import ChoiceText
 
 OBJECT = "chat.completion"
 CHUNK_OBJECT = "chat.completion.chunk"
@@ -29,7 +29,7 @@ CHUNK_OBJECT = "chat.completion.chunk"
 
 async def chat_chunks(
     req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer,
-    parsers: OutputParsers = NO_PARSERS,
+    new_text: Callable[[], ChoiceText],
 ) -> AsyncIterator[dict[str, Any]]:
     """A role chunk per choice, then one chunk per engine response with progress, then usage if asked."""
     header.count(len(prompt.token_ids), 0)
@@ -41,7 +41,6 @@ async def chat_chunks(
         yield header.chunk([{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
                             for i in range(req.n)])
     usage = Usage()
-    reader = choice_reader(req, parsers)
     texts: dict[int, ChoiceText] = {}
     async for _, msg in merge([stream]):
         choices = []
@@ -51,7 +50,8 @@ async def chat_chunks(
                 continue
             header.count(0, len(delta.token_ids))
             logprobs = chat_logprobs(namer, list(delta.token_ids), list(delta.logprobs)) if req.logprobs else None
-            text = texts.get(delta.index) or texts.setdefault(delta.index, reader())
+            if (text := texts.get(delta.index)) is None:
+                text = texts[delta.index] = new_text()
             message = text.delta(delta.text, final=reason is not None)
             reason = text.finish_reason(reason)
             if not (text.plain or message or reason or req.logprobs or req.return_token_ids):
@@ -73,15 +73,14 @@ async def chat_chunks(
 
 async def chat_body(
     req: ChatCompletionRequest, stream: GenerationStream, prompt: PromptInfo, header: ChunkHeader, namer: TokenNamer,
-    parsers: OutputParsers = NO_PARSERS,
+    new_text: Callable[[], ChoiceText],
 ) -> dict[str, Any]:
     """The whole response, once every sequence has finished."""
     out = await collect([stream], req.n)
-    reader = choice_reader(req, parsers)
     choices = []
     for index in sorted(out.choices):
         seq = out.choices[index]
-        text = reader()
+        text = new_text()
         message = {"role": "assistant", **text.message(seq.text)}
         reason = text.finish_reason(seq.finish_reason)
         if echoed := _echo(req):

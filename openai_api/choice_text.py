@@ -14,8 +14,8 @@ from typing import Any
 
 from openai_api.protocol import ChatCompletionRequest
 from openai_api.reasoning import ReasoningSplitter
-from openai_api.structured_outputs import structured_outputs
-from openai_api.tools import ToolCallMode, ToolCallReader, tool_call_mode
+from openai_api.tools import ToolCallMode, ToolCallReader
+from protos import generation_pb2
 
 
 class ChoiceText:
@@ -90,11 +90,10 @@ class OutputParsers:
 
 NO_PARSERS = OutputParsers()
 
-
-def choice_reader(req: ChatCompletionRequest, parsers: OutputParsers) -> Callable[[], ChoiceText]:
-    """Makes each choice's reader. A constrained output (structured outputs, tool_choice "required" or a named
-    function) follows its grammar from the first token: it holds reasoning only where the grammar let it open a
-    `<think>` (ReasoningSplitter)."""
-    mode = tool_call_mode(req, parsers.tool_call_parser)
-    constrained = (mode is not None and mode.constrained) or structured_outputs(req) is not None
-    return lambda: ChoiceText(mode, parsers.reasoning_parser, req.include_reasoning, constrained)
+def choice_reader(req: ChatCompletionRequest, mode: ToolCallMode | None, generate: generation_pb2.GenerateRequest,
+                  reasoning_parser: str | None) -> Callable[[], ChoiceText]:
+    """Makes each choice's reader, for the request as sent (`generate`). A constrained output (structured outputs,
+    tool_choice "required" or a named function) follows its grammar from the first token: it holds reasoning only
+    where the grammar let it open a `<think>` (ReasoningSplitter)."""
+    constrained = generate.sampling.HasField("structured_outputs")
+    return lambda: ChoiceText(mode, reasoning_parser, req.include_reasoning, constrained)

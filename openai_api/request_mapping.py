@@ -11,7 +11,7 @@ from llmserve.client import chat_message, chat_options
 from protos import common_pb2, generation_pb2
 from openai_api.errors import invalid_request
 from openai_api.structured_outputs import structured_outputs
-from openai_api.tools import tool_call_mode, tool_constraint
+from openai_api.tools import ToolCallMode, tool_constraint
 from openai_api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -161,11 +161,10 @@ def _prompt_batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     return list(prompt)  # type: ignore[arg-type]
 
 
-def chat_request(req: ChatCompletionRequest, request_id: str, tool_parser: str | None = None
+def chat_request(req: ChatCompletionRequest, request_id: str, mode: ToolCallMode | None
                  ) -> generation_pb2.GenerateRequest:
     """The GenerateRequest of a chat completion; the scheduler renders the chat template (and the tools).
-    tool_parser: the front's --tool-call-parser (tool_choice "auto"), None without one."""
-    mode = tool_call_mode(req, tool_parser)
+    mode: the request's tool calling (tools.tool_call_mode), which the caller also reads the output by."""
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; unset = up to the context length.
     max_tokens = _non_negative(req.max_completion_tokens, "max_completion_tokens", 1)
     if max_tokens is None:

@@ -19,7 +19,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openai_api import chat, completions
-from openai_api.choice_text import NO_PARSERS, OutputParsers
+from openai_api.choice_text import NO_PARSERS, OutputParsers, choice_reader
 from openai_api.engine_client import EngineClient, GenerationStream
 from openai_api.errors import OpenAIError, invalid_request, model_not_found
 from openai_api.logprobs import ID_NAMER, TokenNamer
@@ -184,18 +184,20 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request) -
     model = _model_name(state, req)
     _reject_unknown(req)
     request_id = f"chatcmpl-{_base_request_id(request)}"
+    mode = tool_call_mode(req, state.parsers.tool_call_parser)
+    generate = chat_request(req, request_id, mode)
     try:
-        (stream,) = await state.engine.open_all([chat_request(req, request_id, state.parsers.tool_call_parser)],
-                                                _trace_metadata(request))
+        (stream,) = await state.engine.open_all([generate], _trace_metadata(request))
     except OpenAIError as exc:
-        raise constraint_error(tool_call_mode(req, state.parsers.tool_call_parser), exc) from None
+        raise constraint_error(mode, exc) from None
+    new_text = choice_reader(req, mode, generate, state.parsers.reasoning_parser)
     prompt = prompt_info(stream.first, req.prompt_logprobs is not None)
     obj = chat.CHUNK_OBJECT if req.stream else chat.OBJECT
     header = _header(request_id, model, obj, req)
     return await _respond(
         request, [stream], req.stream,
-        lambda: chat.chat_chunks(req, stream, prompt, header, _namer(state, req), state.parsers),
-        lambda: chat.chat_body(req, stream, prompt, header, _namer(state, req), state.parsers),
+        lambda: chat.chat_chunks(req, stream, prompt, header, _namer(state, req), new_text),
+        lambda: chat.chat_body(req, stream, prompt, header, _namer(state, req), new_text),
     )
 
 

@@ -100,8 +100,8 @@ def make_app(config: FrontConfig) -> FastAPI:
         engine = EngineClient(config.scheduler, config.scheduler_tls, config.auth_token)
         parsers = OutputParsers(config.tool_call_parser or None, config.reasoning_parser or None)
         app.state.front = FrontState(engine, TokenNamer(tokenizer), config.served_model_names,
-                                     config.tokenizer or None, int(time.time()), parsers,
-                                     config.return_tokens_as_token_ids)
+                                     model_root=config.tokenizer or None, created=int(time.time()), parsers=parsers,
+                                     tokens_as_ids=config.return_tokens_as_token_ids)
         log.info("OpenAI-compatible API for %s, backed by the scheduler at %s%s",
                  ", ".join(config.served_model_names), config.scheduler, _features(config))
         try:

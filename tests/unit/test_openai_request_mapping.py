@@ -9,6 +9,7 @@ import pytest
 from openai_api.errors import OpenAIError
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from openai_api.request_mapping import chat_request, completion_requests, tokenize_request
+from openai_api.tools import tool_call_mode
 from shared.sampling_proto import sampling_from_proto
 
 
@@ -21,7 +22,8 @@ def _completion(**fields: object) -> list:
 
 
 def _chat(**fields: object):
-    return chat_request(ChatCompletionRequest(**{"messages": [{"role": "user", "content": "hi"}], **fields}), "chat-1")
+    req = ChatCompletionRequest(**{"messages": [{"role": "user", "content": "hi"}], **fields})
+    return chat_request(req, "chat-1", tool_call_mode(req))
 
 
 def test_completion_sampling_fields_map_one_to_one() -> None:
@@ -87,7 +89,7 @@ def test_chat_messages_and_max_tokens() -> None:
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]},
         {"role": "assistant", "content": None},
-    ]), "c")
+    ]), "c", None)
     assert [(m.role, m.content) for m in req.messages] == [("system", "Be brief."), ("user", "Hello there"),
                                                          ("assistant", "")]
     # Chat without a limit generates up to the context length (0), as OpenAI's chat API.

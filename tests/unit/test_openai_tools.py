@@ -25,8 +25,12 @@ def _request(**fields: object) -> ChatCompletionRequest:
     return ChatCompletionRequest(**{"messages": MESSAGES, "tools": TOOLS, **fields})
 
 
+def _chat(req: ChatCompletionRequest, tool_parser: str | None = None):
+    return chat_request(req, "chat-1", tool_call_mode(req, tool_parser))
+
+
 def _schema(**fields: object) -> dict:
-    msg = chat_request(_request(**fields), "chat-1")
+    msg = _chat(_request(**fields))
     assert msg.sampling.structured_outputs.disable_any_whitespace  # compact arguments
     return json.loads(msg.sampling.structured_outputs.json)
 
@@ -71,7 +75,7 @@ def test_the_schedulers_refusal_of_the_constraint_names_the_tools() -> None:
 
 
 def test_auto_leaves_the_output_free_and_shows_special_tokens_to_the_parser() -> None:
-    msg = chat_request(_request(), "chat-1", tool_parser="hermes")
+    msg = _chat(_request(), tool_parser="hermes")
     assert not msg.sampling.HasField("structured_outputs") and msg.sampling.skip_special_tokens is False
     assert len(msg.chat_options.tools) == 2
 
@@ -96,7 +100,7 @@ def test_required_constrains_the_output_to_an_array_of_calls() -> None:
 
 
 def test_none_sends_the_tools_to_the_template_without_a_constraint() -> None:
-    msg = chat_request(_request(tool_choice="none"), "chat-1")
+    msg = _chat(_request(tool_choice="none"))
     assert not msg.sampling.HasField("structured_outputs")
     assert [(t.name, t.description, t.parameters) for t in msg.chat_options.tools] == [
         ("get_weather", "The weather now", json.dumps(WEATHER)), ("get_time", "", "")]
@@ -108,7 +112,7 @@ def test_tool_messages_travel_on_the_wire() -> None:
                     {"id": "call-1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                 {"role": "tool", "content": "18 C", "tool_call_id": "call-1"}]
-    msg = chat_request(_request(messages=messages, tool_choice="none"), "chat-1")
+    msg = _chat(_request(messages=messages, tool_choice="none"))
     assistant, tool = msg.messages[1], msg.messages[2]
     assert assistant.reasoning == "Look it up."  # DeepSeek's name of it; vLLM's `reasoning` is read too
     assert assistant.content == "" and [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [

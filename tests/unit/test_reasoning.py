@@ -8,10 +8,11 @@ import random
 
 import pytest
 
-from openai_api.choice_text import ChoiceText, OutputParsers, choice_reader
+from openai_api.choice_text import ChoiceText, choice_reader
 from openai_api.protocol import ChatCompletionRequest
 from openai_api.reasoning import ReasoningSplitter, Split
-from openai_api.tools import ToolCallMode
+from openai_api.request_mapping import chat_request
+from openai_api.tools import ToolCallMode, tool_call_mode
 
 
 def _split(parser: str, pieces: list[str], constrained: bool = False) -> Split:
@@ -69,13 +70,19 @@ def _request(**fields: object) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "Weather?"}], **fields)
 
 
+def _reader(req: ChatCompletionRequest, tool_parser: str | None = None, reasoning_parser: str | None = None):
+    """The choices' reader as the route makes it: from the request's tool mode and the request it sends."""
+    mode = tool_call_mode(req, tool_parser)
+    return choice_reader(req, mode, chat_request(req, "chat-1", mode), reasoning_parser)
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
 
 
 def test_reasoning_then_a_call_in_the_models_syntax_streamed_and_whole() -> None:
     text = ('<think>The user wants the weather.</think>Checking.<tool_call>{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}</tool_call>')
-    new = choice_reader(_request(tools=TOOLS), OutputParsers("hermes", "qwen3"))
+    new = _reader(_request(tools=TOOLS), "hermes", "qwen3")
     whole = new().message(text)
     assert whole["reasoning"] == whole["reasoning_content"] == "The user wants the weather."
     assert whole["content"] == "Checking."
@@ -96,7 +103,7 @@ def test_reasoning_then_a_call_in_the_models_syntax_streamed_and_whole() -> None
 
 
 def test_include_reasoning_false_and_plain_text() -> None:
-    hidden = choice_reader(_request(include_reasoning=False), OutputParsers(reasoning_parser="deepseek_r1"))
+    hidden = _reader(_request(include_reasoning=False), reasoning_parser="deepseek_r1")
     assert hidden().message("plan</think>answer") == {"content": "answer"}
     assert hidden().delta("plan</think>answer", final=True) == {"content": "answer"}
     # All reasoning, no content: the content is null, as a call's.
@@ -105,10 +112,9 @@ def test_include_reasoning_false_and_plain_text() -> None:
     plain = ChoiceText(None, None, True)
     assert plain.plain and plain.message("") == {"content": ""} and plain.delta("", final=True) == {}
     # A constrained request: the text is what the grammar allowed, content unless it opened a thinking.
-    constrained = choice_reader(_request(response_format={"type": "json_object"}),
-                                OutputParsers(reasoning_parser="deepseek_r1"))()
+    constrained = _reader(_request(response_format={"type": "json_object"}), reasoning_parser="deepseek_r1")()
     assert constrained.message('{"a": 1}') == {"content": '{"a": 1}', "reasoning": None, "reasoning_content": None}
-    named = choice_reader(_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                          OutputParsers(reasoning_parser="deepseek_r1"))()
+    named = _reader(_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                    reasoning_parser="deepseek_r1")()
     assert named.message('{"city": "Paris"}')["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
     assert ToolCallMode("get_weather").constrained
